@@ -1,0 +1,27 @@
+"""lowprec: FP8 training for Hugging Face Accelerate, one handler for every backend.
+
+    from lowprec import Accelerator, FP8RecipeKwargs
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="torchao")])
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+"""
+
+from .accelerator import Accelerator
+from .backends import BackendUnavailableError, RunContext
+from .plan import PlanMismatchError, PrecisionPlan, build_plan, plan_for
+from .recipe import FP8RecipeKwargs
+from .utils.imports import MissingDependencyError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accelerator",
+    "BackendUnavailableError",
+    "FP8RecipeKwargs",
+    "MissingDependencyError",
+    "PlanMismatchError",
+    "PrecisionPlan",
+    "RunContext",
+    "build_plan",
+    "plan_for",
+    "__version__",
+]

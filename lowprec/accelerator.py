@@ -1,0 +1,218 @@
+"""`lowprec.Accelerator`: Accelerate's Accelerator with lowprec's FP8 path in place of its own.
+
+Accelerate maps handlers by exact class and has FP8 paths of its own that would fight ours, so
+this subclass (1) takes the FP8 handler out of `kwargs_handlers` and runs the rest of Accelerate
+in BF16 autocast, which is what Accelerate's own FP8 mode amounts to for everything but the GEMMs,
+(2) reports `fp8_backend` as NO so none of Accelerate's TE / torchao / MS-AMP branches fire, and
+(3) in `prepare()` converts the model before it is wrapped (DDP, FSDP2, DeepSpeed) and installs
+the backend's forward context, communication hooks and post-step hooks after it is wrapped.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+from accelerate import Accelerator as _Accelerator
+from accelerate.utils import DistributedType
+from accelerate.utils.dataclasses import FP8BackendType
+from torch import nn
+
+from .backends import Backend, RunContext, create_backend
+from .compat import is_fp8_handler, to_recipe
+from .hardware import device_info
+from .plan import PrecisionPlan, build_plan
+from .recipe import FP8RecipeKwargs
+
+log = logging.getLogger(__name__)
+
+_PLAN_ATTR = "_lowprec_plan"
+_FINAL_ATTR = "_lowprec_finalized"
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=4)
+
+
+class Accelerator(_Accelerator):
+    """Drop-in `accelerate.Accelerator` that trains in FP8 through lowprec.
+
+    FP8 is on when `mixed_precision="fp8"` (argument or `ACCELERATE_MIXED_PRECISION`, as
+    `accelerate launch --mixed_precision fp8` sets it) or when an FP8 handler is passed:
+    `lowprec.FP8RecipeKwargs`, or Accelerate's `AORecipeKwargs` / `TERecipeKwargs` /
+    `MSAMPRecipeKwargs` / `FP8RecipeKwargs`, which are translated. Without a handler the recipe is
+    read from `ACCELERATE_FP8_*` (a config file's `fp8_config:` section). Everything else is
+    Accelerate's, unchanged.
+    """
+
+    def __init__(self, *args: Any, mixed_precision: str | None = None, kwargs_handlers: list | None = None, **kwargs):
+        handlers = list(kwargs_handlers or [])
+        fp8_handlers = [h for h in handlers if is_fp8_handler(h)]
+        others = [h for h in handlers if not is_fp8_handler(h)]
+        if len(fp8_handlers) > 1:
+            names = ", ".join(type(h).__name__ for h in fp8_handlers)
+            raise ValueError(f"kwargs_handlers holds {len(fp8_handlers)} FP8 recipe handlers ({names}); pass one")
+        requested = mixed_precision if mixed_precision is not None else os.environ.get("ACCELERATE_MIXED_PRECISION")
+        requested = requested.lower() if requested else None
+        recipe = None
+        if fp8_handlers:
+            if requested not in (None, "fp8"):
+                raise ValueError(
+                    f"kwargs_handlers holds an FP8 recipe ({type(fp8_handlers[0]).__name__}) but mixed_precision="
+                    f"{requested!r}; use mixed_precision='fp8' (or leave it unset) to train in FP8"
+                )
+            recipe = to_recipe(fp8_handlers[0])
+        elif requested == "fp8":
+            recipe = FP8RecipeKwargs()
+        self.fp8_recipe: FP8RecipeKwargs | None = recipe
+        self._lowprec: list[tuple[nn.Module, Backend, PrecisionPlan]] = []
+        super().__init__(
+            *args,
+            # Outside the FP8 GEMMs, FP8 training is BF16 autocast (Accelerate does the same for
+            # "fp8"); passing "bf16" also keeps Accelerate from downgrading to FP16 on older GPUs.
+            mixed_precision="bf16" if recipe is not None else mixed_precision,
+            kwargs_handlers=others or None,
+            **kwargs,
+        )
+        self.fp8_enabled = recipe is not None
+
+    # ---- what Accelerate sees ----------------------------------------------------------------
+    @property
+    def fp8_backend(self) -> FP8BackendType:
+        # lowprec owns FP8: every Accelerate branch keyed on this must stay off.
+        return FP8BackendType.NO
+
+    @property
+    def mixed_precision(self) -> str:
+        return "fp8" if self.fp8_recipe is not None else super().mixed_precision
+
+    @property
+    def precision_plans(self) -> list[PrecisionPlan]:
+        """The plan of every model prepared so far, in order."""
+        return [plan for _, _, plan in self._lowprec]
+
+    @property
+    def precision_plan(self) -> PrecisionPlan | None:
+        """The plan of the last model prepared, or None without FP8."""
+        return self._lowprec[-1][2] if self._lowprec else None
+
+    def run_context(self) -> RunContext:
+        """The device and distributed engine plans are made for."""
+        engines = {
+            DistributedType.NO: "single",
+            DistributedType.MULTI_GPU: "ddp",
+            DistributedType.MULTI_CPU: "ddp",
+            DistributedType.MULTI_XPU: "ddp",
+            DistributedType.DEEPSPEED: "deepspeed",
+        }
+        if self.distributed_type == DistributedType.FSDP:
+            engine = "fsdp2" if self.is_fsdp2 else "fsdp1"
+        elif self.distributed_type in engines:
+            engine = engines[self.distributed_type]
+        else:
+            raise ValueError(
+                f"lowprec FP8 does not support distributed_type={self.distributed_type.value!r}; "
+                "use single-process, DDP (multi-GPU), FSDP or DeepSpeed"
+            )
+        return RunContext(device=device_info(self.device), engine=engine, world_size=self.num_processes)
+
+    # ---- prepare -----------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None):
+        if self.fp8_recipe is None:
+            return super().prepare(*args, device_placement=device_placement)
+        args = list(args)
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        converted = []
+        for i, obj in enumerate(args):
+            if isinstance(obj, nn.Module) and getattr(obj, _PLAN_ATTR, None) is None:
+                args[i] = self._convert(obj, optimizers)
+                converted.append(i)
+        if optimizers and len(converted) == 1:
+            _, backend, plan = self._lowprec[-1]
+            for i, obj in enumerate(args):
+                if isinstance(obj, torch.optim.Optimizer):
+                    args[i] = backend.wrap_optimizer(obj, plan)
+        result = super().prepare(*args, device_placement=device_placement)
+        results = result if isinstance(result, tuple) else (result,)
+        prepared_optimizers = [r for r in results if isinstance(r, torch.optim.Optimizer)]
+        for i in converted:
+            self._finalize(results[i], prepared_optimizers)
+        return result
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        if self.fp8_recipe is None:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if getattr(model, _PLAN_ATTR, None) is None:
+            model = self._convert(model, [])
+        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        self._finalize(prepared, [])
+        return prepared
+
+    def _convert(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> nn.Module:
+        context = self.run_context()
+        backend = create_backend(self.fp8_recipe, context)
+        plan = build_plan(model, backend.recipe, context=context, backend=backend)
+        before = dict(model.named_parameters())
+        with torch.no_grad():
+            new = backend.convert(model, plan)
+        plan.verify(new, backend.is_converted)
+        _remap_optimizer_params(optimizers, before, dict(new.named_parameters()))
+        object.__setattr__(new, _PLAN_ATTR, plan)
+        self._lowprec.append((new, backend, plan))
+        if plan.emulated:
+            _warn_once(f"lowprec: {plan.backend} runs {plan.execution}")
+        if self.is_main_process:
+            log.info("%s", plan)
+        return new
+
+    def _finalize(self, prepared: nn.Module, optimizers: list) -> None:
+        """After wrapping: forward context, communication hooks, post-step hooks. Once per model."""
+        if getattr(prepared, _FINAL_ATTR, False):
+            return
+        inner = self.unwrap_model(prepared, keep_torch_compile=False)
+        entry = next((e for e in self._lowprec if e[0] is inner), None)
+        if entry is None:
+            return
+        _, backend, plan = entry
+        backend.setup_communication(prepared, plan)
+        context = backend.forward_context(inner)
+        if context is not None:
+            _wrap_forward(prepared, context)
+        hook = backend.post_optimizer_step(inner)
+        if hook is not None:
+            for opt in optimizers:
+                base = getattr(opt, "optimizer", opt)
+                base.register_step_post_hook(lambda *_a, **_k: hook())
+        object.__setattr__(prepared, _FINAL_ATTR, True)
+
+
+def _wrap_forward(model: nn.Module, context_factory) -> None:
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def forward_in_context(*args, **kwargs):
+        with context_factory():
+            return forward(*args, **kwargs)
+
+    model.forward = forward_in_context
+
+
+def _remap_optimizer_params(optimizers, before: dict[str, nn.Parameter], after: dict[str, nn.Parameter]) -> None:
+    """Point optimizers at the new Parameter objects where conversion replaced them (by name)."""
+    mapping = {id(p): after[name] for name, p in before.items() if name in after and after[name] is not p}
+    if not mapping:
+        return
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+        for old_id, new in mapping.items():
+            for p in list(opt.state):
+                if id(p) == old_id:
+                    opt.state[new] = opt.state.pop(p)

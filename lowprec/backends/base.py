@@ -1,0 +1,259 @@
+"""The adapter protocol: what every FP8 backend provides.
+
+A backend owns the three jobs of the precision table (DESIGN.md):
+1. layer replacement (`candidate_kind`, `constraint`, `convert`, `forward_context`),
+2. optimizer-state precision (`wrap_optimizer`),
+3. communication precision (`setup_communication`),
+plus lifecycle hooks (`post_optimizer_step`). Class attributes describe what it supports, so a recipe
+can be validated at construction without importing the backend's package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+from ..hardware import DeviceInfo
+from ..utils.imports import availability
+
+if TYPE_CHECKING:
+    from ..plan import PrecisionPlan, TensorPrecision
+    from ..recipe import FP8RecipeKwargs
+
+
+class BackendUnavailableError(RuntimeError):
+    """The selected backend cannot run here (package missing, not in this version, or hardware)."""
+
+
+@dataclass(frozen=True)
+class RecipeInfo:
+    """A scaling recipe a backend offers."""
+
+    name: str
+    summary: str
+    formats: tuple[str, ...]  # accepted `fp8_format` values; the first is the default
+    delayed: bool = False  # scales come from an amax history (margin / history / algo apply)
+    min_capability: tuple[int, int] = (8, 9)
+    max_capability: tuple[int, int] | None = None  # exclusive upper bound, if any
+    fsdp_fp8_all_gather: bool = False  # weights can be all-gathered in FP8 under FSDP2
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Where the model will train: the facts a plan depends on besides the model itself."""
+
+    device: DeviceInfo
+    engine: str = "single"  # "single", "ddp", "fsdp2", "deepspeed", "fsdp1"
+    world_size: int = 1
+
+    ENGINES: ClassVar[tuple[str, ...]] = ("single", "ddp", "fsdp2", "deepspeed", "fsdp1")
+
+    def __post_init__(self):
+        if self.engine not in self.ENGINES:
+            raise ValueError(f"RunContext.engine={self.engine!r} is not one of {self.ENGINES}")
+
+
+class Backend(ABC):
+    """Base class of backend adapters. Subclasses register themselves in `lowprec.backends`."""
+
+    name: ClassVar[str]
+    display_name: ClassVar[str]
+    package: ClassVar[str | None] = None  # key of utils.imports.OPTIONAL_PACKAGES
+    recipes: ClassVar[dict[str, RecipeInfo]]
+    default_recipe: ClassVar[str]
+    supports_emulation: ClassVar[bool] = False
+    opt_levels: ClassVar[tuple[str | None, ...]] = (None,)
+    # Value of `use_autocast_during_eval` when the user leaves it unset, and whether the other
+    # value can be honoured at all.
+    eval_fp8_default: ClassVar[bool] = True
+    eval_fp8_configurable: ClassVar[bool] = False
+    pads_inner_dim: ClassVar[bool] = False
+    implemented: ClassVar[bool] = True
+
+    @classmethod
+    def not_implemented_message(cls) -> str:
+        return (
+            f"FP8RecipeKwargs.backend={cls.name!r} ({cls.display_name}) is not available in this version of "
+            "lowprec; use backend='torchao' (or 'auto')"
+        )
+
+    # ----- static validation (no optional package imported) ---------------------------------
+    @classmethod
+    def recipe_info(cls, recipe: FP8RecipeKwargs) -> RecipeInfo:
+        return cls.recipes[recipe.recipe or cls.default_recipe]
+
+    @classmethod
+    def check_recipe(cls, recipe: FP8RecipeKwargs) -> None:
+        """Raise ValueError for a combination of options this backend cannot honour."""
+        field = "FP8RecipeKwargs"
+        name = recipe.recipe or cls.default_recipe
+        if name not in cls.recipes:
+            raise ValueError(
+                f"{field}.recipe={recipe.recipe!r} is not a recipe of backend {cls.name!r}; "
+                f"it offers {', '.join(repr(r) for r in cls.recipes)}"
+            )
+        info = cls.recipes[name]
+        if recipe.fp8_format is not None and recipe.fp8_format not in info.formats:
+            raise ValueError(
+                f"{field}.fp8_format={recipe.fp8_format!r} cannot be used with {cls.name} recipe {name!r}, "
+                f"which supports {', '.join(repr(f) for f in info.formats)}"
+            )
+        if not info.delayed:
+            for option, value, noop in (
+                ("margin", recipe.margin, 0),
+                ("amax_history_len", recipe.amax_history_len, None),
+                ("amax_compute_algo", recipe.amax_compute_algo, None),
+            ):
+                if value is not None and value != noop:
+                    delayed = [f"{b}:{r}" for b, r in _delayed_recipes()]
+                    raise ValueError(
+                        f"{field}.{option}={value!r} applies to delayed (amax-history) scaling, but {cls.name} "
+                        f"recipe {name!r} scales from the current tensor. Delayed-scaling recipes: "
+                        f"{', '.join(delayed) or 'none in this version'}"
+                    )
+        if recipe.opt_level not in cls.opt_levels:
+            levels = [lvl for lvl in cls.opt_levels if lvl is not None]
+            raise ValueError(
+                f"{field}.opt_level={recipe.opt_level!r} is not available with backend {cls.name!r} in this "
+                f"version of lowprec (it supports {', '.join(repr(lv) for lv in levels) or 'no MS-AMP level'})"
+            )
+        if recipe.use_autocast_during_eval is not None and not cls.eval_fp8_configurable:
+            if recipe.use_autocast_during_eval != cls.eval_fp8_default:
+                raise ValueError(
+                    f"{field}.use_autocast_during_eval={recipe.use_autocast_during_eval} cannot be honoured by "
+                    f"backend {cls.name!r}: its FP8 modules always run in "
+                    f"{'FP8' if cls.eval_fp8_default else 'high precision'} during eval"
+                )
+        if recipe.pad_inner_dim and not cls.pads_inner_dim:
+            raise ValueError(
+                f"{field}.pad_inner_dim=True cannot be honoured by backend {cls.name!r}; modules whose "
+                "dimensions do not fit its FP8 GEMMs are kept in high precision instead (see the plan)"
+            )
+        if recipe.enable_fsdp_float8_all_gather and not info.fsdp_fp8_all_gather:
+            raise ValueError(
+                f"{field}.enable_fsdp_float8_all_gather=True cannot be honoured by {cls.name} recipe {name!r}: "
+                "its weights are all-gathered in high precision"
+            )
+        if recipe.emulate and not cls.supports_emulation:
+            raise ValueError(f"{field}.emulate=True cannot be honoured: backend {cls.name!r} has no emulation mode")
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        if cls.package is None:
+            return True, ""
+        return availability(cls.package)
+
+    # ----- runtime ---------------------------------------------------------------------------
+    def __init__(self, recipe: FP8RecipeKwargs, context: RunContext):
+        self.recipe = recipe
+        self.context = context
+        self.recipe_name = recipe.recipe or self.default_recipe
+        self.info = self.recipes[self.recipe_name]
+        self.fp8_format = recipe.fp8_format or self.info.formats[0]
+        self.emulated, self.execution_note = self._decide_execution()
+
+    def _decide_execution(self) -> tuple[bool, str]:
+        """Hardware FP8 or emulation, with the reason. Raises if neither is possible."""
+        dev = self.context.device
+        need = self.info.min_capability
+        hw_ok = dev.type == "cuda" and dev.capability is not None and dev.capability >= need
+        if self.info.max_capability is not None and dev.capability is not None:
+            hw_ok = hw_ok and dev.capability < self.info.max_capability
+        if self.recipe.emulate:
+            return True, "emulated (emulate=True): FP8 numerics, high-precision matmuls, no speed-up"
+        if hw_ok:
+            return False, f"hardware FP8 on {dev.describe()}"
+        why = (
+            f"{dev.describe()} has no FP8 tensor cores"
+            if not dev.fp8_gemm
+            else f"recipe {self.recipe_name!r} needs sm_{need[0]}{need[1]}+, {dev.describe()} is older"
+        )
+        if self.info.max_capability is not None and dev.capability is not None and dev.capability >= self.info.max_capability:
+            why = f"recipe {self.recipe_name!r} is not supported on {dev.describe()}"
+        if self.recipe.emulate is False or not self.supports_emulation:
+            raise BackendUnavailableError(
+                f"backend {self.name!r} recipe {self.recipe_name!r} cannot run here: {why}"
+                + ("" if self.supports_emulation else f", and {self.display_name} has no emulation mode")
+                + ("; emulate=False forbids emulation" if self.recipe.emulate is False else "")
+            )
+        return True, f"emulated: {why}. FP8 numerics are exact, matmuls run in high precision, no speed-up"
+
+    @abstractmethod
+    def candidate_kind(self, module: nn.Module) -> str | None:
+        """'linear' / 'layernorm' / 'rmsnorm' if this backend could convert `module`, else None."""
+
+    @abstractmethod
+    def constraint(self, module: nn.Module) -> str | None:
+        """Why `module` cannot run in FP8 on this backend (e.g. shape), or None if it can."""
+
+    def slow_shape(self, module: nn.Module) -> str | None:
+        """Why FP8 would make `module` slower than high precision, or None. Only for Linear-likes."""
+        return None
+
+    @abstractmethod
+    def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
+        """The precision table row this backend realises, one entry per tensor kind."""
+
+    @abstractmethod
+    def convert(self, model: nn.Module, plan: PrecisionPlan) -> nn.Module:
+        """Replace the modules the plan marks for conversion; returns the (possibly new) root."""
+
+    @abstractmethod
+    def is_converted(self, module: nn.Module) -> bool:
+        """True if `module` is one of this backend's FP8 modules."""
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, plan: PrecisionPlan) -> torch.optim.Optimizer:
+        return optimizer
+
+    def setup_communication(self, model: nn.Module, plan: PrecisionPlan) -> None:
+        """Install gradient / weight communication hooks on the wrapped model (DDP hook etc.)."""
+
+    def forward_context(self, model: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:
+        """A factory for the context every forward must run in (TE autocast), or None."""
+        return None
+
+    def post_optimizer_step(self, model: nn.Module) -> Callable[[], None] | None:
+        """A callable to run after each real optimizer step, or None."""
+        return None
+
+    def effective_options(self) -> dict[str, object]:
+        """The recipe options as this backend applies them (defaults filled in), for the plan."""
+        r = self.recipe
+        out: dict[str, object] = {"fp8_format": self.fp8_format}
+        if self.info.delayed:
+            out["margin"] = r.margin if r.margin is not None else 0
+            out["amax_history_len"] = r.amax_history_len if r.amax_history_len is not None else 1024
+            out["amax_compute_algo"] = r.amax_compute_algo or "max"
+        out["use_autocast_during_eval"] = (
+            r.use_autocast_during_eval if r.use_autocast_during_eval is not None else self.eval_fp8_default
+        )
+        out["skip_first_last"] = r.skip_first_last
+        out["skip_slow_shapes"] = r.skip_slow_shapes
+        return out
+
+    def model_state_bytes(self, plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
+        """Bytes per parameter of weight, gradient, master weight and optimizer states (Adam-type)."""
+        size = param_dtype.itemsize
+        return {"weight": size, "weight_grad": size, "master_weight": 0, "optimizer_states": 2 * size}
+
+    def notes(self, plan: PrecisionPlan) -> list[str]:
+        """Extra lines for the printed plan."""
+        return []
+
+
+def _delayed_recipes() -> list[tuple[str, str]]:
+    from . import registered_backends
+
+    return [
+        (b.name, r.name)
+        for b in registered_backends()
+        if getattr(b, "implemented", True)
+        for r in b.recipes.values()
+        if r.delayed
+    ]

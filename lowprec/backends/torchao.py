@@ -1,0 +1,173 @@
+"""TorchAO float8 adapter: `nn.Linear` -> torchao `Float8Linear` through torchao's public API."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..utils.imports import require
+from .base import Backend, RecipeInfo
+
+if TYPE_CHECKING:
+    from ..plan import PrecisionPlan, TensorPrecision
+
+log = logging.getLogger(__name__)
+
+
+def _is_mha_projection(module: nn.Module) -> bool:
+    # nn.MultiheadAttention calls F.linear on out_proj.weight directly, never out_proj.forward, so
+    # swapping the module would report FP8 while the GEMM stays high precision.
+    return type(module).__name__ == "NonDynamicallyQuantizableLinear"
+
+
+class TorchAOBackend(Backend):
+    name = "torchao"
+    display_name = "TorchAO float8"
+    package = "torchao"
+    default_recipe = "tensorwise"
+    recipes = {
+        "tensorwise": RecipeInfo(
+            "tensorwise",
+            "dynamic per-tensor scales, cuBLAS FP8 GEMMs",
+            ("HYBRID", "E4M3"),
+            fsdp_fp8_all_gather=True,
+        ),
+        "rowwise": RecipeInfo(
+            "rowwise",
+            "dynamic per-row power-of-2 scales, E4M3 everywhere, CUTLASS rowwise GEMMs",
+            ("E4M3",),
+            min_capability=(9, 0),
+        ),
+        "rowwise_with_gw_hp": RecipeInfo(
+            "rowwise_with_gw_hp",
+            "rowwise FP8 for output and input-gradient GEMMs, weight gradient in high precision",
+            ("E4M3",),
+            min_capability=(9, 0),
+        ),
+    }
+    supports_emulation = True
+    eval_fp8_default = True  # Float8Linear has no high-precision eval mode
+    pads_inner_dim = True
+
+    def candidate_kind(self, module: nn.Module) -> str | None:
+        if isinstance(module, nn.Linear) and not _is_mha_projection(module):
+            return "linear"
+        return None
+
+    def is_converted(self, module: nn.Module) -> bool:
+        # By name, so planning works without importing torchao.
+        cls = type(module)
+        return cls.__name__ == "Float8Linear" and cls.__module__.startswith("torchao.")
+
+    def constraint(self, module: nn.Module) -> str | None:
+        if self.recipe.pad_inner_dim:
+            return None
+        bad = [f"{name}={dim}" for name, dim in (("in_features", module.in_features), ("out_features", module.out_features)) if dim % 16]
+        if bad:
+            return f"{', '.join(bad)} not divisible by 16 (FP8 GEMM requirement; pad_inner_dim=True pads instead)"
+        return None
+
+    def slow_shape(self, module: nn.Module) -> str | None:
+        # torchao's H100 microbenchmark thresholds (torchao.float8._auto_filter_for_recipe),
+        # weight shape (N, K). rowwise_with_gw_hp has no published thresholds: rowwise's are used.
+        n, k = module.out_features, module.in_features
+        if self.recipe_name == "tensorwise":
+            if k <= 4096 and n <= 1024:
+                return f"FP8 slower than BF16 on H100 for K={k} <= 4096 and N={n} <= 1024"
+            return None
+        if n <= 2048:
+            return f"FP8 slower than BF16 on H100 for N={n} <= 2048"
+        if k <= 1024:
+            return f"FP8 slower than BF16 on H100 for K={k} <= 1024"
+        if n <= 4096 and k <= 2048:
+            return f"FP8 slower than BF16 on H100 for N={n} <= 4096 and K={k} <= 2048"
+        return None
+
+    # ----- configuration -------------------------------------------------------------------
+    @property
+    def fsdp_fp8_all_gather(self) -> bool:
+        """FP8 weight all-gather: FSDP2 only (with DeepSpeed the weight subclass breaks `prepare`)."""
+        return (
+            self.context.engine == "fsdp2"
+            and self.info.fsdp_fp8_all_gather
+            and self.recipe.enable_fsdp_float8_all_gather is not False
+        )
+
+    def float8_config(self):
+        float8 = require("torchao", feature="backend='torchao'")
+        if self.recipe_name == "tensorwise" and self.fp8_format == "E4M3":
+            # Built whole: replace() would keep the E5M2 copy __post_init__ made for grad_weight.
+            e4m3 = float8.CastConfig(target_dtype=torch.float8_e4m3fn)
+            config = float8.Float8LinearConfig(cast_config_grad_output=e4m3)
+        else:
+            config = float8.Float8LinearConfig.from_recipe_name(self.recipe_name)
+        return dataclasses.replace(
+            config,
+            emulate=self.emulated,
+            pad_inner_dim=bool(self.recipe.pad_inner_dim),
+            enable_fsdp_float8_all_gather=self.fsdp_fp8_all_gather,
+        )
+
+    # ----- the three jobs --------------------------------------------------------------------
+    def convert(self, model: nn.Module, plan: PrecisionPlan) -> nn.Module:
+        float8 = require("torchao", feature="backend='torchao'")
+        chosen = {("" if d.fqn == "<root>" else d.fqn) for d in plan.converted}
+        return float8.convert_to_float8_training(
+            model, module_filter_fn=lambda module, fqn: fqn in chosen, config=self.float8_config()
+        )
+
+    def post_optimizer_step(self, model: nn.Module) -> Callable[[], None] | None:
+        if not self.fsdp_fp8_all_gather:
+            return None
+        precompute = require("torchao", feature="backend='torchao'").precompute_float8_dynamic_scale_for_fsdp
+        # One amax all-reduce for every weight after the step, instead of one per layer in forward.
+        return lambda: precompute(model)
+
+    def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
+        from ..plan import TensorPrecision
+
+        hp = plan.param_dtype
+        if self.recipe_name == "tensorwise":
+            gemm = "FP8 E4M3/E5M2" if self.fp8_format == "HYBRID" else "FP8 E4M3"
+            scaling = (
+                "dynamic per-tensor: scale from the amax of the current tensor (activations, weights, "
+                + ("output grads in E5M2)" if self.fp8_format == "HYBRID" else "output grads, all E4M3)")
+            )
+        elif self.recipe_name == "rowwise":
+            gemm, scaling = "FP8 E4M3", "dynamic per-row (axiswise), scales rounded down to powers of 2"
+        else:
+            gemm = "FP8 E4M3 (wgrad BF16)"
+            scaling = "dynamic per-row, power-of-2 scales; weight-gradient GEMM in high precision"
+        weight = f"{hp} (all-gathered as FP8 E4M3)" if self.fsdp_fp8_all_gather else hp
+        return [
+            TensorPrecision("gemm", gemm, scaling),
+            TensorPrecision("grad_comm", hp),
+            TensorPrecision("weight", weight),
+            TensorPrecision("master_weight", "N/A"),
+            TensorPrecision("weight_grad", hp),
+            TensorPrecision("optimizer_states", f"{hp}+{hp}"),
+        ]
+
+    def notes(self, plan: PrecisionPlan) -> list[str]:
+        notes = []
+        if not self.emulated:
+            notes.append("torchao's FP8 speed-up needs torch.compile (Accelerate: dynamo_backend='inductor')")
+            if not self.recipe.pad_inner_dim:
+                notes.append(
+                    "FP8 GEMMs need batch x sequence to be a multiple of 16: pad sequences, or set pad_inner_dim=True"
+                )
+        if self.context.engine == "fsdp2":
+            notes.append(
+                "FSDP2: weights all-gathered in FP8, scales precomputed with one all-reduce after each optimizer step"
+                if self.fsdp_fp8_all_gather
+                else f"FSDP2: weights all-gathered in high precision "
+                f"({'enable_fsdp_float8_all_gather=False' if self.recipe.enable_fsdp_float8_all_gather is False else 'recipe ' + repr(self.recipe_name) + ' has no FP8 all-gather'})"
+            )
+        elif self.context.engine == "deepspeed":
+            notes.append("DeepSpeed: FP8 weight all-gather stays off (torchao's weight subclass breaks DeepSpeed's prepare)")
+        return notes

@@ -1,0 +1,173 @@
+"""`lowprec plan | env | demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from torch import nn
+
+
+def _set_value(text: str):
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--set expects KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def build_model_for_plan(model: str | None, config: str | None, overrides: dict) -> tuple[nn.Module, str]:
+    """A model on the meta device (shapes only, no memory, nothing downloaded) and its description."""
+    import torch
+
+    from .demo.model import PRESETS, build_model
+    from .utils.imports import require
+
+    if config is None:
+        name = model or "proxy"
+        if name not in PRESETS:
+            raise SystemExit(f"lowprec plan: --model {name!r} is not one of {', '.join(sorted(PRESETS))}")
+        if overrides:
+            raise SystemExit("lowprec plan: --set applies to --config models only")
+        with torch.device("meta"):
+            return build_model(PRESETS[name]), f"built-in Llama-style '{name}' ({PRESETS[name].note})"
+    transformers = require("transformers", feature="lowprec plan --config")
+    if os.path.exists(config):
+        cfg = transformers.AutoConfig.from_pretrained(config, local_files_only=True, **overrides)
+    else:
+        try:
+            cfg = transformers.AutoConfig.for_model(config, **overrides)
+        except ValueError as exc:
+            raise SystemExit(f"lowprec plan: --config {config!r} is neither a local config file/folder nor a "
+                             f"transformers model type ({exc})") from None
+    with torch.device("meta"):
+        try:
+            built = transformers.AutoModelForCausalLM.from_config(cfg)
+        except ValueError:
+            built = transformers.AutoModel.from_config(cfg)
+    params = sum(p.numel() for p in built.parameters())
+    return built, f"{type(built).__name__} from config ({params / 1e6:,.1f}M parameters, random init on meta)"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .backends import RunContext, create_backend
+    from .hardware import assumed_device, device_info
+    from .plan import build_plan
+    from .recipe import FP8RecipeKwargs
+
+    recipe = FP8RecipeKwargs(
+        backend=args.backend,
+        recipe=args.recipe,
+        fp8_format=args.fp8_format,
+        opt_level=args.opt_level,
+        include=args.include,
+        exclude=args.exclude,
+        skip_first_last=args.skip_first_last,
+        skip_slow_shapes=args.skip_slow_shapes,
+        pad_inner_dim=args.pad_inner_dim,
+        emulate=args.emulate,
+    )
+    model, description = build_model_for_plan(args.model, args.config, dict(args.set or []))
+    device = device_info() if args.capability is None else assumed_device(args.capability)
+    context = RunContext(device=device, engine=args.engine, world_size=args.world_size)
+    backend = create_backend(recipe, context, require_package=False)
+    plan = build_plan(model, backend.recipe, context=context, backend=backend)
+    if args.json:
+        print(json.dumps({"model": description, **plan.to_dict()}, indent=1))
+    else:
+        print(f"model: {description}")
+        print(plan)
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import accelerate
+    import torch
+
+    from .backends import registered_backends
+    from .hardware import device_info
+    from .utils.imports import OPTIONAL_PACKAGES, installed_version
+
+    dev = device_info()
+    print(f"lowprec {__import__('lowprec').__version__}, torch {torch.__version__}, accelerate {accelerate.__version__}")
+    print(f"device: {dev.describe()}; FP8 GEMMs: {'yes' if dev.fp8_gemm else 'no (backends that can will emulate)'}")
+    for name in OPTIONAL_PACKAGES:
+        print(f"  {name:<20} {installed_version(name) or 'not installed'}")
+    print("backends:")
+    for cls in registered_backends():
+        if not getattr(cls, "implemented", True):
+            status = "not available in this version"
+        else:
+            ok, reason = cls.availability()
+            status = "available" if ok else reason
+        print(f"  {cls.name:<8} recipes {', '.join(cls.recipes)}: {status}")
+    fp8_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("ACCELERATE_FP8_") or k == "ACCELERATE_MIXED_PRECISION"}
+    if fp8_env:
+        print("environment:")
+        for k, v in fp8_env.items():
+            print(f"  {k}={v}")
+    return 0
+
+
+def cmd_demo(argv: list[str]) -> int:
+    from .demo.compare import main as demo_main
+
+    return demo_main(argv)
+
+
+def _bool_flag(p: argparse.ArgumentParser, name: str, help: str) -> None:
+    p.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction, default=None, help=help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lowprec", description="FP8 training for Hugging Face Accelerate")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="print the precision plan for a model (built on the meta device)")
+    plan.add_argument("--backend", default=None, help="auto, torchao, te, msamp (default: ACCELERATE_FP8_BACKEND or auto)")
+    plan.add_argument("--recipe", default=None)
+    plan.add_argument("--fp8-format", default=None, choices=["HYBRID", "E4M3"])
+    plan.add_argument("--opt-level", default=None)
+    plan.add_argument("--model", default=None, help="built-in model: tiny, small, proxy (default proxy)")
+    plan.add_argument("--config", default=None,
+                      help="a transformers config: local config.json / folder, or a model type such as 'llama'")
+    plan.add_argument("--set", action="append", type=_set_value, metavar="KEY=VALUE",
+                      help="override a config field, e.g. --set hidden_size=4096 (repeatable)")
+    plan.add_argument("--capability", default=None,
+                      help="plan for a GPU of this compute capability ('9.0' H100/H200, '8.9' L40S, 'cpu')")
+    plan.add_argument("--engine", default="single", choices=["single", "ddp", "fsdp2", "deepspeed", "fsdp1"])
+    plan.add_argument("--world-size", type=int, default=1)
+    plan.add_argument("--include", default=None, help="comma-separated module-name patterns to convert")
+    plan.add_argument("--exclude", default=None, help="comma-separated module-name patterns to keep")
+    _bool_flag(plan, "skip-first-last", "keep the first and last Linear in high precision")
+    _bool_flag(plan, "skip-slow-shapes", "keep Linear layers FP8 would slow down in high precision")
+    _bool_flag(plan, "pad-inner-dim", "torchao: pad GEMM dims to multiples of 16")
+    _bool_flag(plan, "emulate", "force (or forbid) emulation")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    sub.add_parser("env", help="versions, backends available here, device, FP8 environment variables")
+    sub.add_parser("demo", help="short BF16 then FP8 training through Accelerate, with a comparison table",
+                   add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
+        return cmd_demo(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return cmd_plan(args)
+        return cmd_env(args)
+    except (ValueError, RuntimeError, ImportError) as exc:
+        print(f"lowprec {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Accelerate's own FP8 handlers, translated to `FP8RecipeKwargs`.
+
+Existing scripts switch by changing one import: `AORecipeKwargs`, `TERecipeKwargs`,
+`MSAMPRecipeKwargs` and the deprecated `accelerate.utils.FP8RecipeKwargs` are accepted by
+`lowprec.Accelerator`. Every field is honoured or rejected with a reason; nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from accelerate.utils import KwargsHandler
+
+from .recipe import FP8RecipeKwargs
+
+
+def is_fp8_handler(handler: Any) -> bool:
+    """True for lowprec's handler and for Accelerate's FP8 handlers."""
+    if isinstance(handler, FP8RecipeKwargs):
+        return True
+    names = {"AORecipeKwargs", "TERecipeKwargs", "MSAMPRecipeKwargs", "FP8RecipeKwargs"}
+    return isinstance(handler, KwargsHandler) and any(
+        c.__name__ in names and c.__module__.startswith("accelerate.") for c in type(handler).__mro__
+    )
+
+
+def to_recipe(handler: Any) -> FP8RecipeKwargs:
+    """Translate any FP8 handler to `FP8RecipeKwargs`."""
+    if isinstance(handler, FP8RecipeKwargs):
+        return handler
+    from accelerate.utils import AORecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
+    from accelerate.utils import FP8RecipeKwargs as AccelerateFP8RecipeKwargs
+
+    if isinstance(handler, AccelerateFP8RecipeKwargs):  # deprecated: TE and MS-AMP fields in one class
+        backend = str(handler.backend).lower()
+        if backend == "msamp":
+            # Accelerate's MRO never runs MSAMPRecipeKwargs.__post_init__, so opt_level may be None
+            # there (it then crashes in msamp.initialize); None here means lowprec's MS-AMP default.
+            return FP8RecipeKwargs(backend="msamp", opt_level=handler.opt_level)
+        return _from_te(handler)
+    if isinstance(handler, AORecipeKwargs):
+        return _from_ao(handler)
+    if isinstance(handler, TERecipeKwargs):
+        return _from_te(handler)
+    if isinstance(handler, MSAMPRecipeKwargs):
+        return FP8RecipeKwargs(backend="msamp", opt_level=handler.opt_level)
+    raise TypeError(f"{type(handler).__name__} is not an FP8 recipe handler")
+
+
+def _from_te(handler: Any) -> FP8RecipeKwargs:
+    if getattr(handler, "interval", 1) not in (None, 1):
+        raise ValueError(
+            f"TERecipeKwargs.interval={handler.interval!r} cannot be honoured: TransformerEngine removed "
+            "`interval` in v2.3 (amax is updated every step). Remove it."
+        )
+    override = tuple(getattr(handler, "override_linear_precision", None) or (False, False, False))
+    if any(override):
+        raise ValueError(
+            f"TERecipeKwargs.override_linear_precision={override!r} cannot be honoured: TransformerEngine "
+            "removed it in v2.0. Keep sensitive layers in high precision with FP8RecipeKwargs(exclude=[...])."
+        )
+    return FP8RecipeKwargs(
+        backend="te",
+        recipe="mxfp8" if getattr(handler, "use_mxfp8_block_scaling", False) else "delayed",
+        fp8_format=handler.fp8_format,
+        margin=handler.margin,
+        amax_history_len=handler.amax_history_len,
+        amax_compute_algo=handler.amax_compute_algo,
+        use_autocast_during_eval=handler.use_autocast_during_eval,
+    )
+
+
+def _from_ao(handler: Any) -> FP8RecipeKwargs:
+    from torchao.float8 import CastConfig, Float8LinearConfig
+
+    import torch
+
+    config = handler.config
+    plain = dataclasses.replace(config, emulate=False, pad_inner_dim=False, enable_fsdp_float8_all_gather=False)
+    recipe = fp8_format = None
+    for name in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        if plain == Float8LinearConfig.from_recipe_name(name):
+            recipe = name
+    e4m3_grads = Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=torch.float8_e4m3fn))
+    if recipe is None and plain == e4m3_grads:
+        recipe, fp8_format = "tensorwise", "E4M3"
+    if recipe is None:
+        raise ValueError(
+            "AORecipeKwargs(config=...) holds a custom Float8LinearConfig that is not one of torchao's named "
+            "recipes ('tensorwise', 'rowwise', 'rowwise_with_gw_hp'); lowprec only runs named recipes so that "
+            "the plan can describe them. Use FP8RecipeKwargs(backend='torchao', recipe=...)."
+        )
+    return FP8RecipeKwargs(
+        backend="torchao",
+        recipe=recipe,
+        fp8_format=fp8_format,
+        module_filter_fn=handler.module_filter_func,
+        pad_inner_dim=config.pad_inner_dim,
+        # Accelerate turns this on by default for every recipe; here True means "where it applies".
+        enable_fsdp_float8_all_gather=None if config.enable_fsdp_float8_all_gather else False,
+        emulate=True if config.emulate else None,
+    )

@@ -1,0 +1,52 @@
+"""Llama-style `transformers` models built from a config (random init, nothing downloaded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..utils.imports import require
+from .data import VOCAB_SIZE
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    seq_len: int
+    batch: int
+    lr: float
+    note: str
+
+
+PRESETS: dict[str, ModelPreset] = {
+    # Small enough for two CPU cores even where BF16 matmuls run in software (no AVX512-BF16,
+    # ~100x slower than FP32); at this width FP8 would be slower than BF16 on a GPU too.
+    "tiny": ModelPreset(128, 2, 4, 512, 128, 8, 2e-3, "CPU-sized: 0.5M parameters"),
+    "small": ModelPreset(1024, 8, 16, 2816, 1024, 8, 6e-4, "FP8 does not pay at d=1024 (gpu-baselines.md)"),
+    # The Llama-style proxy of ../shared/reference/gpu-baselines.md (byte vocabulary here).
+    "proxy": ModelPreset(4096, 4, 32, 14336, 2048, 4, 1.5e-4, "d=4096 x 4 layers, ffn 14336, B4 T2048"),
+}
+
+
+def llama_config(preset: ModelPreset, vocab_size: int = VOCAB_SIZE):
+    transformers = require("transformers", feature="the demo model")
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden,
+        intermediate_size=preset.ffn,
+        num_hidden_layers=preset.layers,
+        num_attention_heads=preset.heads,
+        num_key_value_heads=preset.heads,
+        max_position_embeddings=max(preset.seq_len, 2048),
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+
+
+def build_model(preset: ModelPreset) -> nn.Module:
+    transformers = require("transformers", feature="the demo model")
+    return transformers.LlamaForCausalLM(llama_config(preset))

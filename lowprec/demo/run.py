@@ -1,0 +1,195 @@
+"""One demo training run (BF16 or FP8) through `lowprec.Accelerator`; writes its metrics as JSON.
+
+    python -m lowprec.demo.run --variant fp8 --backend torchao --json fp8.json
+    accelerate launch --multi_gpu --num_processes 2 -m lowprec.demo.run --variant fp8 ...
+
+The comparison (`lowprec demo`) runs this once per variant in a fresh process, so each run's peak
+memory and compile caches are its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..accelerator import Accelerator
+from ..recipe import FP8RecipeKwargs
+from .data import Windows, stdlib_corpus
+from .model import PRESETS, build_model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", choices=["bf16", "fp8"], required=True)
+    p.add_argument("--backend", default="auto", help="FP8 backend: auto, torchao, te, msamp")
+    p.add_argument("--recipe", default=None, help="the backend's scaling recipe (default: the backend's)")
+    p.add_argument("--opt-level", default=None, help="MS-AMP memory level O1/O2/O3")
+    p.add_argument("--size", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch", type=int, default=None, help="per-process batch (default: the preset's)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the preset's)")
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default 3, 8 compiled)")
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the model (default: on for CUDA, off for CPU)")
+    p.add_argument("--skip-slow-shapes", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep Linear layers FP8 would slow down in BF16 (default: on for CUDA, off for CPU)")
+    p.add_argument("--corpus-mb", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="write metrics here")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def _lr_lambda(total: int):
+    # A fifth of a short run warms up: Adam's first steps move every weight by ~lr regardless of
+    # the gradient, which at d=4096 spikes the loss if the learning rate arrives too early.
+    warm = max(2, total // 5)
+
+    def fn(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+    return fn
+
+
+def run(args: argparse.Namespace) -> dict:
+    cuda = torch.cuda.is_available()
+    preset = PRESETS[args.size]
+    batch = args.batch or preset.batch
+    seq_len = args.seq_len or preset.seq_len
+    compile_model = cuda if args.compile is None else args.compile
+    skip_slow = cuda if args.skip_slow_shapes is None else args.skip_slow_shapes
+    warmup = args.warmup if args.warmup is not None else (8 if compile_model else 3)
+
+    kwargs = {}
+    if compile_model:
+        from accelerate.utils import TorchDynamoPlugin
+
+        kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
+    if args.variant == "fp8":
+        recipe = FP8RecipeKwargs(
+            backend=args.backend, recipe=args.recipe, opt_level=args.opt_level, skip_slow_shapes=skip_slow
+        )
+        accelerator = Accelerator(
+            mixed_precision="fp8", kwargs_handlers=[recipe], gradient_accumulation_steps=args.grad_accum, **kwargs
+        )
+    else:
+        accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=args.grad_accum, **kwargs)
+
+    torch.manual_seed(args.seed)
+    corpus = stdlib_corpus(max_bytes=int((args.corpus_mb or (64 if cuda else 8)) * 2**20))
+    micro_steps = args.steps * args.grad_accum
+    train = Windows(corpus.train, seq_len, micro_steps * batch * accelerator.num_processes, seed=args.seed)
+    heldout = Windows(corpus.heldout, seq_len, args.eval_batches * batch * accelerator.num_processes, seed=1234)
+    model = build_model(preset)
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, weight_decay=0.1, betas=(0.9, 0.95),
+                                  fused=cuda or None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(args.steps))
+    model, optimizer, scheduler, train_loader, heldout_loader = accelerator.prepare(
+        model, optimizer, scheduler, DataLoader(train, batch_size=batch), DataLoader(heldout, batch_size=batch)
+    )
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+    from tqdm.auto import tqdm
+
+    label = "BF16 autocast" if args.variant == "bf16" else f"FP8 {accelerator.precision_plan.backend}:{accelerator.precision_plan.recipe}"
+    bar = tqdm(total=args.steps, desc=f"{label:<24}", disable=args.no_progress or not accelerator.is_main_process,
+               file=sys.stderr, dynamic_ncols=True)
+    losses, step_times = [], []
+    model.train()
+    step = 0
+    t_step = time.perf_counter()
+    for micro, input_ids in enumerate(train_loader):
+        with accelerator.accumulate(model):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        if not accelerator.sync_gradients:
+            continue
+        value = accelerator.reduce(loss.detach().float(), reduction="mean").item()  # syncs the device
+        now = time.perf_counter()
+        step_times.append(now - t_step)
+        t_step = now
+        losses.append(value)
+        step += 1
+        bar.set_postfix(loss=f"{value:.3f}")
+        bar.update(1)
+    bar.close()
+
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for input_ids in heldout_loader:
+            out = model(input_ids=input_ids, labels=input_ids).loss.float()
+            total += accelerator.reduce(out, reduction="mean").item()
+            count += 1
+    heldout_loss = total / max(count, 1)
+
+    timed = step_times[warmup:] or step_times
+    median_s = statistics.median(timed)
+    tokens_per_step = batch * seq_len * args.grad_accum * accelerator.num_processes
+    if cuda:
+        peak, peak_kind = torch.cuda.max_memory_allocated(), "cuda max_memory_allocated"
+    else:
+        peak, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
+    tail = max(1, len(losses) // 10)
+    plan = accelerator.precision_plan
+    result = {
+        "variant": args.variant,
+        "label": label,
+        "size": args.size,
+        "params": n_params,
+        "device": torch.cuda.get_device_name() if cuda else "CPU",
+        "world_size": accelerator.num_processes,
+        "compiled": compile_model,
+        "steps": step,
+        "batch": batch,
+        "seq_len": seq_len,
+        "grad_accum": args.grad_accum,
+        "tokens_per_step": tokens_per_step,
+        "losses": losses,
+        "first_loss": losses[0],
+        "final_loss": sum(losses[-tail:]) / tail,
+        "heldout_loss": heldout_loss,
+        "step_ms_median": 1000 * median_s,
+        "tokens_per_s": tokens_per_step / median_s,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": peak_kind,
+        "corpus_files": corpus.files,
+        "plan": plan.to_dict() if plan else None,
+        "plan_text": str(plan) if plan else None,
+        "emulated": bool(plan and plan.emulated),
+    }
+    if args.json and accelerator.is_main_process:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    accelerator.end_training()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

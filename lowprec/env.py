@@ -1,0 +1,156 @@
+"""Reading FP8 options from `ACCELERATE_FP8_*` environment variables.
+
+`accelerate launch` turns every key of a config file's `fp8_config:` section into
+`ACCELERATE_FP8_<KEY>`. It also exports its own CLI defaults for a fixed set of keys whenever
+`--mixed_precision fp8` is on, whether or not the user chose them (checked against accelerate 1.15:
+`OPT_LEVEL=O2`, `PAD_INNER_DIM=1`, `AMAX_COMPUTE_ALGO=most_recent`, ...). Taken at face value those
+would silently pick an MS-AMP memory level or contradict a torchao recipe, so when the launcher's
+marker is present, a value equal to the launcher's default is treated as "not chosen". A key
+written as `ACCELERATE_FP8_LOWPREC_<KEY>` (config file: `lowprec_<key>:`) is always taken as chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+PREFIX = "ACCELERATE_FP8_"
+LOWPREC_PREFIX = "ACCELERATE_FP8_LOWPREC_"
+
+# Exported by `accelerate launch --mixed_precision fp8` from argparse defaults (accelerate 1.15,
+# commands/launch.py "FP8 Arguments"; values as `str()` of the parsed default).
+LAUNCHER_DEFAULTS: dict[str, str] = {
+    "USE_AUTOCAST_DURING_EVAL": "False",
+    "MARGIN": "0",
+    "INTERVAL": "1",
+    "FORMAT": "HYBRID",
+    "AMAX_HISTORY_LEN": "1024",
+    "AMAX_COMPUTE_ALGO": "most_recent",
+    "OVERRIDE_FPROP": "False",
+    "OVERRIDE_DGRAD": "False",
+    "OVERRIDE_WGRAD": "False",
+    "OPT_LEVEL": "O2",
+    "ENABLE_FSDP_FLOAT8_ALL_GATHER": "1",
+    "PAD_INNER_DIM": "1",
+}
+# Only the launcher sets this one, and it always does.
+LAUNCHER_MARKER = PREFIX + "OVERRIDE_FPROP"
+
+# field -> accepted keys (after the prefix). Later names are aliases: the ones accelerate's
+# `accelerate config` wizard writes by mistake, which accelerate itself never reads.
+FIELD_KEYS: dict[str, tuple[str, ...]] = {
+    "backend": ("BACKEND",),
+    "recipe": ("RECIPE",),
+    "fp8_format": ("FORMAT", "FP8_FORMAT"),
+    "margin": ("MARGIN",),
+    "amax_history_len": ("AMAX_HISTORY_LEN", "AMAX_HISTORY_LENGTH"),
+    "amax_compute_algo": ("AMAX_COMPUTE_ALGO", "AMAX_COMPUTE_ALGORITHM"),
+    "opt_level": ("OPT_LEVEL", "OPTIMIZATION_LEVEL"),
+    "include": ("INCLUDE",),
+    "exclude": ("EXCLUDE",),
+    "skip_first_last": ("SKIP_FIRST_LAST",),
+    "skip_slow_shapes": ("SKIP_SLOW_SHAPES",),
+    "pad_inner_dim": ("PAD_INNER_DIM",),
+    "enable_fsdp_float8_all_gather": ("ENABLE_FSDP_FLOAT8_ALL_GATHER",),
+    "use_autocast_during_eval": ("USE_AUTOCAST_DURING_EVAL",),
+    "emulate": ("EMULATE",),
+}
+# Accelerate-only keys: TE removed these options, so they are accepted only at their no-op values.
+REMOVED_TE_KEYS = {
+    "INTERVAL": ("1", "TransformerEngine removed `interval` in v2.3; amax is updated every step"),
+    "OVERRIDE_FPROP": ("False", "TransformerEngine removed `override_linear_precision` in v2.0"),
+    "OVERRIDE_DGRAD": ("False", "TransformerEngine removed `override_linear_precision` in v2.0"),
+    "OVERRIDE_WGRAD": ("False", "TransformerEngine removed `override_linear_precision` in v2.0"),
+}
+MXFP8_KEY = "USE_MXFP8_BLOCK_SCALING"
+
+
+_told_about_launcher = False
+
+
+@dataclass
+class EnvOptions:
+    """Raw string values found in the environment, by field name."""
+
+    values: dict[str, str] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)  # field -> variable it came from
+    launcher_defaults_ignored: list[str] = field(default_factory=list)
+
+
+def _false(value: str) -> bool:
+    return value.strip().lower() in ("0", "false", "no", "off", "")
+
+
+def read_fp8_env(environ: Mapping[str, str] | None = None) -> EnvOptions:
+    """Collect FP8 options from `environ` (default `os.environ`).
+
+    Raises:
+        ValueError: an unknown `ACCELERATE_FP8_*` key, two spellings of one option that disagree,
+            or an option TransformerEngine removed set to a value other than its no-op.
+    """
+    env = os.environ if environ is None else environ
+    from_launcher = LAUNCHER_MARKER in env
+    out = EnvOptions()
+    known = {key for keys in FIELD_KEYS.values() for key in keys} | set(REMOVED_TE_KEYS) | {MXFP8_KEY}
+
+    for var in env:
+        if not var.startswith(PREFIX):
+            continue
+        key = var[len(LOWPREC_PREFIX):] if var.startswith(LOWPREC_PREFIX) else var[len(PREFIX):]
+        if key not in known:
+            raise ValueError(
+                f"environment variable {var} is not an FP8 option lowprec knows "
+                f"(from an `fp8_config:` key {key.lower()!r}?). Known keys: "
+                + ", ".join(sorted(k.lower() for keys in FIELD_KEYS.values() for k in keys[:1]))
+            )
+
+    for key, (noop, why) in REMOVED_TE_KEYS.items():
+        value = env.get(PREFIX + key)
+        if value is not None and value.strip().lower() != noop.lower():
+            raise ValueError(f"{PREFIX}{key}={value!r} cannot be honoured: {why}. Remove it from fp8_config.")
+
+    for name, keys in FIELD_KEYS.items():
+        found: dict[str, str] = {}
+        for key in keys:
+            explicit = env.get(LOWPREC_PREFIX + key)
+            if explicit is not None:
+                found[LOWPREC_PREFIX + key] = explicit
+                continue
+            value = env.get(PREFIX + key)
+            if value is None:
+                continue
+            if from_launcher and LAUNCHER_DEFAULTS.get(key) == value:
+                out.launcher_defaults_ignored.append(f"{PREFIX}{key}={value}")
+                continue
+            found[PREFIX + key] = value
+        if len(set(found.values())) > 1:
+            raise ValueError(
+                f"FP8RecipeKwargs.{name} is set twice in the environment with different values: "
+                + ", ".join(f"{k}={v!r}" for k, v in found.items())
+            )
+        if found:
+            var, value = next(iter(found.items()))
+            out.values[name], out.sources[name] = value, var
+
+    mxfp8 = env.get(PREFIX + MXFP8_KEY) or env.get(LOWPREC_PREFIX + MXFP8_KEY)
+    if mxfp8 is not None and not _false(mxfp8):
+        if out.values.get("recipe", "mxfp8").lower() != "mxfp8":
+            raise ValueError(
+                f"{PREFIX}{MXFP8_KEY}={mxfp8!r} asks for the MXFP8 recipe but "
+                f"{out.sources['recipe']}={out.values['recipe']!r} asks for another one"
+            )
+        out.values["recipe"], out.sources["recipe"] = "mxfp8", PREFIX + MXFP8_KEY
+
+    global _told_about_launcher
+    if out.launcher_defaults_ignored and not _told_about_launcher:
+        _told_about_launcher = True
+        log.info(
+            "lowprec: ignoring accelerate launch's exported defaults %s (they are exported whether or not "
+            "they were chosen; write `lowprec_<key>:` in fp8_config to insist on one)",
+            ", ".join(out.launcher_defaults_ignored),
+        )
+    return out

@@ -1,0 +1,251 @@
+"""`PrecisionPlan`: a recipe applied to a model, as one row of the precision table."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .backends import RunContext, create_backend
+from .hardware import DeviceInfo, device_info
+from .selection import ModuleDecision, select_modules
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
+    from .recipe import FP8RecipeKwargs
+
+log = logging.getLogger(__name__)
+
+# The columns of the comparison table (DESIGN.md), in order.
+TENSOR_KINDS: "OrderedDict[str, str]" = OrderedDict(
+    [
+        ("gemm", "GEMM"),
+        ("grad_comm", "comm (grads)"),
+        ("weight", "weight"),
+        ("master_weight", "master weight"),
+        ("weight_grad", "weight grad"),
+        ("optimizer_states", "optimizer states"),
+    ]
+)
+
+
+class PlanMismatchError(RuntimeError):
+    """The model that was built does not match its plan (a module silently not converted, or the reverse)."""
+
+
+@dataclass(frozen=True)
+class TensorPrecision:
+    """How one tensor kind is stored or computed. `dtype` is short: 'FP8 E4M3', 'FP32', 'N/A'."""
+
+    kind: str
+    dtype: str
+    scaling: str = ""
+
+
+def short_dtype(dtype: torch.dtype) -> str:
+    return {
+        torch.float32: "FP32",
+        torch.float16: "FP16",
+        torch.bfloat16: "BF16",
+        torch.float64: "FP64",
+        torch.float8_e4m3fn: "FP8 E4M3",
+        torch.float8_e5m2: "FP8 E5M2",
+    }.get(dtype, str(dtype).replace("torch.", ""))
+
+
+@dataclass
+class PrecisionPlan:
+    """Recipe + model -> per-module decisions, per-tensor precision, model-state bytes per parameter.
+
+    `print(plan)` shows it as the comparison table; `plan.to_dict()` is JSON-ready.
+    """
+
+    backend: str
+    backend_display: str
+    recipe: str
+    fp8_format: str
+    opt_level: str | None
+    emulated: bool
+    execution: str
+    device: str
+    engine: str
+    world_size: int
+    tensors: list[TensorPrecision]
+    modules: list[ModuleDecision]
+    param_dtype: str
+    bytes_per_param: dict[str, float]
+    options: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    # ---- queries ----------------------------------------------------------------------------
+    @property
+    def converted(self) -> list[ModuleDecision]:
+        return [m for m in self.modules if m.convert]
+
+    @property
+    def skipped(self) -> list[ModuleDecision]:
+        return [m for m in self.modules if not m.convert]
+
+    @property
+    def fp8_linear_param_fraction(self) -> float:
+        linears = [m for m in self.modules if m.kind == "linear"]
+        total = sum(m.params for m in linears)
+        return sum(m.params for m in linears if m.convert) / total if total else 0.0
+
+    @property
+    def model_state_bytes_per_param(self) -> float:
+        return sum(self.bytes_per_param.values())
+
+    def tensor(self, kind: str) -> TensorPrecision:
+        return next(t for t in self.tensors if t.kind == kind)
+
+    def verify(self, model: nn.Module, is_converted) -> None:
+        """Check the built model against the plan; raise `PlanMismatchError` listing every difference."""
+        modules = dict(model.named_modules())
+        wrong = []
+        for decision in self.modules:
+            module = modules.get("" if decision.fqn == "<root>" else decision.fqn)
+            if module is None:
+                wrong.append(f"{decision.fqn}: planned but not found in the model")
+            elif is_converted(module) != decision.convert:
+                state = "FP8" if is_converted(module) else "high precision"
+                wrong.append(f"{decision.fqn}: planned {'FP8' if decision.convert else 'high precision'}, built {state}")
+        if wrong:
+            raise PlanMismatchError("the converted model does not match its precision plan:\n  " + "\n  ".join(wrong))
+
+    # ---- rendering --------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["model_state_bytes_per_param"] = self.model_state_bytes_per_param
+        out["fp8_linear_param_fraction"] = self.fp8_linear_param_fraction
+        return out
+
+    def table(self) -> str:
+        """The comparison-table rows: a BF16 AMP baseline and this plan."""
+        header = ["level", *TENSOR_KINDS.values(), "bytes/param"]
+        base_bytes = {"FP32": 16, "BF16": 8, "FP16": 8}.get(self.param_dtype, 16)
+        baseline = ["BF16 AMP (baseline)", "BF16", self.param_dtype, self.param_dtype, "N/A", self.param_dtype,
+                    f"{self.param_dtype}+{self.param_dtype}", f"{base_bytes:g}"]
+        level = f"{self.backend}:{self.recipe}" + (f" {self.opt_level}" if self.opt_level else "")
+        row = [f"this plan ({level})", *(self.tensor(k).dtype for k in TENSOR_KINDS),
+               f"{self.model_state_bytes_per_param:.3g}"]
+        widths = [max(len(r[i]) for r in (header, baseline, row)) for i in range(len(header))]
+
+        def fmt(cells):
+            return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
+
+        return "\n".join([fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", fmt(baseline), fmt(row)])
+
+    def __str__(self) -> str:
+        lines = [
+            f"lowprec precision plan: backend {self.backend} ({self.backend_display}), recipe {self.recipe!r}, "
+            f"format {self.fp8_format}" + (f", memory level {self.opt_level}" if self.opt_level else ""),
+            f"  where:     {self.engine} x{self.world_size} on {self.device}",
+            f"  execution: {self.execution}",
+            "",
+            self.table(),
+            "",
+            "scaling:",
+        ]
+        lines += [f"  {TENSOR_KINDS[t.kind]:<17} {t.scaling}" for t in self.tensors if t.scaling]
+        linears = [m for m in self.modules if m.kind == "linear"]
+        fp8_linears = [m for m in linears if m.convert]
+        lines += [
+            "",
+            f"modules: {len(fp8_linears)} of {len(linears)} Linear layers in FP8 "
+            f"({100 * self.fp8_linear_param_fraction:.1f}% of Linear parameters)",
+        ]
+        others = [m for m in self.modules if m.kind != "linear"]
+        if others:
+            lines.append(f"         {sum(m.convert for m in others)} of {len(others)} norm layers replaced")
+        lines += _grouped("  FP8:", self.converted)
+        lines += _grouped("  kept in high precision:", self.skipped)
+        if self.notes:
+            lines += ["", "notes:"] + [f"  - {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _grouped(title: str, decisions: list[ModuleDecision]) -> list[str]:
+    """Collapse repeated layers (model.layers.0.mlp.up, model.layers.1.mlp.up, ...) to one line."""
+    if not decisions:
+        return []
+    groups: "OrderedDict[tuple[str, tuple, str], int]" = OrderedDict()
+    for d in decisions:
+        key = (re.sub(r"\.\d+(?=\.|$)", ".*", d.fqn), d.shape, d.reason)
+        groups[key] = groups.get(key, 0) + 1
+    lines = [title]
+    for (name, shape, reason), count in groups.items():
+        dims = f"{shape[1]}->{shape[0]}" if len(shape) == 2 else "x".join(str(s) for s in shape)
+        label = f"{name} x{count}" if count > 1 else name
+        lines.append(f"    {label:<48} {dims:>12}  {'' if reason == 'FP8' else reason}".rstrip())
+    return lines
+
+
+def _param_dtype(model: nn.Module) -> torch.dtype:
+    counts: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def build_plan(
+    model: nn.Module,
+    recipe: FP8RecipeKwargs,
+    *,
+    context: RunContext | None = None,
+    backend: Backend | None = None,
+) -> PrecisionPlan:
+    """Resolve `recipe` against `model` on `context` (default: this machine, one process).
+
+    Args:
+        model: the model as the user built it (meta-device models work: only shapes are read).
+        recipe: the FP8 handler.
+        context: device and distributed engine the plan is for.
+        backend: an already-created adapter for `recipe` (the Accelerator passes its own).
+
+    Returns:
+        The plan. Raises `BackendUnavailableError` if the backend cannot run here.
+    """
+    if context is None:
+        context = RunContext(device=device_info())
+    if backend is None:
+        backend = create_backend(recipe, context)
+    param_dtype = _param_dtype(model)
+    plan = PrecisionPlan(
+        backend=backend.name,
+        backend_display=backend.display_name,
+        recipe=backend.recipe_name,
+        fp8_format=backend.fp8_format,
+        opt_level=backend.recipe.opt_level,
+        emulated=backend.emulated,
+        execution=backend.execution_note,
+        device=context.device.describe(),
+        engine=context.engine,
+        world_size=context.world_size,
+        tensors=[],
+        modules=select_modules(model, backend.recipe, backend),
+        param_dtype=short_dtype(param_dtype),
+        bytes_per_param={},
+        options=backend.effective_options(),
+    )
+    plan.tensors = backend.tensor_precisions(plan)
+    plan.bytes_per_param = backend.model_state_bytes(plan, param_dtype)
+    plan.notes = backend.notes(plan)
+    if not plan.converted:
+        plan.notes.insert(0, "no module runs in FP8 with this recipe and model: training is high precision throughout")
+    return plan
+
+
+def plan_for(model: nn.Module, recipe: FP8RecipeKwargs, *, capability: str | None = None,
+             engine: str = "single", world_size: int = 1) -> PrecisionPlan:
+    """Plan for an assumed device (`capability` like '9.0', or None for this machine)."""
+    from .hardware import assumed_device
+
+    device: DeviceInfo = device_info() if capability is None else assumed_device(capability)
+    return build_plan(model, recipe, context=RunContext(device=device, engine=engine, world_size=world_size))

@@ -1,0 +1,223 @@
+"""`FP8RecipeKwargs`: what should be low precision, independent of the backend that does it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from accelerate.utils import KwargsHandler
+from torch import nn
+
+from .env import read_fp8_env
+
+log = logging.getLogger(__name__)
+
+FP8_FORMATS = ("HYBRID", "E4M3")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+OPT_LEVELS = ("O1", "O2", "O3")
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+def _parse_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("1", "true", "yes", "on"):
+            return True
+        if v in ("0", "false", "no", "off"):
+            return False
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"FP8RecipeKwargs.{name}={value!r} is not a boolean (True/False, or '1'/'0', 'true'/'false')")
+
+
+def _parse_int(name: str, value: Any, minimum: int) -> int:
+    message = f"FP8RecipeKwargs.{name}={value!r} must be an integer >= {minimum}"
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(message)
+    return value
+
+
+def _parse_choice(name: str, value: Any, choices: Sequence[str], *, upper: bool) -> str:
+    text = str(value).strip()
+    text = text.upper() if upper else text.lower()
+    if text not in choices:
+        hint = ""
+        if name == "fp8_format" and text == "E5M2":
+            hint = " (pure E5M2 training is not supported by any backend: E5M2 is used for gradients by 'HYBRID')"
+        raise ValueError(
+            f"FP8RecipeKwargs.{name}={value!r} is not one of {', '.join(repr(c) for c in choices)}{hint}"
+        )
+    return text
+
+
+def _parse_patterns(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        items = [p.strip() for p in value.split(",")]
+    elif isinstance(value, Sequence):
+        items = list(value)
+    else:
+        raise ValueError(
+            f"FP8RecipeKwargs.{name}={value!r} must be a list of module-name patterns "
+            "(fnmatch style, e.g. ['lm_head', '*.mlp.*']) or a comma-separated string"
+        )
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"FP8RecipeKwargs.{name} has {item!r}; every pattern must be a non-empty string")
+    return tuple(items)
+
+
+@dataclass
+class FP8RecipeKwargs(KwargsHandler):
+    """What should be low precision, for any backend.
+
+    Every field left as None is read from `ACCELERATE_FP8_<FIELD>` (what `accelerate launch` exports
+    from a config file's `fp8_config:` section), then falls back to the backend's default; the
+    resolved values are shown by the precision plan (`lowprec plan`, logged by `prepare()`).
+
+    Args:
+        backend: "auto" (best available here), "te", "msamp" or "torchao" ("ao" accepted).
+        recipe: the backend's scaling recipe, e.g. torchao "tensorwise" / "rowwise" /
+            "rowwise_with_gw_hp". None: the backend's default.
+        fp8_format: "HYBRID" (E4M3 forward, E5M2 gradients) or "E4M3" (everywhere).
+        margin: delayed scaling only: scale = 2**-margin * fp8_max / amax.
+        amax_history_len: delayed scaling only: steps of amax history kept.
+        amax_compute_algo: delayed scaling only: "max" over the history, or "most_recent".
+        opt_level: MS-AMP memory level "O1", "O2", "O3", or None (FP32 states and gradients).
+        include: fnmatch patterns of module names to convert; None converts every candidate.
+        exclude: fnmatch patterns of module names to keep in high precision.
+        skip_first_last: keep the first and last Linear layers (registration order) in high precision.
+        skip_slow_shapes: keep in high precision the Linear layers whose shape FP8 would make slower
+            (thresholds measured on H100); each skip is reported in the plan.
+        module_filter_fn: `fn(module, fqn) -> bool`, False keeps a module in high precision
+            (torchao's convention). Not settable from the environment.
+        pad_inner_dim: torchao: zero-pad GEMM inner dimensions to multiples of 16 instead of
+            skipping modules that do not fit (costs a copy per GEMM).
+        enable_fsdp_float8_all_gather: all-gather weights in FP8 under FSDP2 (recipes that support
+            it). None: on wherever it applies.
+        use_autocast_during_eval: run FP8 in eval mode too. None: the backend's default.
+        emulate: True forces emulation (FP8 numerics, high-precision matmuls); False forbids it
+            (error without FP8 hardware); None emulates only where there is no FP8 hardware.
+    """
+
+    backend: str | None = None
+    recipe: str | None = None
+    fp8_format: str | None = None
+    margin: int | None = None
+    amax_history_len: int | None = None
+    amax_compute_algo: str | None = None
+    opt_level: str | None = None
+    include: Sequence[str] | None = None
+    exclude: Sequence[str] | None = None
+    skip_first_last: bool | None = None
+    skip_slow_shapes: bool | None = None
+    module_filter_fn: ModuleFilter | None = None
+    pad_inner_dim: bool | None = None
+    enable_fsdp_float8_all_gather: bool | None = None
+    use_autocast_during_eval: bool | None = None
+    emulate: bool | None = None
+
+    def __post_init__(self):
+        env = read_fp8_env()
+        for name, raw in env.values.items():
+            if getattr(self, name) is None:
+                try:
+                    setattr(self, name, self._parse(name, raw))
+                except ValueError as exc:
+                    raise ValueError(f"{exc} (read from environment variable {env.sources[name]})") from None
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                setattr(self, f.name, self._parse(f.name, value))
+        if self.backend is None:
+            self.backend = "auto"
+        if self.exclude is None:
+            self.exclude = ()
+        if self.skip_first_last is None:
+            self.skip_first_last = True
+        if self.skip_slow_shapes is None:
+            self.skip_slow_shapes = True
+        if self.module_filter_fn is not None and not callable(self.module_filter_fn):
+            raise ValueError(
+                f"FP8RecipeKwargs.module_filter_fn={self.module_filter_fn!r} must be callable as fn(module, fqn) -> bool"
+            )
+        if self.opt_level is None and self.backend not in ("msamp", "auto"):
+            ignored = [v for v in env.launcher_defaults_ignored if v.startswith("ACCELERATE_FP8_OPT_LEVEL=")]
+            if ignored:
+                log.info(
+                    "lowprec: %s comes from accelerate launch's defaults and is not applied to backend %r; "
+                    "write `lowprec_opt_level: O2` in fp8_config to ask for that memory level",
+                    ignored[0],
+                    self.backend,
+                )
+        self._check_backend()
+
+    @staticmethod
+    def _parse(name: str, value: Any) -> Any:
+        from .backends import canonical_name
+
+        if name == "backend":
+            return canonical_name(value)
+        if name == "recipe":
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"FP8RecipeKwargs.recipe={value!r} must be a recipe name (a non-empty string)")
+            return value.strip().lower()
+        if name == "fp8_format":
+            return _parse_choice(name, value, FP8_FORMATS, upper=True)
+        if name == "amax_compute_algo":
+            return _parse_choice(name, value, AMAX_COMPUTE_ALGOS, upper=False)
+        if name == "opt_level":
+            if isinstance(value, str) and value.strip().lower() in ("", "none", "o0"):
+                return None
+            return _parse_choice(name, value, OPT_LEVELS, upper=True)
+        if name == "margin":
+            return _parse_int(name, value, 0)
+        if name == "amax_history_len":
+            return _parse_int(name, value, 1)
+        if name in ("include", "exclude"):
+            return _parse_patterns(name, value)
+        if name == "module_filter_fn":
+            return value
+        return _parse_bool(name, value)
+
+    def _check_backend(self) -> None:
+        from .backends import backend_class, registered_backends
+
+        if self.backend == "auto":
+            if self.recipe is not None:
+                offering = [b.name for b in registered_backends() if self.recipe in b.recipes]
+                if not offering:
+                    known = sorted({f"{b.name}:{r}" for b in registered_backends() for r in b.recipes})
+                    raise ValueError(
+                        f"FP8RecipeKwargs.recipe={self.recipe!r} is not a recipe of any backend; known: {', '.join(known)}"
+                    )
+            return
+        cls = backend_class(self.backend)
+        if not getattr(cls, "implemented", True):
+            raise ValueError(cls.not_implemented_message())
+        cls.check_recipe(self)
+
+    def replace(self, **changes: Any) -> FP8RecipeKwargs:
+        """A copy with `changes` applied and validated again."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        # module_filter_fn may be a lambda: keep it by reference rather than deep-copying it
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return out
+
+    def describe(self) -> str:
+        """The fields set away from their defaults, e.g. "backend='torchao', recipe='rowwise'"."""
+        defaults = {"backend": "auto", "exclude": (), "skip_first_last": True, "skip_slow_shapes": True}
+        return ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != defaults.get(f.name)
+        )

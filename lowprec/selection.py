@@ -1,0 +1,87 @@
+"""Which modules become FP8, and why the others stay in high precision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
+    from .recipe import FP8RecipeKwargs
+
+
+@dataclass(frozen=True)
+class ModuleDecision:
+    """One candidate module: converted to FP8 or kept in high precision, and why."""
+
+    fqn: str
+    kind: str  # "linear", "layernorm", "rmsnorm"
+    shape: tuple[int, ...]  # (out_features, in_features) for linears, normalized shape for norms
+    params: int
+    convert: bool
+    reason: str
+
+
+def _matches(fqn: str, patterns) -> str | None:
+    for pattern in patterns:
+        # A bare name ("lm_head") matches that module anywhere; globs match the whole name.
+        if fnmatchcase(fqn, pattern) or fnmatchcase(fqn, f"*.{pattern}") or fqn.split(".")[-1] == pattern:
+            return pattern
+    return None
+
+
+def _shape(module: nn.Module, kind: str) -> tuple[int, ...]:
+    if kind == "linear":
+        return (module.out_features, module.in_features)
+    shape = getattr(module, "normalized_shape", None)
+    if shape is None and getattr(module, "weight", None) is not None:
+        shape = module.weight.shape
+    return tuple(shape or ())
+
+
+def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Backend) -> list[ModuleDecision]:
+    """Decide every candidate module of `model` for `backend`, in registration order.
+
+    The checks run in a fixed order and the first that keeps a module in high precision is its
+    reported reason: exclude, include, module_filter_fn, skip_first_last, the backend's hard
+    constraint (shape), then the speed rule (skip_slow_shapes). Each module is decided on its own:
+    one unfit module never affects its siblings.
+    """
+    candidates = []
+    for fqn, module in model.named_modules():
+        kind = "converted" if backend.is_converted(module) else backend.candidate_kind(module)
+        if kind is not None:
+            candidates.append((fqn, module, kind))
+    linears = [fqn for fqn, _, kind in candidates if kind == "linear"]
+    edge = {linears[0]: "first", linears[-1]: "last"} if linears else {}
+
+    decisions = []
+    for fqn, module, kind in candidates:
+        if kind == "converted":
+            decisions.append(
+                ModuleDecision(fqn, "linear", (), sum(p.numel() for p in module.parameters(recurse=False)), True,
+                               "already an FP8 module")
+            )
+            continue
+        name = fqn or "<root>"
+        params = sum(p.numel() for p in module.parameters(recurse=False))
+        reason = None
+        if (pattern := _matches(name, recipe.exclude)) is not None:
+            reason = f"excluded by pattern {pattern!r}"
+        elif recipe.include is not None and _matches(name, recipe.include) is None:
+            reason = "not matched by any include pattern"
+        elif recipe.module_filter_fn is not None and not recipe.module_filter_fn(module, fqn):
+            reason = "module_filter_fn returned False"
+        elif kind == "linear" and recipe.skip_first_last and fqn in edge:
+            reason = f"{edge[fqn]} Linear layer (skip_first_last=True)"
+        elif (why := backend.constraint(module)) is not None:
+            reason = why
+        elif kind == "linear" and recipe.skip_slow_shapes and (why := backend.slow_shape(module)) is not None:
+            reason = f"{why} (skip_slow_shapes=True)"
+        decisions.append(
+            ModuleDecision(name, kind, _shape(module, kind), params, reason is None, reason or "FP8")
+        )
+    return decisions

@@ -1,0 +1,301 @@
+"""`lowprec.Accelerator` end to end on CPU: conversion, training, Accelerate features, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec import Accelerator, FP8RecipeKwargs
+
+pytest.importorskip("torchao")
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
+
+def is_fp8(module: nn.Module) -> bool:
+    return type(module).__name__ == "Float8Linear"
+
+
+def regression_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16)
+    )
+
+
+def regression_data(n: int = 256, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 32, generator=g)
+    w = torch.randn(32, 16, generator=g) / 4
+    return torch.utils.data.TensorDataset(x, torch.tanh(x @ w))
+
+
+def recipe(**kwargs) -> FP8RecipeKwargs:
+    kwargs.setdefault("backend", "torchao")
+    kwargs.setdefault("skip_slow_shapes", False)
+    return FP8RecipeKwargs(**kwargs)
+
+
+def train(accelerator, model, optimizer, loader, epochs: int = 1, clip: float | None = None):
+    losses = []
+    model.train()
+    for _ in range(epochs):
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+                accelerator.backward(loss)
+                if clip is not None and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), clip)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+def test_prepare_converts_per_plan_and_loss_falls():
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()])
+    model = regression_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loader = torch.utils.data.DataLoader(regression_data(), batch_size=32)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    plan = accelerator.precision_plan
+    built = {name: is_fp8(m) for name, m in accelerator.unwrap_model(model).named_modules() if isinstance(m, nn.Linear)}
+    assert built == {d.fqn: d.convert for d in plan.modules}
+    assert built == {"0": False, "2": True, "4": True, "6": False}  # first and last kept (skip_first_last)
+    assert accelerator.mixed_precision == "fp8" and accelerator.fp8_enabled
+    assert plan.emulated  # CPU
+
+    losses = train(accelerator, model, optimizer, loader, epochs=6)
+    first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
+    assert last < 0.5 * first, (first, last)
+
+
+def test_plan_is_logged_once(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="lowprec")
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()])
+    model = accelerator.prepare(regression_model())
+    accelerator.prepare(model)  # a second prepare of the same model converts nothing again
+    logged = [r for r in caplog.records if "lowprec precision plan" in r.getMessage()]
+    assert len(logged) == 1
+    assert len(accelerator.precision_plans) == 1
+
+
+def test_recipe_from_environment_alone(monkeypatch):
+    """What `accelerate launch --config_file` produces from an `fp8_config:` section."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "AO")  # accelerate's own spelling
+    monkeypatch.setenv("ACCELERATE_FP8_RECIPE", "rowwise_with_gw_hp")
+    monkeypatch.setenv("ACCELERATE_FP8_SKIP_SLOW_SHAPES", "false")
+    monkeypatch.setenv("ACCELERATE_FP8_EXCLUDE", "4")
+    accelerator = Accelerator()
+    model = accelerator.prepare(regression_model())
+    plan = accelerator.precision_plan
+    assert (plan.backend, plan.recipe) == ("torchao", "rowwise_with_gw_hp")
+    assert [d.fqn for d in plan.converted] == ["2"]
+    assert is_fp8(accelerator.unwrap_model(model)[2]) and not is_fp8(accelerator.unwrap_model(model)[4])
+
+
+def test_accelerate_handler_is_translated():
+    from accelerate.utils import AORecipeKwargs
+
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
+    accelerator.prepare(regression_model())
+    assert accelerator.precision_plan.backend == "torchao"
+    assert accelerator.fp8_recipe.pad_inner_dim is True  # Accelerate's default, honoured
+
+
+def test_without_fp8_accelerate_is_untouched():
+    accelerator = Accelerator(mixed_precision="bf16")
+    model = accelerator.prepare(regression_model())
+    assert accelerator.precision_plan is None and accelerator.mixed_precision == "bf16"
+    assert not any(is_fp8(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("mixed_precision", ["bf16", "fp16", "no"])
+def test_fp8_handler_with_other_mixed_precision_is_an_error(mixed_precision):
+    with pytest.raises(ValueError, match="mixed_precision='fp8'"):
+        Accelerator(mixed_precision=mixed_precision, kwargs_handlers=[recipe()])
+
+
+def test_two_fp8_handlers_is_an_error():
+    from accelerate.utils import AORecipeKwargs
+
+    with pytest.raises(ValueError, match="2 FP8 recipe handlers"):
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(), AORecipeKwargs()])
+
+
+def test_handler_alone_turns_fp8_on():
+    accelerator = Accelerator(kwargs_handlers=[recipe()])
+    accelerator.prepare(regression_model())
+    assert accelerator.mixed_precision == "fp8" and accelerator.precision_plan is not None
+
+
+def test_accelerates_own_fp8_paths_stay_off(monkeypatch):
+    """ACCELERATE_FP8_BACKEND=te would send Accelerate's own code into TE; lowprec answers instead."""
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "te")
+    with pytest.raises(ValueError, match="not available in this version"):
+        Accelerator(mixed_precision="fp8")
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "torchao")
+    accelerator = Accelerator(mixed_precision="fp8")
+    from accelerate.utils.dataclasses import FP8BackendType
+
+    assert accelerator.fp8_backend == FP8BackendType.NO
+
+
+def test_prepare_model_directly_converts():
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(skip_first_last=False)])
+    model = accelerator.prepare_model(regression_model())
+    assert all(is_fp8(m) for m in model.modules() if isinstance(m, nn.Linear))
+
+
+def test_gradient_accumulation_steps_once_per_window():
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()], gradient_accumulation_steps=2)
+    model = regression_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(regression_data(64), batch_size=16)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    weight = accelerator.unwrap_model(model)[2].weight
+    snapshots = [weight.detach().clone()]
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
+            optimizer.step()
+            optimizer.zero_grad()
+        snapshots.append(weight.detach().clone())
+    changed = [not torch.equal(a, b) for a, b in zip(snapshots, snapshots[1:])]
+    assert changed == [False, True, False, True]  # only micro-steps 2 and 4 step the optimizer
+
+
+def test_clip_grad_norm_is_the_true_norm():
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()])
+    model = regression_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x, y = regression_data(32)[:]
+    accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    total = accelerator.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    torch.testing.assert_close(total, expected)
+    clipped = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert clipped <= 1.01e-3
+
+
+def test_save_state_load_state_resumes_exactly(tmp_path):
+    data = regression_data(128)
+
+    def setup(seed):
+        accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()])
+        model = regression_model(seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        loader = torch.utils.data.DataLoader(data, batch_size=32)
+        return accelerator, *accelerator.prepare(model, optimizer, scheduler, loader)
+
+    def steps(accelerator, model, optimizer, scheduler, loader):
+        out = []
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x).float(), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+        return out
+
+    accelerator, model, optimizer, scheduler, loader = setup(0)
+    steps(accelerator, model, optimizer, scheduler, loader)
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    continued = steps(accelerator, model, optimizer, scheduler, loader)
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator, model, optimizer, scheduler, loader = setup(1)  # different init: the checkpoint must win
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    resumed = steps(accelerator, model, optimizer, scheduler, loader)
+    assert resumed == continued
+
+
+def test_checkpoint_loads_into_a_plain_model(tmp_path):
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()])
+    model = regression_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(regression_data(), batch_size=32)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    train(accelerator, model, optimizer, loader)
+
+    accelerator.save_model(model, str(tmp_path / "model"))  # safetensors
+    plain = regression_model(seed=5)
+    from safetensors.torch import load_file
+
+    state = load_file(str(tmp_path / "model" / "model.safetensors"))
+    plain.load_state_dict(state, strict=True)  # same keys, plain tensors: no FP8 classes needed
+    trained = accelerator.unwrap_model(model)
+    for name, tensor in plain.state_dict().items():
+        torch.testing.assert_close(tensor, trained.state_dict()[name])
+    assert all(type(m) is nn.Linear for m in plain.modules() if isinstance(m, nn.Linear))
+
+    torch.save(trained.state_dict(), tmp_path / "sd.pt")
+    reloaded = torch.load(tmp_path / "sd.pt", weights_only=True)
+    regression_model().load_state_dict(reloaded, strict=True)
+
+
+def test_tiny_llama_trains_through_accelerate():
+    from lowprec.demo.data import Windows, stdlib_corpus
+    from lowprec.demo.model import PRESETS, build_model
+
+    preset = PRESETS["tiny"]
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(skip_first_last=False)])
+    torch.manual_seed(0)
+    model = build_model(preset)
+    corpus = stdlib_corpus(max_bytes=2**20)
+    loader = torch.utils.data.DataLoader(Windows(corpus.train, 64, 12 * 8, seed=0), batch_size=8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    plan = accelerator.precision_plan
+    assert len(plan.converted) == 2 * 7 + 1  # every projection and the head
+    losses = []
+    for ids in loader:
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 1.0, losses
+    fp8_modules = [n for n, m in accelerator.unwrap_model(model).named_modules() if is_fp8(m)]
+    assert sorted(fp8_modules) == sorted(d.fqn for d in plan.converted)
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_gloo(tmp_path):
+    """Two CPU processes over gloo: FP8 layers, gradients in sync, loss falls.
+
+    `accelerate launch --multi_gpu` is torchrun underneath, but on a CPU-only host it exports
+    ACCELERATE_USE_CPU=False and Accelerate then sees one process; so torchrun is called directly
+    with the variables `accelerate launch --mixed_precision fp8` exports.
+    """
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "distributed", "ddp_train.py")
+    out = tmp_path / "result.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(ACCELERATE_USE_CPU="1", ACCELERATE_MIXED_PRECISION="fp8", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1",
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           script, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["engine"] == "ddp"
+    assert result["fp8_modules"] == ["2", "4"]
+    assert result["max_param_diff_across_ranks"] == 0.0
+    assert result["last_loss"] < 0.6 * result["first_loss"]

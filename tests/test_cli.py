@@ -1,0 +1,62 @@
+"""`lowprec plan` and `lowprec env`, run in-process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lowprec.cli import main
+
+pytest.importorskip("transformers")
+
+
+def test_plan_builtin_proxy_for_h100(capsys):
+    assert main(["plan", "--model", "proxy", "--capability", "9.0"]) == 0
+    out = capsys.readouterr().out
+    assert "execution: hardware FP8" in out
+    assert "27 of 29 Linear layers in FP8" in out
+    assert "| this plan (torchao:tensorwise) | FP8 E4M3/E5M2 |" in out
+
+
+def test_plan_from_transformers_config_with_overrides(capsys):
+    args = ["plan", "--config", "llama", "--set", "hidden_size=2048", "--set", "intermediate_size=5632",
+            "--set", "num_hidden_layers=2", "--set", "num_attention_heads=16", "--set", "vocab_size=32000",
+            "--recipe", "rowwise", "--capability", "9.0", "--json"]
+    assert main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["recipe"] == "rowwise" and plan["emulated"] is False
+    by_name = {m["fqn"]: m for m in plan["modules"]}
+    # rowwise thresholds keep N=2048 projections in BF16 but convert the 2048->5632 MLP inputs
+    assert by_name["model.layers.1.mlp.up_proj"]["convert"] is True
+    assert "N=2048 <= 2048" in by_name["model.layers.1.self_attn.k_proj"]["reason"]
+    assert plan["model_state_bytes_per_param"] == 16
+
+
+def test_plan_local_config_file(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                vocab_size=1000).save_pretrained(tmp_path)
+    assert main(["plan", "--config", str(tmp_path), "--no-skip-slow-shapes", "--no-skip-first-last"]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM from config" in out
+    assert "lm_head" in out and "1000 not divisible by 16" in out.replace("out_features=", "")
+
+
+def test_plan_for_unavailable_backend_is_a_clear_error(capsys):
+    assert main(["plan", "--backend", "te"]) == 2
+    assert "not available in this version" in capsys.readouterr().err
+
+
+def test_plan_bad_option_value(capsys):
+    assert main(["plan", "--recipe", "blockwise", "--backend", "torchao"]) == 2
+    err = capsys.readouterr().err
+    assert "FP8RecipeKwargs.recipe='blockwise'" in err and "'tensorwise'" in err
+
+
+def test_env_lists_backends(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "torchao  recipes tensorwise, rowwise, rowwise_with_gw_hp: available" in out
+    assert "te       recipes" in out
