@@ -86,8 +86,21 @@ class Accelerator(_Accelerator):
     # ---- what Accelerate sees ----------------------------------------------------------------
     @property
     def fp8_backend(self) -> FP8BackendType:
-        # lowprec owns FP8: every Accelerate branch keyed on this must stay off.
+        # lowprec owns FP8: every Accelerate branch keyed on this must stay off, except the one
+        # parameter lookup below that needs to know torchao weights are there.
+        if getattr(self, "_resolving_parameters", False) and any(b.name == "torchao" for _, b, _ in self._lowprec):
+            return FP8BackendType.AO
         return FP8BackendType.NO
+
+    def _get_named_parameters(self, *args, drop_refs: bool = False):
+        # Under FSDP2 Accelerate remaps optimizer parameters by data_ptr(). torchao's FP8 all-gather
+        # weight subclass reports data_ptr() == 0, so without Accelerate's accessor for it (which it
+        # installs only when its own fp8_backend is AO) every such weight would map to the same one.
+        self._resolving_parameters = True
+        try:
+            return super()._get_named_parameters(*args, drop_refs=drop_refs)
+        finally:
+            self._resolving_parameters = False
 
     @property
     def mixed_precision(self) -> str:

@@ -109,9 +109,13 @@ def read_fp8_env(environ: Mapping[str, str] | None = None) -> EnvOptions:
             )
 
     for key, (noop, why) in REMOVED_TE_KEYS.items():
-        value = env.get(PREFIX + key)
-        if value is not None and value.strip().lower() != noop.lower():
-            raise ValueError(f"{PREFIX}{key}={value!r} cannot be honoured: {why}. Remove it from fp8_config.")
+        for var in (PREFIX + key, LOWPREC_PREFIX + key):
+            value = env.get(var)
+            if value is None:
+                continue
+            is_noop = value.strip() == noop if noop == "1" else _false(value)
+            if not is_noop:
+                raise ValueError(f"{var}={value!r} cannot be honoured: {why}. Remove it from fp8_config.")
 
     for name, keys in FIELD_KEYS.items():
         found: dict[str, str] = {}
@@ -119,7 +123,6 @@ def read_fp8_env(environ: Mapping[str, str] | None = None) -> EnvOptions:
             explicit = env.get(LOWPREC_PREFIX + key)
             if explicit is not None:
                 found[LOWPREC_PREFIX + key] = explicit
-                continue
             value = env.get(PREFIX + key)
             if value is None:
                 continue
@@ -133,17 +136,20 @@ def read_fp8_env(environ: Mapping[str, str] | None = None) -> EnvOptions:
                 + ", ".join(f"{k}={v!r}" for k, v in found.items())
             )
         if found:
-            var, value = next(iter(found.items()))
+            # The LOWPREC_ spelling, when present, names the source (it is the one written on purpose).
+            var = next((v for v in found if v.startswith(LOWPREC_PREFIX)), next(iter(found)))
+            value = found[var]
             out.values[name], out.sources[name] = value, var
 
-    mxfp8 = env.get(PREFIX + MXFP8_KEY) or env.get(LOWPREC_PREFIX + MXFP8_KEY)
+    mxfp8_var = next((v for v in (LOWPREC_PREFIX + MXFP8_KEY, PREFIX + MXFP8_KEY) if v in env), None)
+    mxfp8 = env.get(mxfp8_var) if mxfp8_var else None
     if mxfp8 is not None and not _false(mxfp8):
         if out.values.get("recipe", "mxfp8").lower() != "mxfp8":
             raise ValueError(
-                f"{PREFIX}{MXFP8_KEY}={mxfp8!r} asks for the MXFP8 recipe but "
+                f"{mxfp8_var}={mxfp8!r} asks for the MXFP8 recipe but "
                 f"{out.sources['recipe']}={out.values['recipe']!r} asks for another one"
             )
-        out.values["recipe"], out.sources["recipe"] = "mxfp8", PREFIX + MXFP8_KEY
+        out.values["recipe"], out.sources["recipe"] = "mxfp8", mxfp8_var
 
     global _told_about_launcher
     if out.launcher_defaults_ignored and not _told_about_launcher:

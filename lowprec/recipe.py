@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -59,6 +60,12 @@ def _parse_choice(name: str, value: Any, choices: Sequence[str], *, upper: bool)
 
 
 def _parse_patterns(name: str, value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) and value.strip()[:1] in "[(" and value.strip():
+        # accelerate launch exports a yaml list as its Python repr: "['lm_head', 'layers.0.*']"
+        try:
+            value = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"FP8RecipeKwargs.{name}={value!r} looks like a list but does not parse as one") from None
     if isinstance(value, str):
         items = [p.strip() for p in value.split(",")]
     elif isinstance(value, Sequence):
@@ -157,7 +164,14 @@ class FP8RecipeKwargs(KwargsHandler):
                     ignored[0],
                     self.backend,
                 )
-        self._check_backend()
+        try:
+            self._check_backend()
+        except ValueError as exc:
+            # Name the variable a rejected value came from: the user may never have written it in code.
+            sources = [f"{env.sources[n]}" for n in env.sources if f"FP8RecipeKwargs.{n}=" in str(exc)]
+            if sources:
+                raise ValueError(f"{exc} (read from environment variable {', '.join(sources)})") from None
+            raise
 
     @staticmethod
     def _parse(name: str, value: Any) -> Any:

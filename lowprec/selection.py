@@ -26,9 +26,12 @@ class ModuleDecision:
 
 
 def _matches(fqn: str, patterns) -> str | None:
+    """The first pattern naming `fqn` or a module that contains it ("mlp" covers "layers.0.mlp.up")."""
+    parts = fqn.split(".")
+    names = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
     for pattern in patterns:
-        # A bare name ("lm_head") matches that module anywhere; globs match the whole name.
-        if fnmatchcase(fqn, pattern) or fnmatchcase(fqn, f"*.{pattern}") or fqn.split(".")[-1] == pattern:
+        # Globs match a whole name; a bare name ("lm_head") also matches as the last component.
+        if any(fnmatchcase(name, pattern) or fnmatchcase(name, f"*.{pattern}") for name in names):
             return pattern
     return None
 

@@ -33,3 +33,12 @@ def fresh_accelerate_state():
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now, for torchrun's rendezvous (fixed ports collide)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

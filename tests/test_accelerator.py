@@ -285,12 +285,14 @@ def test_ddp_two_processes_gloo(tmp_path):
     import subprocess
     import sys
 
+    from conftest import free_port
+
     script = os.path.join(os.path.dirname(__file__), "distributed", "ddp_train.py")
     out = tmp_path / "result.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(ACCELERATE_USE_CPU="1", ACCELERATE_MIXED_PRECISION="fp8", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1",
                OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            script, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

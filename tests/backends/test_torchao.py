@@ -169,3 +169,46 @@ def test_compile_of_converted_model():
     torch.testing.assert_close(compiled(x), model(x), rtol=1e-2, atol=1e-2)
     compiled(x).sum().backward()
     assert model[0].weight.grad is not None
+
+
+@pytest.mark.slow
+def test_fsdp2_fp8_all_gather_two_processes(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    script = os.path.join(os.path.dirname(__file__), "..", "distributed", "fsdp2_torchao.py")
+    env = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           script, str(tmp_path / "out.json")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    errors = [line for line in proc.stderr.splitlines() if "Error" in line or "Traceback" in line]
+    assert proc.returncode == 0, "\n".join(errors[:40]) + proc.stderr[-2000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert result["weight_types"] == ["WeightWithDynamicFloat8CastTensor"]
+    assert "weights all-gathered in FP8" in result["notes"][0]
+    assert result["scales_equal_across_ranks"]
+    assert result["max_scale_rel_error"] < 1e-5  # the precomputed scale is the global amax's
+    assert result["last_loss"] < result["first_loss"]
+
+
+def test_accelerate_parameter_lookup_sees_fp8_weight_subclass(fresh_accelerate_state):
+    """Accelerate's FSDP2 optimizer remap keys on data_ptr(); the FP8 all-gather weight reports 0."""
+    from lowprec import Accelerator
+
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="torchao")])
+    recipe = FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, skip_first_last=False)
+    context = RunContext(device=device_info("cpu"), engine="fsdp2", world_size=2)
+    backend = create_backend(recipe, context)
+    model = mlp()
+    model = backend.convert(model, build_plan(model, recipe, context=context, backend=backend))
+    accelerator._lowprec.append((model, backend, None))
+    pointers = accelerator._get_named_parameters(model, drop_refs=True)
+    weights = [v for k, v in pointers.items() if k.endswith("weight")]
+    assert len(weights) == 3 and 0 not in weights and len(set(weights)) == 3
+    from accelerate.utils.dataclasses import FP8BackendType
+
+    assert accelerator.fp8_backend == FP8BackendType.NO  # only inside the lookup

@@ -1,0 +1,174 @@
+"""Accelerate's own FP8 handlers, translated to `FP8RecipeKwargs`."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from accelerate.utils import (
+    AORecipeKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    MSAMPRecipeKwargs,
+    TERecipeKwargs,
+)
+from accelerate.utils import FP8RecipeKwargs as AccelerateFP8RecipeKwargs
+
+from lowprec import FP8RecipeKwargs
+from lowprec.compat import _from_te, is_fp8_handler, to_recipe
+
+float8 = pytest.importorskip("torchao.float8")
+
+
+# ---- is_fp8_handler ----------------------------------------------------------------------------
+def test_fp8_handlers_are_recognised():
+    assert is_fp8_handler(FP8RecipeKwargs())
+    assert is_fp8_handler(AORecipeKwargs())
+    assert is_fp8_handler(MSAMPRecipeKwargs())
+    # TERecipeKwargs / accelerate's FP8RecipeKwargs need TransformerEngine to be constructed.
+    assert is_fp8_handler(object.__new__(TERecipeKwargs))
+    assert is_fp8_handler(object.__new__(AccelerateFP8RecipeKwargs))
+
+
+def test_subclass_of_an_accelerate_handler_is_recognised():
+    class MyAO(AORecipeKwargs):
+        pass
+
+    assert is_fp8_handler(MyAO())
+
+
+@pytest.mark.parametrize("handler", [DistributedDataParallelKwargs(), GradScalerKwargs(), object(), None, "fp8"])
+def test_other_handlers_are_not_fp8(handler):
+    assert not is_fp8_handler(handler)
+
+
+def test_lookalike_outside_accelerate_is_not_fp8():
+    from accelerate.utils import KwargsHandler
+
+    AORecipeKwargs_ = type("AORecipeKwargs", (KwargsHandler,), {})  # same name, wrong module
+    assert not is_fp8_handler(AORecipeKwargs_())
+
+
+def test_to_recipe_rejects_other_handlers():
+    with pytest.raises(TypeError, match="DistributedDataParallelKwargs is not an FP8 recipe handler"):
+        to_recipe(DistributedDataParallelKwargs())
+
+
+def test_to_recipe_returns_lowprec_handler_unchanged():
+    r = FP8RecipeKwargs(backend="torchao", recipe="rowwise")
+    assert to_recipe(r) is r
+
+
+# ---- AORecipeKwargs ------------------------------------------------------------------------------
+def test_ao_default():
+    r = to_recipe(AORecipeKwargs())
+    assert (r.backend, r.recipe, r.fp8_format) == ("torchao", "tensorwise", None)
+    assert r.pad_inner_dim is True  # Accelerate's default config pads
+    assert r.enable_fsdp_float8_all_gather is None  # "where it applies", not forced on every recipe
+    assert r.emulate is None and r.module_filter_fn is None
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_ao_named_recipe(name):
+    r = to_recipe(AORecipeKwargs(config=float8.Float8LinearConfig.from_recipe_name(name)))
+    assert (r.backend, r.recipe) == ("torchao", name)
+    assert r.pad_inner_dim is False
+    assert r.enable_fsdp_float8_all_gather is False
+
+
+def test_ao_flags_carried_over():
+    config = float8.Float8LinearConfig(emulate=True, pad_inner_dim=False, enable_fsdp_float8_all_gather=True)
+    r = to_recipe(AORecipeKwargs(config=config))
+    assert (r.recipe, r.emulate, r.pad_inner_dim, r.enable_fsdp_float8_all_gather) == ("tensorwise", True, False, None)
+
+
+def test_ao_e4m3_grads_is_tensorwise_e4m3():
+    e4m3 = float8.CastConfig(target_dtype=torch.float8_e4m3fn)
+    r = to_recipe(AORecipeKwargs(config=float8.Float8LinearConfig(cast_config_grad_output=e4m3)))
+    assert (r.recipe, r.fp8_format) == ("tensorwise", "E4M3")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        lambda: float8.Float8LinearConfig(round_scales_to_power_of_2=True),
+        lambda: float8.Float8LinearConfig(force_recompute_fp8_weight_in_bwd=True),
+        lambda: float8.Float8LinearConfig(gemm_config_output=float8.config.Float8GemmConfig(use_fast_accum=False)),
+    ],
+    ids=["pow2_scales", "recompute_weight", "no_fast_accum"],
+)
+def test_ao_custom_config_is_rejected(config):
+    with pytest.raises(ValueError, match="custom Float8LinearConfig") as err:
+        to_recipe(AORecipeKwargs(config=config()))
+    assert "'tensorwise', 'rowwise', 'rowwise_with_gw_hp'" in str(err.value)
+
+
+def test_ao_module_filter_func_carried_over():
+    def keep(module, fqn):
+        return "lm_head" not in fqn
+
+    r = to_recipe(AORecipeKwargs(module_filter_func=keep))
+    assert r.module_filter_fn is keep
+
+
+# ---- MS-AMP ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_msamp_is_not_available_in_this_version(opt_level):
+    with pytest.raises(ValueError, match="not available in this version") as err:
+        to_recipe(MSAMPRecipeKwargs(opt_level=opt_level))
+    assert "'msamp'" in str(err.value)
+
+
+@pytest.mark.parametrize("backend", ["MSAMP", "msamp"])
+def test_deprecated_handler_with_msamp(backend):
+    handler = object.__new__(AccelerateFP8RecipeKwargs)  # its __post_init__ needs TransformerEngine
+    handler.backend, handler.opt_level = backend, "O2"
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.backend='msamp'.*not available in this version"):
+        to_recipe(handler)
+
+
+# ---- TransformerEngine (not constructible here: a stand-in with TERecipeKwargs' fields) ---------------
+def te_handler(**changes):
+    fields = dict(
+        use_autocast_during_eval=False, margin=0, interval=1, fp8_format="HYBRID", amax_history_len=1024,
+        amax_compute_algo="most_recent", override_linear_precision=(False, False, False), use_mxfp8_block_scaling=False,
+    )
+    fields.update(changes)
+    return types.SimpleNamespace(**fields)
+
+
+def test_te_handler_needs_transformer_engine():
+    with pytest.raises(ImportError):
+        TERecipeKwargs()
+
+
+@pytest.mark.parametrize("interval", [2, 16])
+def test_te_interval_is_rejected(interval):
+    with pytest.raises(ValueError, match=rf"TERecipeKwargs.interval={interval} .*removed `interval`"):
+        _from_te(te_handler(interval=interval))
+
+
+@pytest.mark.parametrize("override", [(True, False, False), (False, True, False), (False, False, True), [0, 0, 1]])
+def test_te_override_linear_precision_is_rejected(override):
+    with pytest.raises(ValueError, match="TERecipeKwargs.override_linear_precision") as err:
+        _from_te(te_handler(override_linear_precision=override))
+    assert "exclude=" in str(err.value)  # says what to do instead
+
+
+@pytest.mark.parametrize(
+    "changes", [{}, {"interval": None}, {"override_linear_precision": None}, {"use_mxfp8_block_scaling": True}]
+)
+def test_te_noop_values_reach_the_te_backend(changes):
+    # interval=1 / no overrides pass; what fails is the te backend, absent from this version.
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.backend='te'.*not available in this version"):
+        _from_te(te_handler(**changes))
+
+
+def test_deprecated_handler_with_te_goes_through_te_checks():
+    handler = object.__new__(AccelerateFP8RecipeKwargs)
+    for name, value in vars(te_handler(interval=4)).items():
+        setattr(handler, name, value)
+    handler.backend, handler.opt_level = "TE", None
+    with pytest.raises(ValueError, match="interval=4"):
+        to_recipe(handler)

@@ -1,0 +1,217 @@
+"""`PrecisionPlan`: the per-tensor table, bytes per parameter, rendering, execution and verification."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec import BackendUnavailableError, FP8RecipeKwargs, PlanMismatchError, RunContext, build_plan, plan_for
+from lowprec.hardware import DeviceInfo, device_info
+from lowprec.plan import TENSOR_KINDS
+
+RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+
+
+def model(dtype: torch.dtype = torch.float32, d: int = 64) -> nn.Module:
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up_proj = nn.Linear(d, 2 * d)
+            self.down_proj = nn.Linear(2 * d, d)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(32, d)
+            self.layers = nn.ModuleList([nn.ModuleDict({"mlp": Block()}) for _ in range(3)])
+            self.lm_head = nn.Linear(d, 32)
+
+    return Net().to(dtype)
+
+
+def recipe(**kwargs) -> FP8RecipeKwargs:
+    return FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, **kwargs)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_tensor_rows_for_every_kind(name):
+    plan = plan_for(model(), recipe(recipe=name))
+    assert [t.kind for t in plan.tensors] == list(TENSOR_KINDS)
+    assert plan.tensor("gemm").dtype.startswith("FP8")
+    assert plan.tensor("master_weight").dtype == "N/A"
+    assert all(t.dtype for t in plan.tensors)
+
+
+@pytest.mark.parametrize(
+    "dtype,total,weight", [(torch.float32, 16, 4), (torch.bfloat16, 8, 2), (torch.float16, 8, 2)]
+)
+def test_bytes_per_param(dtype, total, weight):
+    plan = plan_for(model(dtype), recipe())
+    assert plan.model_state_bytes_per_param == total
+    assert plan.bytes_per_param["weight"] == weight and plan.bytes_per_param["optimizer_states"] == 2 * weight
+    assert plan.param_dtype == {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "FP16"}[dtype]
+    assert plan.tensor("weight").dtype == plan.param_dtype
+
+
+def test_param_dtype_is_the_majority_dtype():
+    m = model(torch.bfloat16)
+    m.lm_head.float()  # a small FP32 minority
+    assert plan_for(m, recipe()).param_dtype == "BF16"
+
+
+def test_str_has_table_and_both_module_groups():
+    text = str(plan_for(model(), recipe(exclude=["down_proj"])))
+    header = next(line for line in text.splitlines() if line.startswith("| level"))
+    for column in TENSOR_KINDS.values():
+        assert column in header
+    assert "bytes/param" in header
+    assert "BF16 AMP (baseline)" in text and "this plan (torchao:tensorwise)" in text
+    assert "  FP8:" in text and "  kept in high precision:" in text
+    assert "excluded by pattern 'down_proj'" in text
+    assert "modules: 2 of 7 Linear layers in FP8" in text  # first up_proj and lm_head: skip_first_last
+
+
+def test_str_groups_repeated_layers():
+    text = str(plan_for(model(), recipe(skip_first_last=False)))
+    assert "layers.*.mlp.up_proj x3" in text and "64->128" in text
+    assert "layers.0.mlp.up_proj" not in text
+
+
+def test_str_without_skips_has_no_kept_section():
+    text = str(plan_for(model(), recipe(skip_first_last=False)))
+    assert "kept in high precision" not in text
+
+
+def test_no_fp8_module_is_noted():
+    plan = plan_for(model(), recipe(include=["nothing"]))
+    assert plan.converted == [] and plan.fp8_linear_param_fraction == 0.0
+    assert plan.notes[0].startswith("no module runs in FP8")
+    assert "no module runs in FP8" in str(plan)
+
+
+def test_fp8_linear_param_fraction():
+    plan = plan_for(model(), recipe(exclude=["lm_head", "down_proj"]))
+    up = 64 * 128 + 128
+    total = 3 * (up + 128 * 64 + 64) + (64 * 32 + 32)
+    assert plan.fp8_linear_param_fraction == pytest.approx(2 * up / total)  # layers.0 is the first Linear
+
+
+def test_to_dict_is_json_ready():
+    plan = plan_for(model(), recipe(exclude=["lm_head"], module_filter_fn=lambda m, fqn: True))
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["backend"] == "torchao" and data["recipe"] == "tensorwise"
+    assert [t["kind"] for t in data["tensors"]] == list(TENSOR_KINDS)
+    assert len(data["modules"]) == 7
+    assert data["model_state_bytes_per_param"] == 16
+    lm_head = next(m for m in data["modules"] if m["fqn"] == "lm_head")
+    assert lm_head["convert"] is False and lm_head["shape"] == [32, 64]
+
+
+def test_meta_device_model():
+    with torch.device("meta"):
+        big = nn.Sequential(*(nn.Linear(8192, 8192) for _ in range(4))).to(torch.bfloat16)
+    plan = plan_for(big, FP8RecipeKwargs(backend="torchao"))
+    assert [d.fqn for d in plan.converted] == ["1", "2"]
+    assert plan.model_state_bytes_per_param == 8
+    assert all(p.is_meta for p in big.parameters())  # planning did not materialise anything
+
+
+# ---- execution: hardware or emulation ------------------------------------------------------------------
+def test_cpu_is_emulated():
+    plan = plan_for(model(), recipe())
+    assert plan.emulated and "emulated" in plan.execution and plan.device == "CPU"
+
+
+@pytest.mark.parametrize("capability", ["9.0", "10.0", "8.9"])
+def test_tensorwise_on_fp8_gpu_is_hardware(capability):
+    plan = plan_for(model(), recipe(), capability=capability)
+    assert not plan.emulated and plan.execution.startswith("hardware FP8")
+
+
+@pytest.mark.parametrize("capability", ["8.0", "cpu"])
+def test_no_fp8_hardware_is_emulated(capability):
+    plan = plan_for(model(), recipe(), capability=capability)
+    assert plan.emulated and "no FP8 tensor cores" in plan.execution
+
+
+@pytest.mark.parametrize("name", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_on_ada_is_emulated(name):
+    plan = plan_for(model(), recipe(recipe=name), capability="8.9")
+    assert plan.emulated and "needs sm_90" in plan.execution
+    assert not plan_for(model(), recipe(recipe=name), capability="9.0").emulated
+
+
+@pytest.mark.parametrize("capability,name", [("8.9", "rowwise"), ("8.0", "tensorwise"), (None, "tensorwise")])
+def test_emulate_false_without_hardware_is_an_error(capability, name):
+    with pytest.raises(BackendUnavailableError, match="emulate=False forbids emulation"):
+        plan_for(model(), recipe(recipe=name, emulate=False), capability=capability)
+
+
+def test_emulate_true_on_hardware_is_emulated():
+    plan = plan_for(model(), recipe(emulate=True), capability="9.0")
+    assert plan.emulated and "emulate=True" in plan.execution
+
+
+def test_bad_capability():
+    with pytest.raises(ValueError, match="capability='nine'"):
+        plan_for(model(), recipe(), capability="nine")
+
+
+def test_build_plan_with_context():
+    context = RunContext(device=DeviceInfo("cuda", "H100", (9, 0)), engine="ddp", world_size=8)
+    plan = build_plan(model(), recipe(), context=context)
+    assert (plan.engine, plan.world_size, plan.emulated) == ("ddp", 8, False)
+    assert "ddp x8 on H100 (sm_90)" in str(plan)
+
+
+def test_bad_engine():
+    with pytest.raises(ValueError, match="RunContext.engine='zero3'"):
+        RunContext(device=device_info("cpu"), engine="zero3")
+
+
+# ---- verify --------------------------------------------------------------------------------------------
+def planned(plan) -> set[str]:
+    return {d.fqn for d in plan.converted}
+
+
+def test_verify_passes_when_the_model_matches():
+    m = model()
+    plan = plan_for(m, recipe())
+    modules = {id(mod): name for name, mod in m.named_modules()}
+    plan.verify(m, lambda mod: modules[id(mod)] in planned(plan))
+
+
+def test_verify_raises_when_a_planned_module_was_not_converted():
+    m = model()
+    plan = plan_for(m, recipe())
+    modules = {id(mod): name for name, mod in m.named_modules()}
+    with pytest.raises(PlanMismatchError) as err:
+        plan.verify(m, lambda mod: modules[id(mod)] in planned(plan) - {"layers.1.mlp.up_proj"})
+    assert "layers.1.mlp.up_proj: planned FP8, built high precision" in str(err.value)
+    assert "layers.0.mlp.up_proj" not in str(err.value)
+
+
+def test_verify_raises_for_every_unconverted_module():
+    m = model()
+    plan = plan_for(m, recipe())
+    with pytest.raises(PlanMismatchError) as err:
+        plan.verify(m, lambda mod: False)  # nothing converted, e.g. conversion silently skipped
+    assert all(f"{name}: planned FP8" in str(err.value) for name in planned(plan))
+
+
+def test_verify_raises_when_a_kept_module_was_converted():
+    m = model()
+    plan = plan_for(m, recipe())
+    with pytest.raises(PlanMismatchError, match="lm_head: planned high precision, built FP8"):
+        plan.verify(m, lambda mod: isinstance(mod, nn.Linear))
+
+
+def test_verify_raises_when_a_module_is_missing():
+    m = model()
+    plan = plan_for(m, recipe())
+    del m.lm_head
+    with pytest.raises(PlanMismatchError, match="lm_head: planned but not found"):
+        plan.verify(m, lambda mod: False)

@@ -1,0 +1,289 @@
+"""`FP8RecipeKwargs`: parsing, validation against the backend, and the KwargsHandler surface."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lowprec import FP8RecipeKwargs
+
+# Every error names the option as `FP8RecipeKwargs.<field>` and says what is accepted.
+BAD_VALUES = [
+    ("backend", "cuda", ["'auto'", "'torchao'", "'te'", "'msamp'"]),
+    ("backend", 3, ["'auto'", "'torchao'"]),
+    ("recipe", "", ["recipe name"]),
+    ("recipe", 7, ["recipe name"]),
+    ("recipe", "delayed_tensorwise", ["torchao:tensorwise", "torchao:rowwise"]),
+    ("fp8_format", "E4M3FN", ["'HYBRID'", "'E4M3'"]),
+    ("fp8_format", "fp16", ["'HYBRID'", "'E4M3'"]),
+    ("margin", -1, [">= 0"]),
+    ("margin", "-3", [">= 0"]),
+    ("margin", 1.5, [">= 0"]),
+    ("margin", True, [">= 0"]),
+    ("margin", "two", [">= 0"]),
+    ("amax_history_len", 0, [">= 1"]),
+    ("amax_history_len", "16.0", [">= 1"]),
+    ("amax_compute_algo", "mean", ["'max'", "'most_recent'"]),
+    ("opt_level", "O4", ["'O1'", "'O2'", "'O3'"]),
+    ("opt_level", 2, ["'O1'", "'O2'", "'O3'"]),
+    ("include", 5, ["comma-separated string"]),
+    ("include", ["lm_head", ""], ["non-empty string"]),
+    ("exclude", ["lm_head", 3], ["non-empty string"]),
+    ("exclude", "lm_head,,head", ["non-empty string"]),
+    ("skip_first_last", "maybe", ["'true'/'false'"]),
+    ("skip_slow_shapes", 2, ["'true'/'false'"]),
+    ("pad_inner_dim", "enabled", ["'true'/'false'"]),
+    ("enable_fsdp_float8_all_gather", "y", ["'true'/'false'"]),
+    ("use_autocast_during_eval", 0.0, ["'true'/'false'"]),
+    ("emulate", "auto", ["'true'/'false'"]),
+    ("module_filter_fn", "lm_head", ["fn(module, fqn)"]),
+]
+
+
+@pytest.mark.parametrize("field,value,accepted", BAD_VALUES, ids=lambda x: repr(x)[:30])
+def test_bad_value_names_field_and_accepted_values(field, value, accepted):
+    with pytest.raises(ValueError) as err:
+        FP8RecipeKwargs(**{field: value})
+    message = str(err.value)
+    assert f"FP8RecipeKwargs.{field}" in message
+    for fragment in accepted:
+        assert fragment in message
+
+
+def test_every_field_has_a_bad_value_case():
+    fields = {f.name for f in dataclasses.fields(FP8RecipeKwargs)}
+    assert fields == {field for field, _, _ in BAD_VALUES}
+
+
+def test_defaults():
+    r = FP8RecipeKwargs()
+    assert (r.backend, r.recipe, r.exclude, r.include) == ("auto", None, (), None)
+    assert r.skip_first_last is True and r.skip_slow_shapes is True
+    assert r.opt_level is None and r.pad_inner_dim is None and r.emulate is None
+
+
+# ---- backend names ---------------------------------------------------------------------------
+@pytest.mark.parametrize("alias", ["AO", "ao", "torchao", " TorchAO "])
+def test_torchao_aliases(alias):
+    assert FP8RecipeKwargs(backend=alias).backend == "torchao"
+
+
+@pytest.mark.parametrize("alias", ["auto", "AUTO"])
+def test_auto(alias):
+    assert FP8RecipeKwargs(backend=alias).backend == "auto"
+
+
+@pytest.mark.parametrize(
+    "alias,canonical",
+    [("TE", "te"), ("transformer_engine", "te"), ("Transformer-Engine", "te"), ("msamp", "msamp"), ("ms-amp", "msamp"),
+     ("MS_AMP", "msamp")],
+)
+def test_te_and_msamp_are_not_available_in_this_version(alias, canonical):
+    with pytest.raises(ValueError, match="not available in this version") as err:
+        FP8RecipeKwargs(backend=alias)
+    assert f"FP8RecipeKwargs.backend={canonical!r}" in str(err.value)
+    assert "torchao" in str(err.value)  # says what to use instead
+
+
+# ---- recipes -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "RowWise"])
+def test_torchao_recipes(recipe):
+    assert FP8RecipeKwargs(backend="torchao", recipe=recipe).recipe == recipe.lower()
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8", "block", "nope"])
+def test_recipe_not_offered_by_torchao_lists_offered(recipe):
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.recipe") as err:
+        FP8RecipeKwargs(backend="torchao", recipe=recipe)
+    message = str(err.value)
+    assert repr(recipe) in message and "'torchao'" in message
+    for offered in ("'tensorwise'", "'rowwise'", "'rowwise_with_gw_hp'"):
+        assert offered in message
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp", "delayed", "mxfp8"])
+def test_auto_accepts_a_recipe_any_backend_offers(recipe):
+    assert FP8RecipeKwargs(recipe=recipe).recipe == recipe
+
+
+def test_auto_rejects_a_recipe_no_backend_offers():
+    with pytest.raises(ValueError, match="not a recipe of any backend") as err:
+        FP8RecipeKwargs(recipe="blockwise_fp4")
+    assert "torchao:rowwise" in str(err.value) and "te:delayed" in str(err.value)
+
+
+# ---- formats -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("given,expected", [("hybrid", "HYBRID"), ("e4m3", "E4M3"), (" E4M3 ", "E4M3")])
+def test_fp8_format_is_normalised(given, expected):
+    assert FP8RecipeKwargs(fp8_format=given).fp8_format == expected
+
+
+@pytest.mark.parametrize("value", ["E5M2", "e5m2"])
+def test_e5m2_is_explained(value):
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.fp8_format") as err:
+        FP8RecipeKwargs(fp8_format=value)
+    assert "pure E5M2 training is not supported" in str(err.value)
+    assert "'HYBRID'" in str(err.value)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_is_e4m3_only(recipe):
+    assert FP8RecipeKwargs(backend="torchao", recipe=recipe, fp8_format="E4M3").fp8_format == "E4M3"
+    with pytest.raises(ValueError, match=r"FP8RecipeKwargs.fp8_format='HYBRID' cannot be used .*'E4M3'"):
+        FP8RecipeKwargs(backend="torchao", recipe=recipe, fp8_format="HYBRID")
+
+
+def test_tensorwise_accepts_both_formats():
+    for fmt in ("HYBRID", "E4M3"):
+        assert FP8RecipeKwargs(backend="torchao", fp8_format=fmt).fp8_format == fmt
+
+
+# ---- options a torchao recipe cannot honour ------------------------------------------------------
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize(
+    "field,value", [("margin", 1), ("amax_history_len", 16), ("amax_history_len", 1024), ("amax_compute_algo", "max")]
+)
+def test_delayed_scaling_options_rejected_for_current_scaling(recipe, field, value):
+    with pytest.raises(ValueError, match=f"FP8RecipeKwargs.{field}=") as err:
+        FP8RecipeKwargs(backend="torchao", recipe=recipe, **{field: value})
+    assert "delayed" in str(err.value) and "current tensor" in str(err.value)
+
+
+def test_margin_zero_is_a_noop_for_torchao():
+    assert FP8RecipeKwargs(backend="torchao", margin=0).margin == 0
+
+
+def test_delayed_options_accepted_with_auto():
+    r = FP8RecipeKwargs(margin=2, amax_history_len="16", amax_compute_algo="MAX")
+    assert (r.margin, r.amax_history_len, r.amax_compute_algo) == (2, 16, "max")
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "O3", "o2"])
+def test_opt_level_rejected_for_torchao(level):
+    with pytest.raises(ValueError, match=r"FP8RecipeKwargs.opt_level='O\d' is not available with backend 'torchao'"):
+        FP8RecipeKwargs(backend="torchao", opt_level=level)
+
+
+@pytest.mark.parametrize("value", ["none", "None", "O0", ""])
+def test_opt_level_none_spellings(value):
+    assert FP8RecipeKwargs(backend="torchao", opt_level=value).opt_level is None
+
+
+@pytest.mark.parametrize("value", [False, "false", "0"])
+def test_fp8_off_in_eval_rejected_for_torchao(value):
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.use_autocast_during_eval=False cannot be honoured"):
+        FP8RecipeKwargs(backend="torchao", use_autocast_during_eval=value)
+
+
+def test_fp8_in_eval_accepted_for_torchao():
+    assert FP8RecipeKwargs(backend="torchao", use_autocast_during_eval=True).use_autocast_during_eval is True
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_fsdp_fp8_all_gather_only_for_tensorwise(recipe):
+    assert FP8RecipeKwargs(backend="torchao", enable_fsdp_float8_all_gather=True).enable_fsdp_float8_all_gather
+    assert FP8RecipeKwargs(backend="torchao", recipe=recipe, enable_fsdp_float8_all_gather=False)
+    with pytest.raises(ValueError, match=f"enable_fsdp_float8_all_gather=True cannot be honoured by torchao recipe '{recipe}'"):
+        FP8RecipeKwargs(backend="torchao", recipe=recipe, enable_fsdp_float8_all_gather=True)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_pad_inner_dim_accepted_by_every_torchao_recipe(recipe):
+    # torchao pads the data of both GEMM operands along K; the scales lie along the outer dims.
+    assert FP8RecipeKwargs(backend="torchao", recipe=recipe, pad_inner_dim=True).pad_inner_dim is True
+
+
+def test_emulate_accepted_by_torchao():
+    assert FP8RecipeKwargs(backend="torchao", emulate="yes").emulate is True
+
+
+# ---- parsing --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        ("lm_head", ("lm_head",)),
+        ("lm_head, *.mlp.*", ("lm_head", "*.mlp.*")),
+        (["lm_head", "layers.0.*"], ("lm_head", "layers.0.*")),
+        (("a",), ("a",)),
+        ([], ()),
+    ],
+)
+@pytest.mark.parametrize("field", ["include", "exclude"])
+def test_patterns(field, value, expected):
+    assert getattr(FP8RecipeKwargs(**{field: value}), field) == expected
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [("1", True), ("true", True), ("True", True), (" on ", True), (1, True), (True, True),
+     ("0", False), ("false", False), ("FALSE", False), ("off", False), (0, False), (False, False)],
+)
+@pytest.mark.parametrize("field", ["skip_first_last", "skip_slow_shapes", "pad_inner_dim", "emulate"])
+def test_bools(field, value, expected):
+    assert getattr(FP8RecipeKwargs(**{field: value}), field) is expected
+
+
+@pytest.mark.parametrize("value,expected", [("3", 3), (" 12 ", 12), (0, 0), ("0", 0)])
+def test_margin_from_string(value, expected):
+    assert FP8RecipeKwargs(margin=value).margin == expected
+
+
+def test_amax_history_len_from_string():
+    assert FP8RecipeKwargs(amax_history_len="1024").amax_history_len == 1024
+
+
+def test_module_filter_fn_kept():
+    def keep(module, fqn):
+        return fqn != "lm_head"
+
+    assert FP8RecipeKwargs(module_filter_fn=keep).module_filter_fn is keep
+
+
+# ---- replace / to_kwargs / describe -----------------------------------------------------------------
+def test_replace_revalidates():
+    base = FP8RecipeKwargs(backend="torchao", recipe="rowwise")
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.fp8_format='HYBRID'"):
+        base.replace(fp8_format="HYBRID")
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.margin"):
+        base.replace(margin=2)
+    with pytest.raises(ValueError, match="not available in this version"):
+        base.replace(backend="te")
+
+
+def test_replace_parses_and_keeps_other_fields():
+    base = FP8RecipeKwargs(backend="torchao", recipe="rowwise", exclude=["lm_head"])
+    changed = base.replace(recipe="TENSORWISE", skip_first_last="0")
+    assert (changed.recipe, changed.skip_first_last, changed.exclude) == ("tensorwise", False, ("lm_head",))
+    assert base.recipe == "rowwise" and base.skip_first_last is True  # original untouched
+
+
+def test_to_kwargs_default_is_empty():
+    assert FP8RecipeKwargs().to_kwargs() == {}
+
+
+def test_to_kwargs_returns_only_non_defaults():
+    r = FP8RecipeKwargs(backend="ao", recipe="rowwise", exclude="lm_head", skip_slow_shapes=False)
+    assert r.to_kwargs() == {
+        "backend": "torchao",
+        "recipe": "rowwise",
+        "exclude": ("lm_head",),
+        "skip_slow_shapes": False,
+    }
+
+
+def test_to_kwargs_ignores_environment_for_the_defaults(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "torchao")
+    r = FP8RecipeKwargs()
+    assert r.to_kwargs() == {"backend": "torchao"}
+
+
+def test_describe():
+    assert FP8RecipeKwargs().describe() == ""
+    r = FP8RecipeKwargs(backend="torchao", recipe="rowwise", skip_first_last=False)
+    assert r.describe() == "backend='torchao', recipe='rowwise', skip_first_last=False"
+
+
+def test_describe_skips_defaults_set_explicitly():
+    r = FP8RecipeKwargs(backend="auto", exclude=[], skip_first_last=True, skip_slow_shapes="1", margin=0)
+    assert r.describe() == "margin=0"

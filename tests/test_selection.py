@@ -1,0 +1,315 @@
+"""Module selection: which Linear layers become FP8, and the reason for every one that does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec import FP8RecipeKwargs, RunContext
+from lowprec.backends import create_backend
+from lowprec.hardware import device_info
+from lowprec.selection import select_modules
+
+CPU = RunContext(device=device_info("cpu"))
+
+
+def decide(model: nn.Module, **recipe_kwargs) -> dict:
+    recipe = FP8RecipeKwargs(backend="torchao", **recipe_kwargs)
+    return {d.fqn: d for d in select_modules(model, recipe, create_backend(recipe, CPU, require_package=False))}
+
+
+def fp8(decisions: dict) -> list[str]:
+    return [name for name, d in decisions.items() if d.convert]
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 64, h: int = 128):
+        super().__init__()
+        self.up_proj = nn.Linear(d, h)
+        self.act = nn.GELU()
+        self.down_proj = nn.Linear(h, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 64):
+        super().__init__()
+        self.attn = Attention(d)
+        self.norm = nn.LayerNorm(d)
+        self.mlp = MLP(d)
+
+
+class Tiny(nn.Module):
+    """embed, layers.{0,1}.{attn.q_proj, attn.o_proj, mlp.up_proj, mlp.down_proj}, norm, lm_head."""
+
+    def __init__(self, d: int = 64, vocab: int = 96, n: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(n))
+        self.norm = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+
+LINEARS = [f"layers.{i}.{name}" for i in (0, 1) for name in ("attn.q_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
+LINEARS.append("lm_head")
+
+FAST = dict(skip_slow_shapes=False)  # the shapes here are all small
+
+
+def test_only_linears_are_candidates():
+    assert list(decide(Tiny(), **FAST)) == LINEARS
+
+
+def test_skip_first_last():
+    d = decide(Tiny(), **FAST)
+    assert fp8(d) == LINEARS[1:-1]
+    assert d["layers.0.attn.q_proj"].reason == "first Linear layer (skip_first_last=True)"
+    assert d["lm_head"].reason == "last Linear layer (skip_first_last=True)"
+
+
+def test_skip_first_last_off_converts_all():
+    assert fp8(decide(Tiny(), skip_first_last=False, **FAST)) == LINEARS
+
+
+@pytest.mark.parametrize(
+    "pattern,excluded",
+    [
+        ("lm_head", ["lm_head"]),
+        ("up_proj", ["layers.0.mlp.up_proj", "layers.1.mlp.up_proj"]),  # a bare name matches anywhere
+        ("layers.1.*", [n for n in LINEARS if n.startswith("layers.1.")]),
+        ("*.mlp.*", [n for n in LINEARS if ".mlp." in n]),
+        ("layers.*.attn.o_proj", ["layers.0.attn.o_proj", "layers.1.attn.o_proj"]),
+        ("mlp.down_proj", ["layers.0.mlp.down_proj", "layers.1.mlp.down_proj"]),  # a name suffix
+        ("*_proj", LINEARS[:-1]),
+        ("proj", []),  # no partial-word match
+        ("layers.0.attn.q", []),
+    ],
+)
+def test_exclude_patterns(pattern, excluded):
+    d = decide(Tiny(), exclude=[pattern], skip_first_last=False, **FAST)
+    assert [n for n in LINEARS if not d[n].convert] == excluded
+    for name in excluded:
+        assert d[name].reason == f"excluded by pattern {pattern!r}"
+
+
+def test_exclude_comma_string_and_several_patterns():
+    d = decide(Tiny(), exclude="lm_head, layers.0.*", skip_first_last=False, **FAST)
+    assert fp8(d) == [n for n in LINEARS if n.startswith("layers.1.")]
+
+
+@pytest.mark.parametrize(
+    "patterns,included",
+    [
+        (["*.mlp.*"], [n for n in LINEARS if ".mlp." in n]),
+        (["lm_head", "q_proj"], ["layers.0.attn.q_proj", "layers.1.attn.q_proj", "lm_head"]),
+        (["nothing"], []),
+    ],
+)
+def test_include_patterns(patterns, included):
+    d = decide(Tiny(), include=patterns, skip_first_last=False, **FAST)
+    assert fp8(d) == included
+    for name in set(LINEARS) - set(included):
+        assert d[name].reason == "not matched by any include pattern"
+
+
+def test_exclude_beats_include():
+    d = decide(Tiny(), include=["*.mlp.*"], exclude=["down_proj"], skip_first_last=False, **FAST)
+    assert fp8(d) == ["layers.0.mlp.up_proj", "layers.1.mlp.up_proj"]
+    assert d["layers.0.mlp.down_proj"].reason == "excluded by pattern 'down_proj'"
+
+
+def test_module_filter_fn_gets_module_and_fqn():
+    model = Tiny()
+    calls = []
+
+    def keep(module, fqn):
+        calls.append((module, fqn))
+        return fqn != "layers.1.mlp.up_proj"
+
+    d = decide(model, module_filter_fn=keep, skip_first_last=False, **FAST)
+    modules = dict(model.named_modules())
+    assert [fqn for _, fqn in calls] == LINEARS
+    assert all(module is modules[fqn] for module, fqn in calls)
+    assert fp8(d) == [n for n in LINEARS if n != "layers.1.mlp.up_proj"]
+    assert d["layers.1.mlp.up_proj"].reason == "module_filter_fn returned False"
+
+
+def test_module_filter_fn_not_called_for_excluded_modules():
+    seen = []
+    decide(Tiny(), exclude=["lm_head"], module_filter_fn=lambda m, fqn: seen.append(fqn) or True, **FAST)
+    assert "lm_head" not in seen
+
+
+# ---- shape constraints ----------------------------------------------------------------------------
+def odd_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 10), nn.Linear(24, 64), nn.Linear(40, 72), nn.Linear(64, 64))
+
+
+def test_dims_not_divisible_by_16_are_kept():
+    d = decide(odd_model(), skip_first_last=False, **FAST)
+    assert fp8(d) == ["0", "4"]
+    assert d["1"].reason.startswith("out_features=10 not divisible by 16")
+    assert d["2"].reason.startswith("in_features=24 not divisible by 16")
+    assert d["3"].reason.startswith("in_features=40, out_features=72 not divisible by 16")
+    assert "pad_inner_dim=True" in d["1"].reason
+
+
+def test_pad_inner_dim_converts_them():
+    assert fp8(decide(odd_model(), skip_first_last=False, pad_inner_dim=True, **FAST)) == ["0", "1", "2", "3", "4"]
+
+
+class Siblings(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(64, 64)
+        self.a = nn.Linear(64, 64)
+        self.unfit = nn.Linear(64, 10)
+        self.b = nn.Linear(64, 64)
+        self.sub = MLP(64, 128)
+        self.nested = nn.Sequential(nn.Linear(64, 10), MLP(64, 64))
+        self.last = nn.Linear(64, 64)
+
+
+def test_an_unfit_linear_does_not_stop_its_siblings():
+    # Accelerate's TE conversion returns from the loop at the first unfit Linear, leaving every later
+    # sibling (and their children) in high precision.
+    d = decide(Siblings(), **FAST)
+    assert fp8(d) == ["a", "b", "sub.up_proj", "sub.down_proj", "nested.1.up_proj", "nested.1.down_proj"]
+    assert not d["unfit"].convert and not d["nested.0"].convert
+
+
+def test_mha_out_proj_is_never_a_candidate():
+    model = nn.Sequential(nn.Linear(64, 64), nn.MultiheadAttention(64, 4), nn.Linear(64, 64), nn.Linear(64, 64))
+    d = decide(model, **FAST)
+    assert list(d) == ["0", "2", "3"]  # no "1.out_proj"
+    assert fp8(d) == ["2"]
+
+
+def test_mha_out_proj_does_not_count_as_last_linear():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.MultiheadAttention(64, 4))
+    d = decide(model, **FAST)
+    assert d["2"].reason == "last Linear layer (skip_first_last=True)" and fp8(d) == ["1"]
+
+
+def test_a_plain_linear_named_out_proj_is_a_candidate():
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.out_proj = nn.Linear(64, 64)
+
+    d = decide(nn.Sequential(nn.Linear(64, 64), Attn(), nn.Linear(64, 64)), **FAST)
+    assert d["1.out_proj"].convert
+
+
+# ---- speed rule (thresholds of torchao's H100 auto filter; weight shape is (N=out, K=in)) ------------------
+def meta_linear(n: int, k: int) -> nn.Linear:
+    with torch.device("meta"):
+        return nn.Linear(k, n)
+
+
+def one(n: int, k: int, **kwargs):
+    """The decision for a single Linear(K -> N) between two fit ones (first/last rule out of the way)."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 16), nn.Linear(k, n), nn.Linear(16, 16))
+    return decide(model, **kwargs)["1"]
+
+
+@pytest.mark.parametrize(
+    "n,k,slow",
+    [
+        (1024, 4096, True),
+        (16, 16, True),
+        (1024, 16, True),
+        (1040, 4096, False),
+        (1024, 4112, False),
+        (8192, 64, False),
+        (64, 8192, False),
+    ],
+)
+def test_tensorwise_slow_shapes(n, k, slow):
+    d = one(n, k)
+    assert d.convert is not slow
+    if slow:
+        assert d.reason == f"FP8 slower than BF16 on H100 for K={k} <= 4096 and N={n} <= 1024 (skip_slow_shapes=True)"
+    assert d.shape == (n, k)
+    assert one(n, k, skip_slow_shapes=False).convert
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize(
+    "n,k,why",
+    [
+        (2048, 8192, "N=2048 <= 2048"),
+        (2064, 1024, "K=1024 <= 1024"),
+        (8192, 1024, "K=1024 <= 1024"),
+        (4096, 2048, "N=4096 <= 4096 and K=2048 <= 2048"),
+        (2064, 1040, "N=2064 <= 4096 and K=1040 <= 2048"),
+        (4112, 1040, None),
+        (2064, 2064, None),
+        (8192, 8192, None),
+    ],
+)
+def test_rowwise_slow_shapes(recipe, n, k, why):
+    d = one(n, k, recipe=recipe)
+    assert d.convert is (why is None)
+    if why is not None:
+        assert d.reason == f"FP8 slower than BF16 on H100 for {why} (skip_slow_shapes=True)"
+
+
+def test_thresholds_match_torchao_auto_filter():
+    utils = pytest.importorskip("torchao.float8.float8_linear_utils")
+    auto = getattr(utils, "_auto_filter_for_recipe", None)
+    if auto is None:
+        pytest.skip("torchao has no _auto_filter_for_recipe")
+    dims = [16, 1024, 1040, 2048, 2064, 4096, 4112, 8192]
+    for recipe in ("tensorwise", "rowwise"):
+        keep = auto(recipe, filter_fqns=[])
+        for n in dims:
+            for k in dims:
+                assert one(n, k, recipe=recipe).convert == keep(meta_linear(n, k), "x"), (recipe, n, k)
+
+
+# ---- reasons ---------------------------------------------------------------------------------------------
+def test_every_decision_has_a_reason():
+    for decision in decide(Siblings(), exclude=["b"], include=["*"]).values():
+        assert decision.reason
+        assert (decision.reason == "FP8") is decision.convert
+
+
+@pytest.mark.parametrize(
+    "kwargs,reason",
+    [
+        (dict(exclude=["1"]), "excluded by pattern '1'"),
+        (dict(include=["0"]), "not matched by any include pattern"),
+        (dict(module_filter_fn=lambda m, fqn: fqn != "1"), "module_filter_fn returned False"),
+        (dict(), "out_features=10 not divisible by 16"),
+    ],
+)
+def test_first_failing_check_is_the_reason(kwargs, reason):
+    # "1" is unfit and slow; the earlier checks win.
+    d = decide(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 10), nn.Linear(16, 16)), **kwargs)
+    assert d["1"].reason.startswith(reason)
+
+
+def test_first_linear_reason_beats_shape_reason():
+    d = decide(nn.Sequential(nn.Linear(16, 10), nn.Linear(16, 16)))
+    assert d["0"].reason == "first Linear layer (skip_first_last=True)"
+
+
+def test_decision_fields():
+    d = decide(Tiny(), **FAST)
+    up = d["layers.0.mlp.up_proj"]
+    assert (up.kind, up.shape, up.params, up.convert) == ("linear", (128, 64), 128 * 64 + 128, True)
+    assert d["layers.0.attn.q_proj"].params == 64 * 64  # no bias
+
+
+def test_root_linear():
+    d = decide(nn.Linear(64, 64), skip_first_last=False, **FAST)
+    assert list(d) == ["<root>"] and d["<root>"].convert
