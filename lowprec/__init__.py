@@ -7,6 +7,7 @@
 
 from .accelerator import Accelerator
 from .backends import BackendUnavailableError, RunContext
+from .export import portable_state_dict
 from .plan import PlanMismatchError, PrecisionPlan, build_plan, plan_for
 from .recipe import FP8RecipeKwargs
 from .utils.imports import MissingDependencyError
@@ -22,6 +23,7 @@ __all__ = [
     "PrecisionPlan",
     "RunContext",
     "build_plan",
+    "portable_state_dict",
     "plan_for",
     "__version__",
 ]

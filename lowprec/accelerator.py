@@ -116,6 +116,19 @@ class Accelerator(_Accelerator):
         """The plan of the last model prepared, or None without FP8."""
         return self._lowprec[-1][2] if self._lowprec else None
 
+    def get_state_dict(self, model, unwrap: bool = True):
+        """Accelerate's `get_state_dict`; with `unwrap=True` (what `save_model` uses) the result loads
+        into the original, unconverted model: backend-only entries such as TE's `_extra_state` are
+        dropped and FP8-only weights dequantised. `save_state` (unwrap=False) keeps everything,
+        so training resumes exactly."""
+        state_dict = super().get_state_dict(model, unwrap=unwrap)
+        if unwrap and state_dict is not None:
+            inner = self.unwrap_model(model, keep_torch_compile=False)
+            for converted, backend, _ in self._lowprec:
+                if converted is inner:
+                    state_dict = backend.portable_state_dict(state_dict)
+        return state_dict
+
     def run_context(self) -> RunContext:
         """The device and distributed engine plans are made for."""
         engines = {
@@ -134,7 +147,11 @@ class Accelerator(_Accelerator):
                 f"lowprec FP8 does not support distributed_type={self.distributed_type.value!r}; "
                 "use single-process, DDP (multi-GPU), FSDP or DeepSpeed"
             )
-        return RunContext(device=device_info(self.device), engine=engine, world_size=self.num_processes)
+        from accelerate.utils import DynamoBackend
+
+        compiled = self.state.dynamo_plugin is not None and self.state.dynamo_plugin.backend != DynamoBackend.NO
+        return RunContext(device=device_info(self.device), engine=engine, world_size=self.num_processes,
+                          compiled=compiled)
 
     # ---- prepare -----------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None):
@@ -149,11 +166,20 @@ class Accelerator(_Accelerator):
                 converted.append(i)
         if optimizers and len(converted) == 1:
             _, backend, plan = self._lowprec[-1]
+            replaced = {}
             for i, obj in enumerate(args):
                 if isinstance(obj, torch.optim.Optimizer):
                     args[i] = backend.wrap_optimizer(obj, plan)
+                    replaced[id(obj)] = args[i]
+            # An LR scheduler built on the user's optimizer must drive its replacement.
+            for obj in args:
+                if hasattr(obj, "optimizer") and id(obj.optimizer) in replaced:
+                    obj.optimizer = replaced[id(obj.optimizer)]
+        if self.is_fsdp2:
+            _expose_data_pointers(args)
         result = super().prepare(*args, device_placement=device_placement)
-        results = result if isinstance(result, tuple) else (result,)
+        # One prepared object comes back bare; several as a tuple (or a list on the FSDP2 path).
+        results = tuple(result) if isinstance(result, (tuple, list)) and len(args) > 1 else (result,)
         prepared_optimizers = [r for r in results if isinstance(r, torch.optim.Optimizer)]
         for i in converted:
             self._finalize(results[i], prepared_optimizers)
@@ -215,6 +241,23 @@ def _wrap_forward(model: nn.Module, context_factory) -> None:
             return forward(*args, **kwargs)
 
     model.forward = forward_in_context
+
+
+def _expose_data_pointers(args: list) -> None:
+    """Let Accelerate's FSDP2 optimizer remap find every parameter.
+
+    Accelerate keys parameters by `data_ptr()` when it swaps an optimizer onto the sharded
+    parameters; a wrapper-subclass parameter (torchao's FP8 all-gather weight) reports 0 there while
+    Accelerate's name-side lookup sees its inner tensor. Before the swap, the optimizer's entry for
+    such a parameter is replaced by that inner tensor, which has the pointer Accelerate expects;
+    Accelerate then points the optimizer at the sharded parameter.
+    """
+    for opt in (a for a in args if isinstance(a, torch.optim.Optimizer)):
+        for group in opt.param_groups:
+            group["params"] = [
+                p._tensor if p.data_ptr() == 0 and isinstance(getattr(p, "_tensor", None), torch.Tensor) else p
+                for p in group["params"]
+            ]
 
 
 def _remap_optimizer_params(optimizers, before: dict[str, nn.Parameter], after: dict[str, nn.Parameter]) -> None:

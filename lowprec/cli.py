@@ -165,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_plan(args)
         return cmd_env(args)
     except (ValueError, RuntimeError, ImportError) as exc:
-        print(f"lowprec {args.command}: {exc}", file=sys.stderr)
+        hint = ""
+        if args.command == "plan" and args.capability is None and "cannot run here" in str(exc):
+            hint = " (to plan for another machine, pass --capability, e.g. --capability 9.0 for H100/H200)"
+        print(f"lowprec {args.command}: {exc}{hint}", file=sys.stderr)
         return 2
 
 

@@ -60,14 +60,20 @@ def _from_te(handler: Any) -> FP8RecipeKwargs:
             f"TERecipeKwargs.override_linear_precision={override!r} cannot be honoured: TransformerEngine "
             "removed it in v2.0. Keep sensitive layers in high precision with FP8RecipeKwargs(exclude=[...])."
         )
+    mxfp8 = bool(getattr(handler, "use_mxfp8_block_scaling", False))
+    delayed = {"margin": handler.margin, "amax_history_len": handler.amax_history_len,
+               "amax_compute_algo": handler.amax_compute_algo}
+    if mxfp8:
+        # MXFP8 has no amax history: only values changed from the handler's defaults are passed on
+        # (and rejected), as Accelerate rejects them too.
+        defaults = {"margin": 0, "amax_history_len": 1024, "amax_compute_algo": "most_recent"}
+        delayed = {k: v for k, v in delayed.items() if v != defaults[k]}
     return FP8RecipeKwargs(
         backend="te",
-        recipe="mxfp8" if getattr(handler, "use_mxfp8_block_scaling", False) else "delayed",
+        recipe="mxfp8" if mxfp8 else "delayed",
         fp8_format=handler.fp8_format,
-        margin=handler.margin,
-        amax_history_len=handler.amax_history_len,
-        amax_compute_algo=handler.amax_compute_algo,
         use_autocast_during_eval=handler.use_autocast_during_eval,
+        **delayed,
     )
 
 

@@ -79,6 +79,7 @@ class PrecisionPlan:
     modules: list[ModuleDecision]
     param_dtype: str
     bytes_per_param: dict[str, float]
+    total_params: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -232,6 +233,7 @@ def build_plan(
         modules=select_modules(model, backend.recipe, backend),
         param_dtype=short_dtype(param_dtype),
         bytes_per_param={},
+        total_params=sum(p.numel() for p in model.parameters()),
         options=backend.effective_options(),
     )
     plan.tensors = backend.tensor_precisions(plan)

@@ -110,6 +110,8 @@ class FP8RecipeKwargs(KwargsHandler):
         enable_fsdp_float8_all_gather: all-gather weights in FP8 under FSDP2 (recipes that support
             it). None: on wherever it applies.
         use_autocast_during_eval: run FP8 in eval mode too. None: the backend's default.
+        fp8_weights: te only: keep converted Linear weights in FP8 only (TE's quantized_model_init),
+            with FP32 master weights in TE's FusedAdam, which replaces Adam/AdamW.
         emulate: True forces emulation (FP8 numerics, high-precision matmuls); False forbids it
             (error without FP8 hardware); None emulates only where there is no FP8 hardware.
     """
@@ -129,6 +131,7 @@ class FP8RecipeKwargs(KwargsHandler):
     pad_inner_dim: bool | None = None
     enable_fsdp_float8_all_gather: bool | None = None
     use_autocast_during_eval: bool | None = None
+    fp8_weights: bool | None = None
     emulate: bool | None = None
 
     def __post_init__(self):
@@ -235,3 +238,23 @@ class FP8RecipeKwargs(KwargsHandler):
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != defaults.get(f.name)
         )
+
+
+_REMOVED = {
+    "interval": "TransformerEngine removed `interval` in v2.3: amax is updated every step",
+    "override_linear_precision": "TransformerEngine removed `override_linear_precision` in v2.0: keep sensitive "
+                                 "layers in high precision with exclude=[...] instead",
+}
+_dataclass_init = FP8RecipeKwargs.__init__
+
+
+def _init_rejecting_removed_options(self, *args, **kwargs):
+    for option, why in _REMOVED.items():
+        if option in kwargs:
+            raise ValueError(f"FP8RecipeKwargs.{option}={kwargs[option]!r} cannot be honoured: {why}")
+    _dataclass_init(self, *args, **kwargs)
+
+
+_init_rejecting_removed_options.__signature__ = __import__("inspect").signature(_dataclass_init)
+_init_rejecting_removed_options.__doc__ = _dataclass_init.__doc__
+FP8RecipeKwargs.__init__ = _init_rejecting_removed_options

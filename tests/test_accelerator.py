@@ -138,9 +138,17 @@ def test_handler_alone_turns_fp8_on():
 
 def test_accelerates_own_fp8_paths_stay_off(monkeypatch):
     """ACCELERATE_FP8_BACKEND=te would send Accelerate's own code into TE; lowprec answers instead."""
+    from lowprec import BackendUnavailableError
+
     monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "te")
-    with pytest.raises(ValueError, match="not available in this version"):
-        Accelerator(mixed_precision="fp8")
+    accelerator = Accelerator(mixed_precision="fp8")
+    assert accelerator.fp8_recipe.backend == "te"
+    with pytest.raises(BackendUnavailableError, match="transformer_engine is not installed"):
+        accelerator.prepare(regression_model())
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "torchao")
     accelerator = Accelerator(mixed_precision="fp8")
     from accelerate.utils.dataclasses import FP8BackendType

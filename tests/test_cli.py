@@ -44,9 +44,17 @@ def test_plan_local_config_file(tmp_path, capsys):
     assert "lm_head" in out and "1000 not divisible by 16" in out.replace("out_features=", "")
 
 
-def test_plan_for_unavailable_backend_is_a_clear_error(capsys):
+def test_plan_for_backend_that_cannot_run_here_is_a_clear_error(capsys):
     assert main(["plan", "--backend", "te"]) == 2
-    assert "not available in this version" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "TransformerEngine has no emulation mode" in err and "--capability" in err
+
+
+def test_plan_te_for_h100_needs_no_te_installed(capsys):
+    assert main(["plan", "--backend", "te", "--recipe", "current", "--capability", "9.0"]) == 0
+    out = capsys.readouterr().out
+    assert "backend te (NVIDIA TransformerEngine), recipe 'current'" in out
+    assert "9 of 9 norm layers replaced" in out  # 2 per layer x 4 layers + the final norm
 
 
 def test_plan_bad_option_value(capsys):

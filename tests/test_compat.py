@@ -160,9 +160,10 @@ def test_te_override_linear_precision_is_rejected(override):
     "changes", [{}, {"interval": None}, {"override_linear_precision": None}, {"use_mxfp8_block_scaling": True}]
 )
 def test_te_noop_values_reach_the_te_backend(changes):
-    # interval=1 / no overrides pass; what fails is the te backend, absent from this version.
-    with pytest.raises(ValueError, match="FP8RecipeKwargs.backend='te'.*not available in this version"):
-        _from_te(te_handler(**changes))
+    # interval=1 / no overrides are no-ops: the handler translates to the te backend.
+    r = _from_te(te_handler(**changes))
+    assert r.backend == "te"
+    assert r.recipe == ("mxfp8" if changes.get("use_mxfp8_block_scaling") else "delayed")
 
 
 def test_deprecated_handler_with_te_goes_through_te_checks():

@@ -58,6 +58,7 @@ EVERY_KEY = [
     ("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "False", "enable_fsdp_float8_all_gather", False),
     ("ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", "True", "use_autocast_during_eval", True),
     ("ACCELERATE_FP8_EMULATE", "1", "emulate", True),
+    ("ACCELERATE_FP8_FP8_WEIGHTS", "true", "fp8_weights", True),
 ]
 
 
@@ -304,10 +305,10 @@ def test_mxfp8_flag_contradicting_recipe(monkeypatch):
         read_fp8_env()
 
 
-def test_mxfp8_with_te_backend_is_not_available(monkeypatch):
+def test_mxfp8_flag_selects_the_te_mxfp8_recipe(monkeypatch):
     setenv(monkeypatch, {"ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING": "1", "ACCELERATE_FP8_BACKEND": "te"})
-    with pytest.raises(ValueError, match="not available in this version"):
-        FP8RecipeKwargs()
+    r = FP8RecipeKwargs()
+    assert (r.backend, r.recipe) == ("te", "mxfp8")
 
 
 def test_mxfp8_with_torchao_backend_is_rejected(monkeypatch):
@@ -421,5 +422,6 @@ def test_accelerate_launch_config_file(tmp_path):
         "pad_inner_dim": None,  # launcher's PAD_INNER_DIM=1 ignored
         "enable_fsdp_float8_all_gather": None,  # launcher's =1 ignored (rowwise would reject it)
         "use_autocast_during_eval": None,  # launcher's =False ignored (torchao would reject it)
+        "fp8_weights": None,
         "emulate": True,
     }

@@ -51,6 +51,7 @@ class RunContext:
     device: DeviceInfo
     engine: str = "single"  # "single", "ddp", "fsdp2", "deepspeed", "fsdp1"
     world_size: int = 1
+    compiled: bool = False  # the model will run under torch.compile
 
     ENGINES: ClassVar[tuple[str, ...]] = ("single", "ddp", "fsdp2", "deepspeed", "fsdp1")
 
@@ -74,6 +75,7 @@ class Backend(ABC):
     eval_fp8_default: ClassVar[bool] = True
     eval_fp8_configurable: ClassVar[bool] = False
     pads_inner_dim: ClassVar[bool] = False
+    supports_fp8_weights: ClassVar[bool] = False
     implemented: ClassVar[bool] = True
 
     @classmethod
@@ -139,6 +141,11 @@ class Backend(ABC):
             raise ValueError(
                 f"{field}.enable_fsdp_float8_all_gather=True cannot be honoured by {cls.name} recipe {name!r}: "
                 "its weights are all-gathered in high precision"
+            )
+        if recipe.fp8_weights and not cls.supports_fp8_weights:
+            raise ValueError(
+                f"{field}.fp8_weights=True cannot be honoured by backend {cls.name!r}: it keeps weights in high "
+                "precision (backend='te' offers FP8-only weights)"
             )
         if recipe.emulate and not cls.supports_emulation:
             raise ValueError(f"{field}.emulate=True cannot be honoured: backend {cls.name!r} has no emulation mode")
@@ -222,6 +229,10 @@ class Backend(ABC):
         """A callable to run after each real optimizer step, or None."""
         return None
 
+    def portable_state_dict(self, state_dict: dict) -> dict:
+        """The state dict as the original (unconverted) model would have it."""
+        return state_dict
+
     def effective_options(self) -> dict[str, object]:
         """The recipe options as this backend applies them (defaults filled in), for the plan."""
         r = self.recipe
@@ -233,6 +244,8 @@ class Backend(ABC):
         out["use_autocast_during_eval"] = (
             r.use_autocast_during_eval if r.use_autocast_during_eval is not None else self.eval_fp8_default
         )
+        if self.supports_fp8_weights:
+            out["fp8_weights"] = bool(r.fp8_weights)
         out["skip_first_last"] = r.skip_first_last
         out["skip_slow_shapes"] = r.skip_slow_shapes
         return out

@@ -1,21 +1,295 @@
-"""TransformerEngine adapter (not in this version: see `TEBackend.not_implemented_message`)."""
+"""TransformerEngine adapter: nn.Linear / LayerNorm / RMSNorm -> TE modules, run under `te.autocast`."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from .base import Backend, RecipeInfo
+import torch
+from torch import nn
+
+from ..utils.imports import require
+from .base import Backend, BackendUnavailableError, RecipeInfo
+from .torchao import _is_mha_projection
+
+if TYPE_CHECKING:
+    from ..plan import PrecisionPlan, TensorPrecision
+
+log = logging.getLogger(__name__)
+
+# Last dimension (and out_features) multiple a recipe's FP8 GEMMs need. TE's hard floor is 16 for
+# in_features and 8 for out_features; 16 both ways keeps the backward GEMMs aligned too. Block
+# scaling documents 128 (not enforced by te.Linear, but its scale tiles assume it); MXFP8 checks 32.
+_ALIGN = {"delayed": 16, "current": 16, "block": 128, "mxfp8": 32}
+_KNOWN_ZERO_CENTERED = ("Gemma",)  # class-name prefixes whose RMSNorm computes x * (1 + w)
+
+
+def _te_class_module(module: nn.Module) -> bool:
+    mod = type(module).__module__
+    return mod.startswith("transformer_engine") or mod == "lowprec.backends.te_modules"
 
 
 class TEBackend(Backend):
     name = "te"
     display_name = "NVIDIA TransformerEngine"
     package = "transformer_engine"
-    implemented: ClassVar[bool] = False
     default_recipe = "delayed"
     recipes = {
-        "delayed": RecipeInfo("delayed", "per-tensor scales from an amax history", ("HYBRID", "E4M3"), delayed=True),
-        "current": RecipeInfo("current", "per-tensor scales from the current tensor", ("HYBRID", "E4M3")),
-        "block": RecipeInfo("block", "1x128 / 128x128 block scales", ("E4M3",), min_capability=(9, 0)),
-        "mxfp8": RecipeInfo("mxfp8", "MXFP8 1x32 blocks, E8M0 scales", ("E4M3",), min_capability=(10, 0)),
+        "delayed": RecipeInfo(
+            "delayed", "per-tensor scales from an amax history (TE DelayedScaling)", ("HYBRID", "E4M3"), delayed=True
+        ),
+        "current": RecipeInfo("current", "per-tensor scales from the current tensor (Float8CurrentScaling)",
+                              ("HYBRID", "E4M3")),
+        "block": RecipeInfo("block", "1x128 activation/gradient and 128x128 weight blocks (Float8BlockScaling)",
+                            ("E4M3",), min_capability=(9, 0)),
+        "mxfp8": RecipeInfo("mxfp8", "MXFP8: 1x32 blocks with E8M0 scales (Blackwell)", ("E4M3", "HYBRID"),
+                            min_capability=(10, 0), max_capability=(12, 0)),
     }
+    supports_emulation = False
+    eval_fp8_default = False  # TE's and Accelerate's default: evaluate in high precision
+    eval_fp8_configurable = True
+    supports_fp8_weights = True
+
+    def __init__(self, recipe, context):
+        super().__init__(recipe, context)
+        self._rms_variants: dict[int, str | None] = {}
+        self._hp_weights: dict[int, torch.Tensor] = {}
+        if context.compiled and self.recipe_name == "delayed":
+            raise ValueError(
+                "FP8RecipeKwargs(backend='te', recipe='delayed') cannot run under torch.compile: TransformerEngine "
+                "rejects DelayedScaling inside compiled code. Use recipe='current' (per-tensor current scaling, "
+                "compilable), or turn compilation off."
+            )
+        if self.recipe.fp8_weights and context.engine in ("fsdp2", "fsdp1", "deepspeed"):
+            raise BackendUnavailableError(
+                f"FP8RecipeKwargs(backend='te', fp8_weights=True) is not supported with {context.engine} in this "
+                "version of lowprec; use fp8_weights=False there (weights stay high precision, GEMMs FP8)"
+            )
+        if self.recipe_name == "block" and not self.emulated and torch.cuda.is_available():
+            ok, reason = self._te().is_fp8_block_scaling_available(return_reason=True)
+            if not ok:
+                raise BackendUnavailableError(f"FP8RecipeKwargs(backend='te', recipe='block') cannot run here: {reason}")
+
+    @staticmethod
+    def _te():
+        return require("transformer_engine", feature="backend='te'")
+
+    # ----- which modules -------------------------------------------------------------------
+    def candidate_kind(self, module: nn.Module) -> str | None:
+        if isinstance(module, nn.Linear) and not _is_mha_projection(module):
+            return "linear"
+        if isinstance(module, nn.LayerNorm):
+            return "layernorm"
+        name = type(module).__name__
+        if isinstance(module, nn.RMSNorm) or (name.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)):
+            return "rmsnorm"
+        return None
+
+    def is_converted(self, module: nn.Module) -> bool:
+        return _te_class_module(module) and type(module).__name__ in ("Linear", "LayerNorm", "RMSNorm")
+
+    def constraint(self, module: nn.Module) -> str | None:
+        kind = self.candidate_kind(module)
+        if kind == "linear":
+            align = _ALIGN[self.recipe_name]
+            bad = [f"{n}={d}" for n, d in (("in_features", module.in_features), ("out_features", module.out_features))
+                   if d % align]
+            if bad:
+                return f"{', '.join(bad)} not divisible by {align} (TE {self.recipe_name!r} FP8 GEMM requirement)"
+            return None
+        if kind == "layernorm":
+            if not module.elementwise_affine:
+                return "LayerNorm without affine parameters (te.LayerNorm always has weight and bias)"
+            if module.bias is None:
+                return "LayerNorm(bias=False) (te.LayerNorm always has a bias)"
+            return None
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.dim() != 1:
+            return "RMSNorm without a 1-D weight (te.RMSNorm needs one)"
+        if self.rms_variant(module) is None:
+            return f"{type(module).__name__} does not compute x * rsqrt(mean(x^2) + eps) * w (or * (1 + w)); kept as is"
+        return None
+
+    def rms_variant(self, module: nn.Module) -> str | None:
+        """'standard' (x̂·w), 'zero_centered' (x̂·(1+w), Gemma) or None (something else)."""
+        key = id(module)
+        if key not in self._rms_variants:
+            self._rms_variants[key] = self._probe_rms(module)
+        return self._rms_variants[key]
+
+    @staticmethod
+    @torch.no_grad()
+    def _probe_rms(module: nn.Module) -> str | None:
+        name = type(module).__name__
+        weight = module.weight
+        if weight.is_meta:  # planning on the meta device: judge by class
+            return "zero_centered" if name.startswith(_KNOWN_ZERO_CENTERED) else "standard"
+        from .te_modules import rmsnorm_eps
+
+        eps = rmsnorm_eps(module)
+        x = torch.randn(4, weight.numel(), generator=torch.Generator().manual_seed(0)).to(weight.device)
+        with torch.autocast(weight.device.type, enabled=False):
+            y = module(x.to(weight.dtype)).float()
+        base = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        w = weight.float()
+        tol = dict(rtol=2e-2, atol=1e-3) if weight.dtype != torch.float32 else dict(rtol=1e-4, atol=1e-5)
+        if torch.allclose(y, base * w, **tol):
+            return "standard"
+        if torch.allclose(y, base * (1 + w), **tol):
+            return "zero_centered"
+        return None
+
+    def slow_shape(self, module: nn.Module) -> str | None:
+        # TE publishes no per-shape table; torchao's H100 per-tensor thresholds describe the same
+        # cuBLAS FP8 GEMMs against BF16, so they apply to TE's per-tensor recipes too.
+        n, k = module.out_features, module.in_features
+        if k <= 4096 and n <= 1024:
+            return f"FP8 slower than BF16 on H100 for K={k} <= 4096 and N={n} <= 1024"
+        return None
+
+    # ----- recipe and context ----------------------------------------------------------------
+    def te_recipe(self):
+        self._te()
+        from transformer_engine.common import recipe as R
+
+        fmt = R.Format.HYBRID if self.fp8_format == "HYBRID" else R.Format.E4M3
+        opts = self.effective_options()
+        if self.recipe_name == "delayed":
+            return R.DelayedScaling(margin=opts["margin"], fp8_format=fmt, amax_history_len=opts["amax_history_len"],
+                                    amax_compute_algo=opts["amax_compute_algo"], reduce_amax=True)
+        if self.recipe_name == "current":
+            return R.Float8CurrentScaling(fp8_format=fmt)
+        if self.recipe_name == "block":
+            return R.Float8BlockScaling(fp8_format=fmt)
+        return R.MXFP8BlockScaling(fp8_format=fmt)
+
+    def forward_context(self, model: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+        te = self._te()
+        recipe = self.te_recipe()
+        eval_fp8 = self.effective_options()["use_autocast_during_eval"]
+        # amax_reduction_group=None is the world group: DelayedScaling keeps one scale per tensor
+        # across data-parallel replicas (the only parallelism lowprec runs); other recipes ignore it.
+        return lambda: te.autocast(enabled=model.training or eval_fp8, recipe=recipe)
+
+    # ----- layer replacement -------------------------------------------------------------------
+    def convert(self, model: nn.Module, plan: PrecisionPlan) -> nn.Module:
+        from ..convert import swap_planned_modules
+        from .te_modules import from_float
+
+        te = self._te()
+        device = None
+        quantized_init = None
+        if self.recipe.fp8_weights:
+            # FP8-only weights are quantised on the GPU at construction.
+            device = torch.device("cuda", torch.cuda.current_device())
+            recipe = self.te_recipe()
+
+            def quantized_init():
+                return te.quantized_model_init(enabled=True, recipe=recipe)
+
+        def build(module: nn.Module, decision) -> nn.Module:
+            zero_centered = decision.kind == "rmsnorm" and self.rms_variant(module) == "zero_centered"
+            init = quantized_init if decision.kind == "linear" else None
+            new = from_float(module, decision.kind, zero_centered=zero_centered, device=device, quantized_init=init)
+            if init is not None:
+                self._hp_weights[id(new.weight)] = module.weight.detach().to(new.weight.device, torch.float32).clone()
+            return new
+
+        return swap_planned_modules(model, plan, build)
+
+    # ----- optimizer-state precision ------------------------------------------------------------
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, plan: PrecisionPlan) -> torch.optim.Optimizer:
+        if not self.recipe.fp8_weights:
+            return optimizer
+        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+            raise ValueError(
+                "FP8RecipeKwargs(fp8_weights=True) needs master weights: lowprec moves torch.optim.Adam / AdamW to "
+                f"TransformerEngine's FusedAdam(master_weights=True); got {type(optimizer).__name__}"
+            )
+        fused_adam = self._te().optimizers.FusedAdam
+        defaults = optimizer.defaults
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or defaults.get("decoupled_weight_decay", False)
+        # Keep the hyper-parameters and keys others added (a scheduler's initial_lr); drop torch's
+        # implementation switches (foreach, fused, capturable, ...), which FusedAdam has its own of.
+        torch_switches = set(defaults) - {"lr", "betas", "eps", "weight_decay"}
+        groups = [{k: v for k, v in group.items() if k not in torch_switches} for group in optimizer.param_groups]
+        new = fused_adam(
+            groups,
+            lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"], weight_decay=defaults["weight_decay"],
+            adam_w_mode=bool(decoupled), master_weights=True, master_weight_dtype=torch.float32,
+        )
+        seeded = 0
+        for group in new.param_groups:
+            for p in group["params"]:
+                hp = self._hp_weights.pop(id(p), None)
+                if hp is not None:
+                    new.initialize_state(p, store_param_remainders=False)
+                    new.set_scaled_state(p, "master_param", hp)  # exact FP32 master, not the FP8 round trip
+                    seeded += 1
+        if self._hp_weights:
+            warnings.warn(
+                "lowprec: some FP8-only weights were not in the optimizer passed to prepare(); their FP32 master "
+                "copies will start from the FP8 values", stacklevel=3,
+            )
+            self._hp_weights.clear()
+        log.info("lowprec: %s -> TE FusedAdam(master_weights=True), %d FP32 masters seeded", type(optimizer).__name__,
+                 seeded)
+        return new
+
+    def portable_state_dict(self, state_dict: dict) -> dict:
+        from .te_modules import portable_state_dict
+
+        return portable_state_dict(state_dict)
+
+    # ----- plan ---------------------------------------------------------------------------------
+    def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
+        from ..plan import TensorPrecision
+
+        hp = plan.param_dtype
+        opts = self.effective_options()
+        gemm = {"HYBRID": "FP8 E4M3/E5M2", "E4M3": "FP8 E4M3"}[self.fp8_format]
+        scaling = {
+            "delayed": f"delayed per-tensor: scale from the {opts.get('amax_compute_algo')} amax of the last "
+                       f"{opts.get('amax_history_len')} steps, margin {opts.get('margin')}, amax reduced across ranks",
+            "current": "per-tensor from the amax of the current tensor",
+            "block": "1x128 blocks (activations, gradients), 128x128 blocks (weights), power-of-2 scales",
+            "mxfp8": "1x32 blocks with E8M0 (power-of-2) scales",
+        }[self.recipe_name]
+        fp8_weights = bool(self.recipe.fp8_weights)
+        return [
+            TensorPrecision("gemm", gemm, scaling),
+            TensorPrecision("grad_comm", hp),
+            TensorPrecision("weight", f"FP8 E4M3 (Linear), {hp} (rest)" if fp8_weights else hp,
+                            "quantised at init and after each step by FusedAdam" if fp8_weights else ""),
+            TensorPrecision("master_weight", "FP32 (TE FusedAdam)" if fp8_weights else "N/A"),
+            TensorPrecision("weight_grad", hp),
+            TensorPrecision("optimizer_states", f"{hp}+{hp}"),
+        ]
+
+    def model_state_bytes(self, plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
+        out = super().model_state_bytes(plan, param_dtype)
+        if self.recipe.fp8_weights:
+            # Converted Linear weights: 1 byte plus a 4-byte FP32 master; the rest unchanged.
+            share = plan.fp8_linear_param_fraction * _linear_share(plan)
+            out["weight"] = share * 1 + (1 - share) * param_dtype.itemsize
+            out["master_weight"] = share * 4
+        return out
+
+    def notes(self, plan: PrecisionPlan) -> list[str]:
+        notes = ["TE FP8 GEMMs need batch x sequence divisible by 8 at run time (pad sequences)"]
+        if not self.effective_options()["use_autocast_during_eval"]:
+            notes.append("eval runs in high precision (use_autocast_during_eval=False)")
+        if self.recipe_name == "delayed":
+            notes.append("DelayedScaling: checkpoints keep scales and amax histories without pickle; not compilable")
+        if self.recipe.fp8_weights:
+            notes.append("fp8_weights: Adam/AdamW is replaced by TE FusedAdam(master_weights=True)")
+        return notes
+
+
+def _linear_share(plan: PrecisionPlan) -> float:
+    """Share of all model parameters that are in Linear layers (the plan counts candidates only)."""
+    linear = sum(m.params for m in plan.modules if m.kind == "linear")
+    return linear / plan.total_params if plan.total_params else 0.0

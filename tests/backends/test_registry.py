@@ -66,7 +66,7 @@ def test_auto_emulate_false_on_cpu_finds_nothing():
     with pytest.raises(BackendUnavailableError) as err:
         resolve_backend(FP8RecipeKwargs(emulate=False), CPU)
     message = str(err.value)
-    assert "te: not available in this version" in message
+    assert "te: transformer_engine is not installed" in message
     assert "msamp: not available in this version" in message
     assert "torchao: cannot run on CPU" in message
 
@@ -90,7 +90,7 @@ def test_auto_reports_why_each_backend_was_passed_over(kwargs, field, torchao_re
         resolve_backend(r, H100)
     assert f"torchao: FP8RecipeKwargs.{field}=" in str(err.value)
     assert torchao_reason in str(err.value)
-    assert "te: not available in this version" in str(err.value)
+    assert "te: transformer_engine is not installed" in str(err.value)
 
 
 def test_explicit_backend_resolves_to_itself():

@@ -1,0 +1,111 @@
+"""Train a small Llama on 2 GPUs through lowprec.Accelerator and record whether FP8 was really active.
+
+    accelerate launch --multi_gpu --num_processes 2 tests/distributed/gpu_engines.py \
+        --backend te --recipe current --engine fsdp2 --out result.json
+
+Engines: ddp (Accelerate's MULTI_GPU) or fsdp2 (FullyShardedDataParallelPlugin(fsdp_version=2),
+one shard unit per decoder layer). Evidence written by rank 0:
+- te: every TE Linear reported `fp8 == True` in its forward hook during training steps;
+- torchao: every Float8Linear ran, and under FSDP2 its weight is torchao's FP8 all-gather subclass
+  with a precomputed scale (the post-step hook ran);
+- parameters identical across ranks after training (DDP) / loss falling on both ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch import nn
+
+from lowprec import Accelerator, FP8RecipeKwargs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", default="te")
+    p.add_argument("--recipe", default=None)
+    p.add_argument("--engine", choices=["ddp", "fsdp2"], default="ddp")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--size", default="small")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    kwargs = {}
+    if args.engine == "fsdp2":
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True,
+        )
+    recipe = FP8RecipeKwargs(backend=args.backend, recipe=args.recipe)
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
+
+    from lowprec.demo.data import Windows, stdlib_corpus
+    from lowprec.demo.model import PRESETS, build_model
+
+    torch.manual_seed(0)
+    preset = PRESETS[args.size]
+    model = build_model(preset)
+    corpus = stdlib_corpus(max_bytes=8 * 2**20)
+    data = Windows(corpus.train, preset.seq_len, args.steps * preset.batch * accelerator.num_processes, seed=0)
+    loader = torch.utils.data.DataLoader(data, batch_size=preset.batch)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    plan = accelerator.precision_plan
+    inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+
+    fp8_flags: list[bool] = []
+    if plan.backend == "te":
+        import transformer_engine.pytorch as te
+
+        fp8_modules = [m for m in inner.modules() if isinstance(m, te.Linear)]
+        for m in fp8_modules:
+            m.register_forward_hook(lambda mod, i, o: fp8_flags.append(bool(mod.fp8)))
+    else:
+        fp8_modules = [m for m in inner.modules() if type(m).__name__ == "Float8Linear"]
+        for m in fp8_modules:
+            m.register_forward_hook(lambda mod, i, o: fp8_flags.append(True))
+
+    losses, times = [], []
+    model.train()
+    for ids in loader:
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
+        times.append(time.perf_counter() - t0)
+
+    evidence = {}
+    if plan.backend == "torchao" and args.engine == "fsdp2":
+        weights = [m.weight for m in fp8_modules]
+        local = [getattr(w, "_local_tensor", w) for w in weights]
+        evidence["fp8_all_gather_weights"] = sum(type(t).__name__ == "WeightWithDynamicFloat8CastTensor" for t in local)
+        evidence["precomputed_scales"] = sum(getattr(t, "_precomputed_scale", None) is not None for t in local)
+    if args.engine == "ddp":
+        flat = torch.cat([q.detach().float().flatten() for q in inner.parameters()])
+        gathered = accelerator.gather(flat.unsqueeze(0))
+        evidence["max_param_diff_across_ranks"] = (gathered[0] - gathered[1]).abs().max().item()
+    per_step = sorted(times[5:])[len(times[5:]) // 2] if len(times) > 5 else None
+    if accelerator.is_main_process:
+        with open(args.out, "w") as fh:
+            json.dump({
+                "backend": plan.backend, "recipe": plan.recipe, "engine": plan.engine, "world_size": plan.world_size,
+                "distributed_type": str(accelerator.distributed_type), "model_type": type(model).__name__,
+                "fp8_modules": len(fp8_modules), "planned_fp8_linears": sum(d.kind == "linear" for d in plan.converted),
+                "fp8_forward_calls": len(fp8_flags), "all_forwards_in_fp8": bool(fp8_flags) and all(fp8_flags),
+                "first_loss": losses[0], "last_loss": sum(losses[-5:]) / 5, "median_step_s": per_step,
+                "notes": plan.notes, **evidence,
+            }, fh, indent=1)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""TransformerEngine backend on a Hopper GPU with TE installed. Run with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec import Accelerator, FP8RecipeKwargs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+        reason="needs a Hopper (sm_90) or newer GPU",
+    ),
+]
+te = pytest.importorskip("transformer_engine.pytorch")
+
+
+def reset():
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def sqnr(reference: torch.Tensor, value: torch.Tensor) -> float:
+    reference, value = reference.float(), value.float()
+    return (20 * torch.log10(reference.norm() / (reference - value).norm())).item()
+
+
+def mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024), nn.LayerNorm(1024),
+                         nn.Linear(1024, 4096)).cuda()
+
+
+def accelerator_for(recipe="delayed", **kwargs):
+    reset()
+    kwargs.setdefault("skip_first_last", False)
+    kwargs.setdefault("skip_slow_shapes", False)
+    dynamo = kwargs.pop("dynamo", None)
+    extra = {}
+    if dynamo:
+        from accelerate.utils import TorchDynamoPlugin
+
+        extra["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
+    return Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="te", recipe=recipe, **kwargs)],
+                       **extra)
+
+
+def fp8_was_used(model: nn.Module, run) -> bool:
+    """Run `run()` and report whether every TE Linear executed with FP8 on (TE sets `module.fp8`)."""
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, i, o: seen.append(bool(mod.fp8)))
+             for m in model.modules() if isinstance(m, te.Linear)]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return bool(seen) and all(seen)
+
+
+@pytest.mark.parametrize("recipe,fmt", [("delayed", "HYBRID"), ("delayed", "E4M3"), ("current", "HYBRID"),
+                                        ("block", None)])
+def test_numerics_against_fp32(recipe, fmt):
+    reference = mlp()
+    accelerator = accelerator_for(recipe, fp8_format=fmt)
+    model = accelerator.prepare(copy.deepcopy(reference))
+    plan = accelerator.precision_plan
+    assert not plan.emulated and len(plan.converted) == 4  # 3 Linear + LayerNorm
+    x = torch.randn(4096, 1024, device="cuda")
+    for _ in range(3):  # delayed scaling needs a few steps of amax history
+        model(x).float().sum().backward()
+    x_ref, x_fp8 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref = reference(x_ref)
+    inner = accelerator.unwrap_model(model)
+    assert fp8_was_used(inner, lambda: model(x_fp8).float().backward(torch.ones_like(y_ref)))
+    y_ref.backward(torch.ones_like(y_ref))
+    y_fp8 = model(x)
+    assert 20 < sqnr(y_ref, y_fp8) < 35, sqnr(y_ref, y_fp8)  # FP8 band: right recipe, and really FP8
+    assert 15 < sqnr(x_ref.grad, x_fp8.grad) < 35
+
+
+def test_mxfp8_is_a_clear_error_on_hopper():
+    from lowprec import BackendUnavailableError
+
+    if torch.cuda.get_device_capability() >= (10, 0):
+        pytest.skip("Blackwell runs MXFP8")
+    accelerator = accelerator_for("mxfp8")
+    with pytest.raises(BackendUnavailableError, match="mxfp8"):
+        accelerator.prepare(mlp())
+
+
+def llama_training(accelerator, steps=20, size="small", seq=512, batch=8):
+    from lowprec.demo.data import Windows, stdlib_corpus
+    from lowprec.demo.model import PRESETS, build_model
+
+    torch.manual_seed(0)
+    model = build_model(PRESETS[size])
+    corpus = stdlib_corpus(max_bytes=4 * 2**20)
+    loader = torch.utils.data.DataLoader(Windows(corpus.train, seq, steps * batch, seed=0), batch_size=batch)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    return model, optimizer, loader
+
+
+def run_steps(accelerator, model, optimizer, loader):
+    losses = []
+    for ids in loader:
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("recipe,dynamo", [("delayed", False), ("current", False), ("current", True)])
+def test_llama_trains_with_te_modules(recipe, dynamo):
+    accelerator = accelerator_for(recipe, dynamo=dynamo, skip_first_last=True, skip_slow_shapes=True)
+    model, optimizer, loader = llama_training(accelerator)
+    plan = accelerator.precision_plan
+    inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+    kinds = {d.kind for d in plan.converted}
+    assert kinds == {"linear", "rmsnorm"}
+    built = sorted(n for n, m in inner.named_modules() if type(m).__module__ == "lowprec.backends.te_modules")
+    assert built == sorted(d.fqn for d in plan.converted)
+    losses = run_steps(accelerator, model, optimizer, loader)
+    assert all(v == v for v in losses) and sum(losses[-4:]) / 4 < losses[0] - 1.5, losses
+
+
+def test_delayed_with_compile_is_a_clear_error():
+    accelerator = accelerator_for("delayed", dynamo=True)
+    with pytest.raises(ValueError, match="recipe='current'"):
+        accelerator.prepare(mlp())
+
+
+def test_eval_precision_follows_the_recipe():
+    for flag in (False, True):
+        accelerator = accelerator_for("current", use_autocast_during_eval=flag)
+        model = accelerator.prepare(mlp())
+        model.eval()
+        with torch.no_grad():
+            assert fp8_was_used(accelerator.unwrap_model(model), lambda: model(torch.randn(64, 1024, device="cuda"))) is flag
+
+
+def test_resume_is_exact_without_unsafe_pickle(tmp_path):
+    assert os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") != "1"
+    accelerator = accelerator_for("delayed", amax_history_len=16)
+    model, optimizer, loader = llama_training(accelerator, steps=12)
+    batches = list(loader)
+    run_steps(accelerator, model, optimizer, batches[:6])
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    inner = accelerator.unwrap_model(model)
+    saved_scales = [m.fp8_meta["scaling_fwd"].scale.clone() for m in inner.modules() if isinstance(m, te.Linear)]
+    continued = run_steps(accelerator, model, optimizer, batches[6:])
+
+    accelerator = accelerator_for("delayed", amax_history_len=16)
+    model, optimizer, loader = llama_training(accelerator, steps=12)
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    inner = accelerator.unwrap_model(model)
+    loaded_scales = [m.fp8_meta["scaling_fwd"].scale.clone() for m in inner.modules() if isinstance(m, te.Linear)]
+    assert all(torch.equal(a, b) for a, b in zip(saved_scales, loaded_scales))
+    resumed = run_steps(accelerator, model, optimizer, batches[6:])
+    torch.testing.assert_close(resumed, continued, rtol=1e-5, atol=1e-5)
+
+
+def test_saved_model_loads_into_plain_transformers_model(tmp_path):
+    from safetensors.torch import load_file
+
+    from lowprec.demo.model import PRESETS, build_model
+
+    accelerator = accelerator_for("current")
+    model, optimizer, loader = llama_training(accelerator, steps=4)
+    run_steps(accelerator, model, optimizer, loader)
+    accelerator.save_model(model, str(tmp_path / "m"))
+    plain = build_model(PRESETS["small"])
+    files = [f for f in os.listdir(tmp_path / "m") if f.endswith(".safetensors")]
+    state = {}
+    for f in files:
+        state.update(load_file(str(tmp_path / "m" / f)))
+    plain.load_state_dict(state, strict=True)
+    plain.cuda().eval()
+    ids = torch.randint(0, 256, (2, 128), device="cuda")
+    model.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        assert sqnr(model(input_ids=ids).logits, plain(input_ids=ids).logits) > 30
+
+
+def test_fp8_only_weights():
+    accelerator = accelerator_for("current", fp8_weights=True)
+    model, optimizer, loader = llama_training(accelerator, steps=16)
+    inner = accelerator.unwrap_model(model)
+    weights = [m.weight for m in inner.modules() if isinstance(m, te.Linear)]
+    assert weights and all(isinstance(w, te.QuantizedTensor) for w in weights)
+    assert type(optimizer.optimizer).__name__ == "FusedAdam"
+    plan = accelerator.precision_plan
+    assert plan.tensor("weight").dtype.startswith("FP8") and plan.tensor("master_weight").dtype.startswith("FP32")
+    losses = run_steps(accelerator, model, optimizer, loader)
+    assert sum(losses[-4:]) / 4 < losses[0] - 1.0, losses
+    portable = accelerator.get_state_dict(model)
+    assert all(type(v) is torch.Tensor for v in portable.values())
