@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -73,6 +74,8 @@ class Accelerator(_Accelerator):
             recipe = FP8RecipeKwargs()
         self.fp8_recipe: FP8RecipeKwargs | None = recipe
         self._lowprec: list[tuple[nn.Module, Backend, PrecisionPlan]] = []
+        # Parameters conversion replaced -> their replacements, for optimizers prepared later.
+        self._replaced_params = _ReplacedParams()
         super().__init__(
             *args,
             # Outside the FP8 GEMMs, FP8 training is BF16 autocast (Accelerate does the same for
@@ -159,13 +162,22 @@ class Accelerator(_Accelerator):
             return super().prepare(*args, device_placement=device_placement)
         args = list(args)
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        to_convert = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module) and getattr(obj, _PLAN_ATTR, None) is None]
+        if optimizers and len(to_convert) == 1:
+            # Refuse an optimizer the backend cannot take before the model is changed in place.
+            backend = create_backend(self.fp8_recipe, self.run_context())
+            for opt in optimizers:
+                backend.check_optimizer(getattr(opt, "optimizer", opt))
         converted = []
-        for i, obj in enumerate(args):
-            if isinstance(obj, nn.Module) and getattr(obj, _PLAN_ATTR, None) is None:
-                args[i] = self._convert(obj, optimizers)
-                converted.append(i)
-        if optimizers and len(converted) == 1:
-            _, backend, plan = self._lowprec[-1]
+        for i in to_convert:
+            args[i] = self._convert(args[i])
+            converted.append(i)
+        _remap_optimizer_params(optimizers, self._replaced_params)
+        # Optimizers prepared with the model, or later on their own when one model was converted.
+        owner = None
+        if optimizers and (len(converted) == 1 or (not converted and len(self._lowprec) == 1)):
+            owner = self._lowprec[-1]
+            _, backend, plan = owner
             replaced = {}
             for i, obj in enumerate(args):
                 if isinstance(obj, torch.optim.Optimizer):
@@ -175,26 +187,53 @@ class Accelerator(_Accelerator):
             for obj in args:
                 if hasattr(obj, "optimizer") and id(obj.optimizer) in replaced:
                     obj.optimizer = replaced[id(obj.optimizer)]
+                    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+                        _track_step_for_scheduler(obj.optimizer)
         if self.is_fsdp2:
             _expose_data_pointers(args)
         result = super().prepare(*args, device_placement=device_placement)
         # One prepared object comes back bare; several as a tuple (or a list on the FSDP2 path).
         results = tuple(result) if isinstance(result, (tuple, list)) and len(args) > 1 else (result,)
-        prepared_optimizers = [r for r in results if isinstance(r, torch.optim.Optimizer)]
         for i in converted:
-            self._finalize(results[i], prepared_optimizers)
+            self._finalize(results[i])
+        if owner is not None:
+            inner, backend, _ = owner
+            hook = backend.post_optimizer_step(inner)
+            if hook is not None:
+                for opt in (r for r in results if isinstance(r, torch.optim.Optimizer)):
+                    getattr(opt, "optimizer", opt).register_step_post_hook(lambda *_a, **_k: hook())
+        elif converted and any(b.name == "msamp" for _, b, _ in self._lowprec[-len(converted):]):
+            _warn_once(
+                "lowprec: backend='msamp' keeps weight gradients in FP8 on the layers; only an optimizer prepared by "
+                "this Accelerator reads them. Pass the optimizer to prepare() (with the model or right after it)"
+            )
         return result
+
+    def backward(self, loss, **kwargs):
+        super().backward(loss, **kwargs)
+        for _, backend, _ in self._lowprec:
+            backend.after_backward(self.sync_gradients)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Accelerate's `clip_grad_norm_`, counting the gradients a backend keeps outside `.grad`
+        (msamp's FP8 weight gradients) in the norm and clipping them too."""
+        parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
+        for _, backend, _ in self._lowprec:
+            total = backend.clip_grad_norm_(parameters, max_norm, norm_type)
+            if total is not None:
+                return total
+        return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if self.fp8_recipe is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         if getattr(model, _PLAN_ATTR, None) is None:
-            model = self._convert(model, [])
+            model = self._convert(model)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        self._finalize(prepared, [])
+        self._finalize(prepared)
         return prepared
 
-    def _convert(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> nn.Module:
+    def _convert(self, model: nn.Module) -> nn.Module:
         context = self.run_context()
         backend = create_backend(self.fp8_recipe, context)
         plan = build_plan(model, backend.recipe, context=context, backend=backend)
@@ -202,7 +241,10 @@ class Accelerator(_Accelerator):
         with torch.no_grad():
             new = backend.convert(model, plan)
         plan.verify(new, backend.is_converted)
-        _remap_optimizer_params(optimizers, before, dict(new.named_parameters()))
+        after = dict(new.named_parameters())
+        for name, p in before.items():
+            if name in after and after[name] is not p:
+                self._replaced_params.add(p, after[name])
         object.__setattr__(new, _PLAN_ATTR, plan)
         self._lowprec.append((new, backend, plan))
         if plan.emulated:
@@ -211,8 +253,8 @@ class Accelerator(_Accelerator):
             log.info("%s", plan)
         return new
 
-    def _finalize(self, prepared: nn.Module, optimizers: list) -> None:
-        """After wrapping: forward context, communication hooks, post-step hooks. Once per model."""
+    def _finalize(self, prepared: nn.Module) -> None:
+        """After wrapping: forward context and communication hooks. Once per model."""
         if getattr(prepared, _FINAL_ATTR, False):
             return
         inner = self.unwrap_model(prepared, keep_torch_compile=False)
@@ -224,11 +266,6 @@ class Accelerator(_Accelerator):
         context = backend.forward_context(inner)
         if context is not None:
             _wrap_forward(prepared, context)
-        hook = backend.post_optimizer_step(inner)
-        if hook is not None:
-            for opt in optimizers:
-                base = getattr(opt, "optimizer", opt)
-                base.register_step_post_hook(lambda *_a, **_k: hook())
         object.__setattr__(prepared, _FINAL_ATTR, True)
 
 
@@ -241,6 +278,25 @@ def _wrap_forward(model: nn.Module, context_factory) -> None:
             return forward(*args, **kwargs)
 
     model.forward = forward_in_context
+
+
+def _track_step_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
+    """Mark steps of a replacement optimizer as torch's LR schedulers do for the optimizer they were
+    built on; otherwise every `scheduler.step()` warns that `optimizer.step()` was overridden."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = optimizer.step
+    optimizer_ref = weakref.ref(optimizer)
+
+    @functools.wraps(step)
+    def wrapper(*args, **kwargs):
+        opt = optimizer_ref()
+        if opt is not None:
+            opt._opt_called = True
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    optimizer.step = wrapper
 
 
 def _expose_data_pointers(args: list) -> None:
@@ -260,15 +316,40 @@ def _expose_data_pointers(args: list) -> None:
             ]
 
 
-def _remap_optimizer_params(optimizers, before: dict[str, nn.Parameter], after: dict[str, nn.Parameter]) -> None:
-    """Point optimizers at the new Parameter objects where conversion replaced them (by name)."""
-    mapping = {id(p): after[name] for name, p in before.items() if name in after and after[name] is not p}
-    if not mapping:
+class _ReplacedParams:
+    """Old Parameter -> the Parameter conversion put in its place.
+
+    Keyed by identity: a WeakKeyDictionary would compare tensors with `==`, which is elementwise.
+    The weak reference tells a live entry from a reused id() of a collected Parameter.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, nn.Parameter]] = {}
+
+    def add(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        self._by_id = {k: v for k, v in self._by_id.items() if v[0]() is not None}
+        self._by_id[id(old)] = (weakref.ref(old), new)
+
+    def get(self, old: torch.Tensor) -> torch.Tensor | None:
+        entry = self._by_id.get(id(old))
+        return entry[1] if entry is not None and entry[0]() is old else None
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+def _first_not_none(a, b):
+    return a if a is not None else b
+
+
+def _remap_optimizer_params(optimizers, replaced: _ReplacedParams) -> None:
+    """Point optimizers at the new Parameter objects where conversion replaced them."""
+    if not len(replaced):
         return
     for opt in optimizers:
         for group in opt.param_groups:
-            group["params"] = [mapping.get(id(p), p) for p in group["params"]]
-        for old_id, new in mapping.items():
-            for p in list(opt.state):
-                if id(p) == old_id:
-                    opt.state[new] = opt.state.pop(p)
+            group["params"] = [_first_not_none(replaced.get(p), p) for p in group["params"]]
+        for p in list(opt.state):
+            new = replaced.get(p)
+            if new is not None:
+                opt.state[new] = opt.state.pop(p)

@@ -58,6 +58,7 @@ FIELD_KEYS: dict[str, tuple[str, ...]] = {
     "enable_fsdp_float8_all_gather": ("ENABLE_FSDP_FLOAT8_ALL_GATHER",),
     "use_autocast_during_eval": ("USE_AUTOCAST_DURING_EVAL",),
     "fp8_weights": ("FP8_WEIGHTS",),
+    "weight_dtype": ("WEIGHT_DTYPE",),
     "emulate": ("EMULATE",),
 }
 # Accelerate-only keys: TE removed these options, so they are accepted only at their no-op values.

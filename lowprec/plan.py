@@ -99,6 +99,14 @@ class PrecisionPlan:
         return sum(m.params for m in linears if m.convert) / total if total else 0.0
 
     @property
+    def fp8_param_share(self) -> float:
+        """Share of all model parameters that are weights of converted (FP8) Linear layers."""
+        # weights only: a converted layer's bias keeps its dtype and gradient
+        converted = sum(m.shape[0] * m.shape[1] if len(m.shape) == 2 else m.params
+                        for m in self.modules if m.kind == "linear" and m.convert)
+        return converted / self.total_params if self.total_params else 0.0
+
+    @property
     def model_state_bytes_per_param(self) -> float:
         return sum(self.bytes_per_param.values())
 
@@ -223,7 +231,7 @@ def build_plan(
         backend_display=backend.display_name,
         recipe=backend.recipe_name,
         fp8_format=backend.fp8_format,
-        opt_level=backend.recipe.opt_level,
+        opt_level=backend.opt_level,
         emulated=backend.emulated,
         execution=backend.execution_note,
         device=context.device.describe(),

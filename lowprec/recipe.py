@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 FP8_FORMATS = ("HYBRID", "E4M3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 OPT_LEVELS = ("O1", "O2", "O3")
+WEIGHT_DTYPES = ("fp16", "bf16")
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -112,6 +113,8 @@ class FP8RecipeKwargs(KwargsHandler):
         use_autocast_during_eval: run FP8 in eval mode too. None: the backend's default.
         fp8_weights: te only: keep converted Linear weights in FP8 only (TE's quantized_model_init),
             with FP32 master weights in TE's FusedAdam, which replaces Adam/AdamW.
+        weight_dtype: msamp only: storage of converted Linear weights, "fp16" (MS-AMP's choice,
+            the default) or "bf16".
         emulate: True forces emulation (FP8 numerics, high-precision matmuls); False forbids it
             (error without FP8 hardware); None emulates only where there is no FP8 hardware.
     """
@@ -132,6 +135,7 @@ class FP8RecipeKwargs(KwargsHandler):
     enable_fsdp_float8_all_gather: bool | None = None
     use_autocast_during_eval: bool | None = None
     fp8_weights: bool | None = None
+    weight_dtype: str | None = None
     emulate: bool | None = None
 
     def __post_init__(self):
@@ -190,6 +194,11 @@ class FP8RecipeKwargs(KwargsHandler):
             return _parse_choice(name, value, FP8_FORMATS, upper=True)
         if name == "amax_compute_algo":
             return _parse_choice(name, value, AMAX_COMPUTE_ALGOS, upper=False)
+        if name == "weight_dtype":
+            aliases = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "torch.float16": "fp16",
+                       "torch.bfloat16": "bf16"}
+            text = str(value).strip().lower()
+            return _parse_choice(name, aliases.get(text, text), WEIGHT_DTYPES, upper=False)
         if name == "opt_level":
             if isinstance(value, str) and value.strip().lower() in ("", "none", "o0"):
                 return None

@@ -58,6 +58,7 @@ def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Backend) 
         kind = "converted" if backend.is_converted(module) else backend.candidate_kind(module)
         if kind is not None:
             candidates.append((fqn, module, kind))
+    owners = _parameter_owners(model)
     linears = [fqn for fqn, _, kind in candidates if kind == "linear"]
     edge = {linears[0]: "first", linears[-1]: "last"} if linears else {}
 
@@ -65,8 +66,8 @@ def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Backend) 
     for fqn, module, kind in candidates:
         if kind == "converted":
             decisions.append(
-                ModuleDecision(fqn, "linear", (), sum(p.numel() for p in module.parameters(recurse=False)), True,
-                               "already an FP8 module")
+                ModuleDecision(fqn, backend.converted_kind(module) or "linear", (),
+                               sum(p.numel() for p in module.parameters(recurse=False)), True, "already an FP8 module")
             )
             continue
         name = fqn or "<root>"
@@ -80,6 +81,9 @@ def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Backend) 
             reason = "module_filter_fn returned False"
         elif kind == "linear" and recipe.skip_first_last and fqn in edge:
             reason = f"{edge[fqn]} Linear layer (skip_first_last=True)"
+        elif not backend.reuses_parameters and (tied := _tied_to(module, owners)) is not None:
+            reason = (f"weight shared with {tied!r} ({backend.name} builds new parameters, so converting would untie "
+                      "them)")
         elif (why := backend.constraint(module)) is not None:
             reason = why
         elif kind == "linear" and recipe.skip_slow_shapes and (why := backend.slow_shape(module)) is not None:
@@ -88,3 +92,21 @@ def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Backend) 
             ModuleDecision(name, kind, _shape(module, kind), params, reason is None, reason or "FP8")
         )
     return decisions
+
+
+def _parameter_owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """id(parameter) -> every (name, module) that registers it (tied weights have several)."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append((fqn, module))
+    return owners
+
+
+def _tied_to(module: nn.Module, owners: dict[int, list[tuple[str, nn.Module]]]) -> str | None:
+    """Another module sharing a parameter with `module` (one module registered twice is not a tie)."""
+    for p in module.parameters(recurse=False):
+        for fqn, other in owners.get(id(p), []):
+            if other is not module:
+                return fqn or "<root>"
+    return None

@@ -114,18 +114,17 @@ def test_ao_module_filter_func_carried_over():
 
 # ---- MS-AMP ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_msamp_is_not_available_in_this_version(opt_level):
-    with pytest.raises(ValueError, match="not available in this version") as err:
-        to_recipe(MSAMPRecipeKwargs(opt_level=opt_level))
-    assert "'msamp'" in str(err.value)
+def test_msamp_handler_keeps_its_level(opt_level):
+    recipe = to_recipe(MSAMPRecipeKwargs(opt_level=opt_level))
+    assert (recipe.backend, recipe.opt_level) == ("msamp", opt_level)
 
 
 @pytest.mark.parametrize("backend", ["MSAMP", "msamp"])
 def test_deprecated_handler_with_msamp(backend):
     handler = object.__new__(AccelerateFP8RecipeKwargs)  # its __post_init__ needs TransformerEngine
-    handler.backend, handler.opt_level = backend, "O2"
-    with pytest.raises(ValueError, match="FP8RecipeKwargs.backend='msamp'.*not available in this version"):
-        to_recipe(handler)
+    handler.backend, handler.opt_level = backend, None  # what Accelerate leaves when opt_level is not given
+    recipe = to_recipe(handler)
+    assert (recipe.backend, recipe.opt_level) == ("msamp", None)
 
 
 # ---- TransformerEngine (not constructible here: a stand-in with TERecipeKwargs' fields) ---------------

@@ -59,6 +59,7 @@ EVERY_KEY = [
     ("ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", "True", "use_autocast_during_eval", True),
     ("ACCELERATE_FP8_EMULATE", "1", "emulate", True),
     ("ACCELERATE_FP8_FP8_WEIGHTS", "true", "fp8_weights", True),
+    ("ACCELERATE_FP8_WEIGHT_DTYPE", "bfloat16", "weight_dtype", "bf16"),
 ]
 
 
@@ -147,9 +148,14 @@ def test_launcher_default_value_honoured_without_marker(monkeypatch, var, value,
     assert getattr(FP8RecipeKwargs(), field) is None
 
 
-def test_opt_level_o2_without_marker_is_an_error_for_torchao(monkeypatch):
+def test_opt_level_o2_without_marker_is_honoured_for_torchao(monkeypatch):
     setenv(monkeypatch, {"ACCELERATE_FP8_BACKEND": "torchao", "ACCELERATE_FP8_OPT_LEVEL": "O2"})
-    with pytest.raises(ValueError, match="FP8RecipeKwargs.opt_level='O2' is not available with backend 'torchao'"):
+    assert FP8RecipeKwargs().opt_level == "O2"
+
+
+def test_opt_level_o3_without_marker_is_an_error_for_torchao(monkeypatch):
+    setenv(monkeypatch, {"ACCELERATE_FP8_BACKEND": "torchao", "ACCELERATE_FP8_OPT_LEVEL": "O3"})
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.opt_level='O3' is not available with backend 'torchao'"):
         FP8RecipeKwargs()
 
 
@@ -159,11 +165,12 @@ def test_opt_level_o2_with_marker_is_ignored_for_torchao(monkeypatch):
 
 
 def test_opt_level_o2_with_lowprec_prefix_always_counts(monkeypatch):
+    # O2 equals the launcher's default, yet the lowprec-prefixed key is always an explicit choice.
     setenv(monkeypatch, {**LAUNCHER_ENV, "ACCELERATE_FP8_BACKEND": "torchao", "ACCELERATE_FP8_LOWPREC_OPT_LEVEL": "O2"})
-    with pytest.raises(ValueError, match="FP8RecipeKwargs.opt_level='O2'"):
+    assert FP8RecipeKwargs().opt_level == "O2"
+    monkeypatch.setenv("ACCELERATE_FP8_LOWPREC_OPT_LEVEL", "O3")
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.opt_level='O3'.*ACCELERATE_FP8_LOWPREC_OPT_LEVEL"):
         FP8RecipeKwargs()
-    monkeypatch.delenv("ACCELERATE_FP8_BACKEND")
-    assert FP8RecipeKwargs().opt_level == "O2"  # auto: not rejected at construction
 
 
 def test_value_other_than_launcher_default_is_honoured_with_marker(monkeypatch):
@@ -342,7 +349,7 @@ def test_bad_env_value_names_the_variable(monkeypatch, var, value, field):
 @pytest.mark.parametrize(
     "env,var",
     [
-        ({"ACCELERATE_FP8_BACKEND": "torchao", "ACCELERATE_FP8_OPT_LEVEL": "O2"}, "ACCELERATE_FP8_OPT_LEVEL"),
+        ({"ACCELERATE_FP8_BACKEND": "torchao", "ACCELERATE_FP8_OPT_LEVEL": "O3"}, "ACCELERATE_FP8_OPT_LEVEL"),
         ({"ACCELERATE_FP8_BACKEND": "torchao", "ACCELERATE_FP8_AMAX_HISTORY_LEN": "1024"}, "ACCELERATE_FP8_AMAX_HISTORY_LEN"),
     ],
 )
@@ -423,5 +430,6 @@ def test_accelerate_launch_config_file(tmp_path):
         "enable_fsdp_float8_all_gather": None,  # launcher's =1 ignored (rowwise would reject it)
         "use_autocast_during_eval": None,  # launcher's =False ignored (torchao would reject it)
         "fp8_weights": None,
+        "weight_dtype": None,
         "emulate": True,
     }

@@ -76,7 +76,11 @@ class Backend(ABC):
     eval_fp8_configurable: ClassVar[bool] = False
     pads_inner_dim: ClassVar[bool] = False
     supports_fp8_weights: ClassVar[bool] = False
+    weight_dtypes: ClassVar[tuple[str, ...]] = ()  # storage choices for converted weights, if any
     implemented: ClassVar[bool] = True
+    # The FP8 module keeps the original Parameter objects (torchao); otherwise conversion makes new
+    # ones, and a Linear whose weight is tied to another module must stay as it is.
+    reuses_parameters: ClassVar[bool] = False
 
     @classmethod
     def not_implemented_message(cls) -> str:
@@ -147,6 +151,17 @@ class Backend(ABC):
                 f"{field}.fp8_weights=True cannot be honoured by backend {cls.name!r}: it keeps weights in high "
                 "precision (backend='te' offers FP8-only weights)"
             )
+        if recipe.weight_dtype is not None and recipe.weight_dtype not in cls.weight_dtypes:
+            raise ValueError(
+                f"{field}.weight_dtype={recipe.weight_dtype!r} cannot be honoured by backend {cls.name!r}: "
+                + (f"it stores weights in {', '.join(map(repr, cls.weight_dtypes))}" if cls.weight_dtypes
+                   else "it keeps the model's own weight dtype (weight_dtype applies to backend='msamp')")
+            )
+        if recipe.fp8_weights and recipe.opt_level is not None:
+            raise ValueError(
+                f"{field}.fp8_weights=True and opt_level={recipe.opt_level!r} both choose the optimizer "
+                "(TE FusedAdam with FP32 masters vs lowprec's low-bit Adam); set one of them"
+            )
         if recipe.emulate and not cls.supports_emulation:
             raise ValueError(f"{field}.emulate=True cannot be honoured: backend {cls.name!r} has no emulation mode")
 
@@ -215,11 +230,49 @@ class Backend(ABC):
     def is_converted(self, module: nn.Module) -> bool:
         """True if `module` is one of this backend's FP8 modules."""
 
+    def converted_kind(self, module: nn.Module) -> str | None:
+        """The kind ('linear', 'layernorm', 'rmsnorm') of one of this backend's modules, else None."""
+        return "linear" if self.is_converted(module) else None
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Raise ValueError, before any model is converted, if `wrap_optimizer` would refuse `optimizer`."""
+        if self.opt_level is not None:
+            from ..optim.levels import check_optimizer
+
+            check_optimizer(optimizer, self.opt_level, backend=self.name)
+
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, plan: PrecisionPlan) -> torch.optim.Optimizer:
-        return optimizer
+        """Optimizer-state precision: an MS-AMP level replaces Adam/AdamW with lowprec's low-bit Adam."""
+        if self.opt_level is None:
+            return optimizer
+        from ..optim.levels import low_bit_optimizer
+
+        return low_bit_optimizer(optimizer, self.opt_level, backend=self.name)
+
+    @property
+    def opt_level(self) -> str | None:
+        """The memory level in force (a backend may have a default when the recipe names none)."""
+        return self.recipe.opt_level
+
+    def optimizer_state_precision(self, param_dtype: str) -> TensorPrecision:
+        """The optimizer-state column: the level's low-bit states, or the parameters' dtype."""
+        from ..optim.levels import state_description
+        from ..plan import TensorPrecision
+
+        if self.opt_level is None:
+            return TensorPrecision("optimizer_states", f"{param_dtype}+{param_dtype}")
+        return TensorPrecision("optimizer_states", state_description(self.opt_level),
+                               f"level {self.opt_level}: lowprec.optim.LowBitAdam(W), per-tensor scales")
 
     def setup_communication(self, model: nn.Module, plan: PrecisionPlan) -> None:
         """Install gradient / weight communication hooks on the wrapped model (DDP hook etc.)."""
+
+    def after_backward(self, sync_gradients: bool) -> None:
+        """Called by `Accelerator.backward`; `sync_gradients` is False inside accumulation windows."""
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip gradients the backend keeps outside `.grad`; None leaves clipping to Accelerate."""
+        return None
 
     def forward_context(self, model: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:
         """A factory for the context every forward must run in (TE autocast), or None."""
@@ -252,8 +305,11 @@ class Backend(ABC):
 
     def model_state_bytes(self, plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
         """Bytes per parameter of weight, gradient, master weight and optimizer states (Adam-type)."""
+        from ..optim.levels import state_bytes
+
         size = param_dtype.itemsize
-        return {"weight": size, "weight_grad": size, "master_weight": 0, "optimizer_states": 2 * size}
+        states = 2 * size if self.opt_level is None else state_bytes(self.opt_level)
+        return {"weight": size, "weight_grad": size, "master_weight": 0, "optimizer_states": states}
 
     def notes(self, plan: PrecisionPlan) -> list[str]:
         """Extra lines for the printed plan."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -24,7 +26,6 @@ log = logging.getLogger(__name__)
 # in_features and 8 for out_features; 16 both ways keeps the backward GEMMs aligned too. Block
 # scaling documents 128 (not enforced by te.Linear, but its scale tiles assume it); MXFP8 checks 32.
 _ALIGN = {"delayed": 16, "current": 16, "block": 128, "mxfp8": 32}
-_KNOWN_ZERO_CENTERED = ("Gemma",)  # class-name prefixes whose RMSNorm computes x * (1 + w)
 
 
 def _te_class_module(module: nn.Module) -> bool:
@@ -52,10 +53,12 @@ class TEBackend(Backend):
     eval_fp8_default = False  # TE's and Accelerate's default: evaluate in high precision
     eval_fp8_configurable = True
     supports_fp8_weights = True
+    opt_levels = (None, "O1", "O2")  # optimizer-state precision only (MS-AMP memory levels)
 
     def __init__(self, recipe, context):
         super().__init__(recipe, context)
-        self._rms_variants: dict[int, str | None] = {}
+        # Weak: a module id() can be reused once the module is gone.
+        self._rms_variants: weakref.WeakKeyDictionary[nn.Module, str | None] = weakref.WeakKeyDictionary()
         self._hp_weights: dict[int, torch.Tensor] = {}
         if context.compiled and self.recipe_name == "delayed":
             raise ValueError(
@@ -91,6 +94,9 @@ class TEBackend(Backend):
     def is_converted(self, module: nn.Module) -> bool:
         return _te_class_module(module) and type(module).__name__ in ("Linear", "LayerNorm", "RMSNorm")
 
+    def converted_kind(self, module: nn.Module) -> str | None:
+        return type(module).__name__.lower() if self.is_converted(module) else None
+
     def constraint(self, module: nn.Module) -> str | None:
         kind = self.candidate_kind(module)
         if kind == "linear":
@@ -115,18 +121,22 @@ class TEBackend(Backend):
 
     def rms_variant(self, module: nn.Module) -> str | None:
         """'standard' (x̂·w), 'zero_centered' (x̂·(1+w), Gemma) or None (something else)."""
-        key = id(module)
-        if key not in self._rms_variants:
-            self._rms_variants[key] = self._probe_rms(module)
-        return self._rms_variants[key]
+        if module not in self._rms_variants:
+            self._rms_variants[module] = self._probe_rms(module)
+        return self._rms_variants[module]
 
     @staticmethod
     @torch.no_grad()
     def _probe_rms(module: nn.Module) -> str | None:
-        name = type(module).__name__
+        if module.weight.is_meta:
+            # Planning on the meta device (e.g. FSDP ranks that load weights later): probe a CPU
+            # copy with random weights; class names do not tell x*w from x*(1+w) reliably.
+            try:
+                module = copy.deepcopy(module).to_empty(device="cpu")
+                module.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+            except Exception:  # noqa: BLE001 - an unprobeable norm stays in high precision
+                return None
         weight = module.weight
-        if weight.is_meta:  # planning on the meta device: judge by class
-            return "zero_centered" if name.startswith(_KNOWN_ZERO_CENTERED) else "standard"
         from .te_modules import rmsnorm_eps
 
         eps = rmsnorm_eps(module)
@@ -203,7 +213,7 @@ class TEBackend(Backend):
     # ----- optimizer-state precision ------------------------------------------------------------
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, plan: PrecisionPlan) -> torch.optim.Optimizer:
         if not self.recipe.fp8_weights:
-            return optimizer
+            return super().wrap_optimizer(optimizer, plan)
         if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
             raise ValueError(
                 "FP8RecipeKwargs(fp8_weights=True) needs master weights: lowprec moves torch.optim.Adam / AdamW to "
@@ -266,14 +276,14 @@ class TEBackend(Backend):
                             "quantised at init and after each step by FusedAdam" if fp8_weights else ""),
             TensorPrecision("master_weight", "FP32 (TE FusedAdam)" if fp8_weights else "N/A"),
             TensorPrecision("weight_grad", hp),
-            TensorPrecision("optimizer_states", f"{hp}+{hp}"),
+            self.optimizer_state_precision(hp),
         ]
 
     def model_state_bytes(self, plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
         out = super().model_state_bytes(plan, param_dtype)
         if self.recipe.fp8_weights:
             # Converted Linear weights: 1 byte plus a 4-byte FP32 master; the rest unchanged.
-            share = plan.fp8_linear_param_fraction * _linear_share(plan)
+            share = plan.fp8_param_share
             out["weight"] = share * 1 + (1 - share) * param_dtype.itemsize
             out["master_weight"] = share * 4
         return out
@@ -287,9 +297,3 @@ class TEBackend(Backend):
         if self.recipe.fp8_weights:
             notes.append("fp8_weights: Adam/AdamW is replaced by TE FusedAdam(master_weights=True)")
         return notes
-
-
-def _linear_share(plan: PrecisionPlan) -> float:
-    """Share of all model parameters that are in Linear layers (the plan counts candidates only)."""
-    linear = sum(m.params for m in plan.modules if m.kind == "linear")
-    return linear / plan.total_params if plan.total_params else 0.0

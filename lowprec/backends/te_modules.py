@@ -66,7 +66,7 @@ def encode_state(state: dict[str, Any]) -> torch.Tensor:
         if name in state:
             t = state[name].detach().cpu().contiguous()
             header["tensors"].append([name, str(t.dtype).replace("torch.", ""), list(t.shape)])
-            chunks.append(t.view(torch.uint8).reshape(-1))
+            chunks.append(t.reshape(-1).view(torch.uint8))
     head = json.dumps(header).encode()
     prefix = torch.frombuffer(bytearray(MAGIC + len(head).to_bytes(8, "little") + head), dtype=torch.uint8)
     return torch.cat([prefix, *chunks])
@@ -82,7 +82,7 @@ def decode_state(payload: torch.Tensor) -> dict[str, Any] | None:
     offset += 8
     header = json.loads(bytes(data[offset : offset + size].tolist()).decode())
     offset += size
-    state: dict[str, Any] = {"recipe": header["recipe"], "extra_fp8_variables": _from_json(header["extra"])}
+    state: dict[str, Any] = {"recipe": header["recipe"], "extra_fp8_variables": {k: _from_json(v) for k, v in header["extra"].items()}}
     for name, dtype, shape in header["tensors"]:
         dtype = getattr(torch, dtype)
         count = int(torch.tensor(shape).prod().item()) if shape else 1
@@ -201,6 +201,7 @@ def from_float(module: nn.Module, kind: str, *, zero_centered: bool = False,
     new.weight.copy_(weight.to(device))  # quantises when the weight is an FP8 tensor
     if kind != "rmsnorm" and module.bias is not None:
         new.bias.copy_(module.bias.to(device))
+        new.bias.requires_grad_(module.bias.requires_grad)
     new.weight.requires_grad_(weight.requires_grad)
     new.train(module.training)
     return new

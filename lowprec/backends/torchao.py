@@ -51,8 +51,11 @@ class TorchAOBackend(Backend):
         ),
     }
     supports_emulation = True
+    opt_levels = (None, "O1", "O2")  # optimizer-state precision only (MS-AMP memory levels)
     eval_fp8_default = True  # Float8Linear has no high-precision eval mode
     pads_inner_dim = True
+
+    reuses_parameters = True
 
     def candidate_kind(self, module: nn.Module) -> str | None:
         if isinstance(module, nn.Linear) and not _is_mha_projection(module):
@@ -150,7 +153,7 @@ class TorchAOBackend(Backend):
             TensorPrecision("weight", weight),
             TensorPrecision("master_weight", "N/A"),
             TensorPrecision("weight_grad", hp),
-            TensorPrecision("optimizer_states", f"{hp}+{hp}"),
+            self.optimizer_state_precision(hp),
         ]
 
     def notes(self, plan: PrecisionPlan) -> list[str]:

@@ -67,7 +67,7 @@ def test_auto_emulate_false_on_cpu_finds_nothing():
         resolve_backend(FP8RecipeKwargs(emulate=False), CPU)
     message = str(err.value)
     assert "te: transformer_engine is not installed" in message
-    assert "msamp: not available in this version" in message
+    assert "msamp: cannot run on CPU" in message
     assert "torchao: cannot run on CPU" in message
 
 
@@ -78,10 +78,10 @@ def test_auto_emulate_false_on_h100_is_torchao():
 @pytest.mark.parametrize(
     "kwargs,field,torchao_reason",
     [
-        (dict(recipe="delayed"), "recipe", "not a recipe of backend 'torchao'"),
+        (dict(recipe="block"), "recipe", "not a recipe of backend 'torchao'"),
         (dict(recipe="rowwise", fp8_format="HYBRID"), "fp8_format", "'HYBRID' cannot be used"),
-        (dict(opt_level="O2"), "opt_level", "'O2' is not available"),
-        (dict(margin=1), "margin", "applies to delayed"),
+        (dict(opt_level="O3"), "opt_level", "'O3' is not available"),
+        (dict(recipe="rowwise", margin=1), "margin", "applies to delayed"),
     ],
 )
 def test_auto_reports_why_each_backend_was_passed_over(kwargs, field, torchao_reason):
@@ -91,6 +91,13 @@ def test_auto_reports_why_each_backend_was_passed_over(kwargs, field, torchao_re
     assert f"torchao: FP8RecipeKwargs.{field}=" in str(err.value)
     assert torchao_reason in str(err.value)
     assert "te: transformer_engine is not installed" in str(err.value)
+    assert "msamp: FP8RecipeKwargs." in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs", [dict(recipe="delayed"), dict(margin=1), dict(weight_dtype="bf16")])
+def test_auto_takes_msamp_for_what_only_it_offers_here(kwargs):
+    # Without TE, the delayed recipe and FP8 weight storage options exist only in msamp.
+    assert resolve_backend(FP8RecipeKwargs(**kwargs), H100).name == "msamp"
 
 
 def test_explicit_backend_resolves_to_itself():
@@ -143,9 +150,14 @@ def test_create_backend_without_torchao(torchao_missing):
     assert "pip install 'lowprec[torchao]'" in message
 
 
-def test_auto_without_torchao(torchao_missing):
-    with pytest.raises(BackendUnavailableError, match="torchao: .*not installed.*pip install"):
-        create_backend(FP8RecipeKwargs(), RunContext(device=CPU))
+def test_auto_without_torchao_takes_msamp(torchao_missing):
+    # msamp needs no optional package, so auto still finds an FP8 backend (never a BF16 fallback).
+    assert create_backend(FP8RecipeKwargs(), RunContext(device=CPU)).name == "msamp"
+
+
+def test_torchao_without_torchao(torchao_missing):
+    with pytest.raises(BackendUnavailableError, match="torchao.*not installed.*pip install"):
+        create_backend(FP8RecipeKwargs(backend="torchao"), RunContext(device=CPU))
 
 
 def test_plan_without_torchao_with_an_adapter_created_for_planning(torchao_missing):

@@ -49,6 +49,9 @@ def main(out_path: str) -> None:
                 "first_loss": sum(losses[:4]) / 4,
                 "last_loss": sum(losses[-4:]) / 4,
             }, fh)
+    # gloo aborts a rank ("terminate called without an active exception") whose peer tears the
+    # group down while it is still shutting down: meet before destroying it
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 

@@ -27,6 +27,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--backend", default="te")
     p.add_argument("--recipe", default=None)
+    p.add_argument("--opt-level", default=None)
     p.add_argument("--engine", choices=["ddp", "fsdp2"], default="ddp")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="small")
@@ -41,7 +42,7 @@ def main() -> None:
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True,
         )
-    recipe = FP8RecipeKwargs(backend=args.backend, recipe=args.recipe)
+    recipe = FP8RecipeKwargs(backend=args.backend, recipe=args.recipe or None, opt_level=args.opt_level)
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
 
     from lowprec.demo.data import Windows, stdlib_corpus
@@ -66,7 +67,7 @@ def main() -> None:
         for m in fp8_modules:
             m.register_forward_hook(lambda mod, i, o: fp8_flags.append(bool(mod.fp8)))
     else:
-        fp8_modules = [m for m in inner.modules() if type(m).__name__ == "Float8Linear"]
+        fp8_modules = [m for m in inner.modules() if type(m).__name__ in ("Float8Linear", "FP8Linear")]
         for m in fp8_modules:
             m.register_forward_hook(lambda mod, i, o: fp8_flags.append(True))
 
@@ -92,6 +93,16 @@ def main() -> None:
         flat = torch.cat([q.detach().float().flatten() for q in inner.parameters()])
         gathered = accelerator.gather(flat.unsqueeze(0))
         evidence["max_param_diff_across_ranks"] = (gathered[0] - gathered[1]).abs().max().item()
+    if plan.backend == "msamp":
+        # The last step's FP8 weight gradients, as reduced in FP8: identical bytes and scales on every rank.
+        grads = torch.cat([torch.cat([m.fp8_grad_data.view(torch.uint8).flatten().float(), m.fp8_grad_scale.view(1)])
+                           for m in fp8_modules])
+        gathered = accelerator.gather(grads.unsqueeze(0))
+        evidence["fp8_grad_bytes_differ_across_ranks"] = int((gathered[0] != gathered[1]).sum().item())
+        evidence["fp8_weight_dtype"] = str(fp8_modules[0].weight.dtype)
+        evidence["optimizer"] = type(getattr(optimizer, "optimizer", optimizer)).__name__
+        evidence["opt_level"] = plan.opt_level
+        evidence["ddp_ignores_fp8_weights"] = len(getattr(inner, "_ddp_params_and_buffers_to_ignore", []))
     per_step = sorted(times[5:])[len(times[5:]) // 2] if len(times) > 5 else None
     if accelerator.is_main_process:
         with open(args.out, "w") as fh:

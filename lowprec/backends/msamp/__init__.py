@@ -1,21 +1,250 @@
-"""MS-AMP-style levels O1/O2/O3 implemented natively (not in this version)."""
+"""MS-AMP levels O1 and O2, implemented natively on current PyTorch (no `msamp` package).
+
+The three jobs of the adapter:
+1. layer replacement: `nn.Linear` -> `FP8Linear` (FP16 weights, FP8 GEMMs, FP8 weight gradients);
+2. optimizer-state precision: Adam/AdamW -> `lowprec.optim.LowBitAdam(W)` with the level's state
+   dtypes (O1: FP32/FP32, O2: E4M3/FP16), reading the FP8 weight gradients;
+3. communication precision: under DDP the FP8 weight gradients are averaged in FP8 with a shared
+   scale (`FP8GradReducer`); other gradients go through DDP as usual.
+"""
 
 from __future__ import annotations
 
-from typing import ClassVar
+import functools
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
 
-from ..base import Backend, RecipeInfo
+import torch
+from torch import nn
+
+from ...optim.levels import LEVEL_STATE_DTYPES, low_bit_optimizer, state_bytes, state_description
+from ..base import Backend, BackendUnavailableError, RecipeInfo
+from ..torchao import _is_mha_projection
+from .comm import FP8GradReducer, clip_grad_norm_
+from .linear import META_PREFIX, WEIGHT_DTYPES, FP8Linear, update_delayed_scales
+
+if TYPE_CHECKING:
+    from ...plan import PrecisionPlan, TensorPrecision
+
+__all__ = ["LEVEL_STATE_DTYPES", "FP8GradReducer", "FP8Linear", "MSAMPBackend"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEVEL = "O2"
+DEFAULT_WINDOW = 16  # MS-AMP's DEFAULT_WINDOW_SIZE for input and output-gradient scales
 
 
 class MSAMPBackend(Backend):
     name = "msamp"
     display_name = "MS-AMP levels (native)"
-    package = None
-    implemented: ClassVar[bool] = False
+    package = None  # plain PyTorch (+ Triton on GPUs, which PyTorch ships)
     default_recipe = "delayed"
     recipes = {
         "delayed": RecipeInfo(
-            "delayed", "activations/output grads from an amax history, weights current", ("HYBRID", "E4M3"), delayed=True
+            "delayed",
+            "E4M3 inputs and E5M2 output grads scaled from a 16-step amax window, weights and weight grads "
+            "from their current amax, FP8 weight gradients",
+            ("HYBRID", "E4M3"),
+            delayed=True,
         ),
     }
-    opt_levels = ("O1", "O2", "O3")
+    supports_emulation = True
+    opt_levels: ClassVar[tuple[str | None, ...]] = (None, "O1", "O2")
+    eval_fp8_default = True  # MS-AMP's FP8Linear has no high-precision eval mode
+    eval_fp8_configurable = True
+    weight_dtypes: ClassVar[tuple[str, ...]] = tuple(WEIGHT_DTYPES)
+    ENGINES: ClassVar[tuple[str, ...]] = ("single", "ddp")
+
+    def __init__(self, recipe, context):
+        super().__init__(recipe, context)
+        if context.engine not in self.ENGINES:
+            raise BackendUnavailableError(
+                f"backend 'msamp' levels O1/O2 run on one process or under DDP; engine {context.engine!r} is not "
+                "supported in this version of lowprec. Use backend='te' or backend='torchao' with FSDP2 / DeepSpeed"
+            )
+        self.level: str = recipe.opt_level or DEFAULT_LEVEL
+        self.weight_dtype = WEIGHT_DTYPES[recipe.weight_dtype or "fp16"]
+        self.layers: list[FP8Linear] = []
+        self.reducer: FP8GradReducer | None = None
+        self._original_dtypes: dict[str, torch.dtype] = {}
+
+    # ----- selection ----------------------------------------------------------------------------
+    @property
+    def opt_level(self) -> str:
+        return self.level
+
+    def candidate_kind(self, module: nn.Module) -> str | None:
+        if isinstance(module, nn.Linear) and not _is_mha_projection(module):
+            return "linear"
+        return None
+
+    def is_converted(self, module: nn.Module) -> bool:
+        return isinstance(module, FP8Linear)
+
+    def constraint(self, module: nn.Module) -> str | None:
+        bad = [f"{name}={dim}" for name, dim in (("in_features", module.in_features),
+                                                   ("out_features", module.out_features)) if dim % 16]
+        return f"{', '.join(bad)} not divisible by 16 (FP8 GEMM requirement)" if bad else None
+
+    def slow_shape(self, module: nn.Module) -> str | None:
+        # Per-tensor scaling like torchao's tensorwise recipe, so its H100 thresholds apply.
+        n, k = module.out_features, module.in_features
+        if k <= 4096 and n <= 1024:
+            return f"FP8 slower than BF16 on H100 for K={k} <= 4096 and N={n} <= 1024"
+        return None
+
+    def effective_options(self) -> dict[str, object]:
+        out = super().effective_options()
+        r = self.recipe
+        out["amax_history_len"] = r.amax_history_len if r.amax_history_len is not None else DEFAULT_WINDOW
+        out["opt_level"] = self.level
+        out["weight_dtype"] = r.weight_dtype or "fp16"
+        return out
+
+    # ----- layer replacement ----------------------------------------------------------------------
+    def convert(self, model: nn.Module, plan: PrecisionPlan) -> nn.Module:
+        from ...convert import swap_planned_modules
+
+        opts = self.effective_options()
+        options = dict(weight_dtype=self.weight_dtype, fp8_format=self.fp8_format,
+                       amax_history_len=opts["amax_history_len"], amax_compute_algo=opts["amax_compute_algo"],
+                       margin=opts["margin"], emulate=self.emulated, fp8_eval=opts["use_autocast_during_eval"])
+        for decision in plan.converted:
+            module = model.get_submodule("" if decision.fqn == "<root>" else decision.fqn)
+            self._original_dtypes[decision.fqn] = module.weight.dtype
+        root = swap_planned_modules(model, plan, lambda module, _: FP8Linear.from_float(module, **options))
+        self.layers = list({id(m): m for m in root.modules() if isinstance(m, FP8Linear)}.values())
+        _ignore_in_ddp(root)
+        _clear_fp8_grads_in_zero_grad(root, self.layers)
+        return root
+
+    # ----- optimizer ------------------------------------------------------------------------------
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, plan: PrecisionPlan) -> torch.optim.Optimizer:
+        new = low_bit_optimizer(optimizer, self.level, backend=self.name)
+        new.attach_fp8_grads(self.layers)
+        new.add_fp8_pre_step(self._reduce_if_pending)
+        return new
+
+    # ----- communication and step hooks -------------------------------------------------------------
+    def setup_communication(self, model: nn.Module, plan: PrecisionPlan) -> None:
+        import torch.distributed as dist
+
+        if getattr(model.zero_grad, "func", None) is not _zero_grad:
+            _clear_fp8_grads_in_zero_grad(model, self.layers)  # the DDP / compile wrapper
+        if self.context.engine == "ddp" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.reducer = FP8GradReducer(self.layers)
+            # DDP ignores these weights (see _ignore_in_ddp), so its initial broadcast skips them.
+            with torch.no_grad():
+                for layer in self.layers:
+                    dist.broadcast(layer.weight.data, src=0)
+
+    def _reduce_if_pending(self) -> None:
+        if self.reducer is not None:
+            self.reducer.reduce_if_pending()
+
+    def after_backward(self, sync_gradients: bool) -> None:
+        if self.reducer is None:
+            return
+        # Every backward may add local gradient, also after a reduction (two backwards per step, a
+        # skipped step): reducing again averages (mean + local) into mean + mean of the locals.
+        self.reducer.mark_pending()
+        if sync_gradients:
+            self.reducer.reduce_if_pending()
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self._reduce_if_pending()
+        return clip_grad_norm_(parameters, self.layers, max_norm, norm_type)
+
+    def post_optimizer_step(self, model: nn.Module) -> Callable[[], None] | None:
+        def after_step():
+            update_delayed_scales(self.layers)
+            if self.reducer is not None:
+                self.reducer.mark_pending()
+
+        return after_step
+
+    # ----- checkpoints --------------------------------------------------------------------------------
+    def portable_state_dict(self, state_dict: dict) -> dict:
+        dtypes = {("" if fqn == "<root>" else fqn + ".") + "weight": dtype for fqn, dtype in self._original_dtypes.items()}
+        out = {}
+        for key, value in state_dict.items():
+            if key.rsplit(".", 1)[-1].startswith(META_PREFIX):
+                continue
+            if key in dtypes and isinstance(value, torch.Tensor):
+                value = value.to(dtypes[key])
+            out[key] = value
+        return out
+
+    # ----- plan ---------------------------------------------------------------------------------------
+    def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
+        from ...plan import TensorPrecision
+
+        hp = plan.param_dtype
+        opts = self.effective_options()
+        wdt = "FP16" if self.weight_dtype == torch.float16 else "BF16"
+        gemm = {"HYBRID": "FP8 E4M3/E5M2", "E4M3": "FP8 E4M3"}[self.fp8_format]
+        scaling = (f"power-of-2 per-tensor: inputs and output grads from the {opts['amax_compute_algo']} amax of "
+                   f"the last {opts['amax_history_len']} steps (current amax while warming up), weights from "
+                   "their current amax")
+        grad_comm = "FP8 E4M3, shared scale" if self.context.engine == "ddp" else "N/A (one process)"
+        return [
+            TensorPrecision("gemm", gemm, scaling),
+            TensorPrecision("grad_comm", f"{grad_comm} (Linear), {hp} (rest)",
+                            "weight grads: amax all-reduced (MAX), FP8 all_to_all, FP32 sum, FP8 all_gather"
+                            if self.context.engine == "ddp" else ""),
+            TensorPrecision("weight", f"{wdt} (Linear), {hp} (rest)"),
+            TensorPrecision("master_weight", "N/A"),
+            TensorPrecision("weight_grad", f"FP8 E4M3 (Linear), {hp} (rest)",
+                            "current per-tensor power-of-2 scale; micro-batches dequantise + add + requantise"),
+            TensorPrecision("optimizer_states", state_description(self.level),
+                            "" if self.level == "O1" else "per-tensor power-of-2 scales from the updated moments"),
+        ]
+
+    def model_state_bytes(self, plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
+        share = plan.fp8_param_share
+        size = param_dtype.itemsize
+        return {
+            "weight": share * self.weight_dtype.itemsize + (1 - share) * size,
+            "weight_grad": share * 1 + (1 - share) * size,
+            "master_weight": 0.0,
+            "optimizer_states": float(state_bytes(self.level)),
+        }
+
+    def notes(self, plan: PrecisionPlan) -> list[str]:
+        notes = [
+            f"level {self.level}: Adam/AdamW passed to prepare() becomes lowprec.optim.LowBitAdam(W); other "
+            "optimizers are refused (they cannot read FP8 weight gradients)",
+            "FP8 weight gradients are not in .grad: clip with accelerator.clip_grad_norm_ (it includes them)",
+        ]
+        if self.context.engine == "ddp":
+            notes.append("DDP: FP8 weight gradients are averaged once per optimizer step, after the last backward")
+        if not self.emulated:
+            notes.append("compile the model (dynamo_backend='inductor') to fuse the casts into neighbouring kernels")
+        return notes
+
+
+def _ignore_in_ddp(root: nn.Module) -> None:
+    """DDP must neither all-reduce FP8Linear weights (they have no .grad) nor broadcast their FP8 state."""
+    names = []
+    for prefix, module in root.named_modules():
+        if isinstance(module, FP8Linear):
+            dot = prefix + "." if prefix else ""
+            names.append(dot + "weight")
+            names += [dot + name for name, _ in module.named_buffers(recurse=False)]
+    existing = list(getattr(root, "_ddp_params_and_buffers_to_ignore", []))
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, existing + names)
+
+
+def _clear_fp8_grads_in_zero_grad(model: nn.Module, layers: list[FP8Linear]) -> None:
+    """`model.zero_grad()` also clears the FP8 weight gradients, which are not `.grad` (as in MS-AMP).
+
+    A partial of module-level code (not a closure), so the model still pickles and deep-copies.
+    """
+    if layers:
+        model.zero_grad = functools.partial(_zero_grad, model.zero_grad, list(layers))
+
+
+def _zero_grad(original, layers: list[FP8Linear], set_to_none: bool = True) -> None:
+    original(set_to_none)
+    torch._foreach_zero_([layer.fp8_grad_valid for layer in layers])

@@ -1,0 +1,167 @@
+"""Averaging `FP8Linear` weight gradients across data-parallel ranks in FP8, with a shared scale.
+
+DDP cannot do this job: the FP8 gradients are not autograd gradients (see `linear.py`), so DDP is
+told to ignore those weights and this reducer runs once per optimizer step, after the last
+backward of the accumulation window. Each step:
+
+1. one all-reduce (MAX) of every layer's gradient amax (with the validity flags and the local
+   scales), so every rank picks the same per-tensor power-of-two scale (MS-AMP's `sync=True` cast);
+2. each rank requantises its gradient to that shared scale (an exponent shift: the shared scale is
+   never larger than the local one) and all gradients are packed into one FP8 byte buffer;
+3. the buffer is averaged by one of two methods:
+   - "all_to_all" (default): all_to_all of the FP8 bytes, each rank sums its shard across ranks in
+     FP32, divides by N and rounds once to FP8, then all_gather of the FP8 shards. Because every
+     rank uses the same scale per tensor, the sum needs no per-element scale, and the mean of
+     values bounded by 448 is bounded by 448: no pre-scaling, no overflow, one rounding.
+   - "nccl_fp8": NCCL's native FP8 all_reduce(SUM) (NCCL >= 2.24; not gloo) of values pre-scaled
+     by 1/N so the sum cannot saturate; NCCL rounds after every addition and the 1/N costs
+     log2(N) bits at the bottom of the range.
+   Both move 1 byte per gradient element per direction; `benchmarks/fp8_comm.py` measures both.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...scaling import compute_scale, format_max
+from .linear import E4M3, FP8Linear
+
+METHODS = ("all_to_all", "nccl_fp8")
+
+
+class FP8GradReducer:
+    """Averages the FP8 weight gradients of `layers` across `group` (one call per optimizer step)."""
+
+    def __init__(self, layers: list[FP8Linear], group=None, method: str = "all_to_all"):
+        if method not in METHODS:
+            raise ValueError(f"FP8 gradient reduction method={method!r} is not one of {', '.join(map(repr, METHODS))}")
+        if method == "nccl_fp8" and dist.get_backend(group) != "nccl":
+            raise ValueError(
+                f"FP8 gradient reduction method='nccl_fp8' needs the NCCL process-group backend (this group uses "
+                f"{dist.get_backend(group)!r}); use method='all_to_all', which runs on any backend"
+            )
+        self.layers = list(layers)
+        self.group = group
+        self.method = method
+        self.world_size = dist.get_world_size(group)
+        self.pending = True  # a backward may have produced gradients not reduced yet
+
+    def mark_pending(self) -> None:
+        self.pending = True
+
+    def reduce_if_pending(self) -> None:
+        if self.pending:
+            self.reduce()
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Average the gradients in place; afterwards every rank holds identical bytes and scales."""
+        self.pending = False
+        if self.world_size == 1 or not self.layers:
+            return
+        n = self.world_size
+        layers = self.layers
+        # Layers without a gradient on this rank contribute zeros (other ranks may have one); their
+        # amax may be stale, even NaN, so it is masked, not multiplied by the flag. NaN becomes inf
+        # first: MAX over NaN depends on operand order. One MAX all-reduce carries the amaxes, the
+        # flags and the negated local scales, whose max gives every rank the same fallback scale
+        # (the smallest) when the global amax is not finite.
+        valid = torch.stack([layer.fp8_grad_valid for layer in layers])
+        amax = torch.stack([layer.fp8_grad_amax for layer in layers])
+        amax = torch.where(valid > 0, torch.nan_to_num(amax, nan=float("inf")), torch.zeros_like(amax))
+        local_scale = torch.stack([layer.fp8_grad_scale for layer in layers])
+        stats = torch.stack([amax, valid, -local_scale])
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
+        amax, valid, fallback = stats[0], stats[1], -stats[2]
+        shared = compute_scale(amax, E4M3, previous=fallback)
+        if self.method == "nccl_fp8":
+            shared_send = shared / n
+        else:
+            shared_send = shared
+        sizes = [layer.fp8_grad_data.numel() for layer in layers]
+        total = sum(sizes)
+        padded = -(-total // n) * n
+        flat = torch.zeros(padded, dtype=E4M3, device=layers[0].fp8_grad_data.device)
+        offset = 0
+        limit = format_max(E4M3)
+        for i, layer in enumerate(layers):
+            size = sizes[i]
+            mine = layer.fp8_grad_data.float() * (shared_send[i] / local_scale[i])
+            mine = torch.where(layer.fp8_grad_valid > 0, mine, torch.zeros_like(mine))
+            flat[offset:offset + size].copy_(mine.clamp(-limit, limit).reshape(-1).to(E4M3))
+            offset += size
+        if self.method == "nccl_fp8":
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            reduced = flat
+        else:
+            reduced = self._all_to_all_mean(flat)
+        offset = 0
+        for i, layer in enumerate(layers):
+            size = sizes[i]
+            layer.fp8_grad_data.copy_(reduced[offset:offset + size].view_as(layer.fp8_grad_data))
+            offset += size
+        torch._foreach_copy_([layer.fp8_grad_scale for layer in layers], list(shared.unbind(0)))
+        # amax of the mean is at most the shared amax; kept as the bound the next reduction starts from
+        torch._foreach_copy_([layer.fp8_grad_amax for layer in layers], list(amax.unbind(0)))
+        torch._foreach_copy_([layer.fp8_grad_valid for layer in layers], list(valid.unbind(0)))
+
+    def _all_to_all_mean(self, flat: torch.Tensor) -> torch.Tensor:
+        n = self.world_size
+        chunk = flat.numel() // n
+        # Bytes travel as uint8: every backend (gloo included) moves them, whatever its FP8 support.
+        received = torch.empty_like(flat.view(torch.uint8))
+        dist.all_to_all_single(received, flat.view(torch.uint8), group=self.group)
+        shard = received.view(E4M3).view(n, chunk).float().sum(0).div_(n).to(E4M3)
+        out = torch.empty_like(flat.view(torch.uint8))
+        dist.all_gather_into_tensor(out, shard.view(torch.uint8), group=self.group)
+        return out.view(E4M3)
+
+
+def fp8_grad_norms(layers: list[FP8Linear], norm_type: float) -> torch.Tensor | None:
+    """Per-layer `norm_type` norms of the FP8 weight gradients (true values, not scaled), or None."""
+    if not layers:
+        return None
+    norms = []
+    for layer in layers:
+        grad = layer.fp8_grad_data.float() / layer.fp8_grad_scale
+        grad = torch.where(layer.fp8_grad_valid > 0, grad, torch.zeros_like(grad))
+        norms.append(torch.linalg.vector_norm(grad, norm_type))
+    return torch.stack(norms)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, layers: list[FP8Linear], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over `parameters`' `.grad` plus the FP8 gradients of `layers`.
+
+    The norm is of the true (dequantised) gradients. Clipping an FP8 gradient only divides its
+    scale (a metadata change, as in MS-AMP); the FP8 bytes are untouched.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    wanted = {id(p) for p in parameters}
+    layers = [layer for layer in layers if id(layer.weight) in wanted]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    parts = []
+    if grads:
+        parts.append(torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads]))
+    fp8 = fp8_grad_norms(layers, norm_type)
+    if fp8 is not None:
+        parts.append(fp8)
+    if not parts:
+        return torch.tensor(0.0)
+    device = parts[0].device
+    norms = torch.cat([p.to(device) for p in parts])
+    total = norms.max() if norm_type == float("inf") else torch.linalg.vector_norm(norms, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    for layer in layers:
+        layer.fp8_grad_scale.div_(coef)
+        layer.fp8_grad_amax.mul_(coef)
+    return total

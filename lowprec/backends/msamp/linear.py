@@ -1,0 +1,336 @@
+"""`FP8Linear`: MS-AMP's FP8 linear layer (levels O1/O2) on plain PyTorch.
+
+Per tensor, as MS-AMP's `nn/functional.py` does it:
+
+| tensor           | format                 | scale                                                     |
+|------------------|------------------------|-----------------------------------------------------------|
+| weight (stored)  | FP16 (or BF16)         | the true value; no master copy                            |
+| weight (GEMM)    | E4M3                   | current: from the weight's amax at each forward           |
+| input            | E4M3                   | delayed: max amax of the last `window` steps (in time while warming up) |
+| output gradient  | E5M2 (HYBRID) / E4M3   | delayed, as the input                                     |
+| weight gradient  | E4M3, kept on the layer| current, from the accumulated gradient; shared by all ranks after reduction |
+
+Every scale is a power of two (`lowprec.scaling.compute_scale`). The three GEMMs are
+`torch._scaled_mm` on FP8 GPUs and the same math in FP32 elsewhere (emulation).
+
+The weight gradient never becomes a `.grad`: autograd gets None for the weight and the layer keeps
+the gradient in its FP8 buffer (`fp8_grad_data` with `fp8_grad_scale`), accumulating micro-batches
+by dequantise + add + requantise. `lowprec.optim.LowBitAdamW` reads it from there; the backend's
+reducer averages it across ranks in FP8. All state lives in buffers that the autograd function
+updates in place, so the layer compiles as one graph with `torch.compile`.
+
+Deliberate difference from MS-AMP: the stored FP16 weight is the true weight, not a value
+pre-multiplied by a scale, so every PyTorch tool (initialisers, tied weights, `state_dict`) sees a
+real weight. FP16 then stores |w| < 6e-5 as subnormals, whose absolute error (6e-8) is still below
+what the E4M3 cast of the GEMM loses for any weight tensor whose amax is above ~1e-5.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...kernels import triton_available
+from ...scaling import compute_scale, dequantize, format_max, tensor_amax
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+WEIGHT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Names of the layer's scaling buffers; checkpoints drop them when exported for a plain model.
+META_PREFIX = "fp8_meta_"
+_INPUT, _GRAD = 0, 1  # rows of the amax history
+# One 0-d buffer per scale, never views of one (3,) buffer: Inductor passes a saved view (storage offset
+# 4 or 8 bytes) straight to torch._scaled_mm, and cuBLASLt refuses scale pointers that are not 16-byte
+# aligned (CUBLAS_STATUS_NOT_SUPPORTED), seen on the compiled d=4096 proxy's lm_head.
+SCALE_NAMES = ("input", "grad", "weight")
+
+
+def cast_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, transpose: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`x * scale` in `dtype` (saturating), its transpose (row-major) if asked, and `amax(|x|)`.
+
+    On CUDA in eager mode one Triton kernel does all three in a single read of `x`; under
+    `torch.compile` the torch ops below are fused by Inductor instead. NaN in `x` gives a
+    non-finite amax, which no scale is ever computed from.
+    """
+    if x.is_cuda and x.numel() and triton_available() and not torch.compiler.is_compiling():
+        from ...kernels.cast import cast_transpose
+
+        amax = torch.zeros((), dtype=torch.float32, device=x.device)
+        q, qt = cast_transpose(x, scale, dtype, amax, transpose=transpose)
+        return q, qt, amax
+    amax = tensor_amax(x)
+    limit = format_max(dtype)
+    q = (x.float() * scale).clamp(-limit, limit).to(dtype)
+    return q, (q.t().contiguous() if transpose else None), amax
+
+
+def scaled_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                out_dtype: torch.dtype, *, emulate: bool, fast_accum: bool) -> torch.Tensor:
+    """`(a / a_scale) @ (b / b_scale)` for FP8 `a` (row-major) and `b` (column-major)."""
+    if not a.numel() or not b.numel():  # no tokens (or an empty inner dimension): cuBLAS refuses k == 0
+        return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    if emulate:
+        return ((a.float() / a_scale) @ (b.float() / b_scale)).to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
+                            out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+def _pad_cols(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad the last dimension of a row-major FP8 matrix (a zero byte is 0.0 in both formats)."""
+    extra = -t.shape[-1] % multiple
+    if not extra:
+        return t
+    return F.pad(t.view(torch.uint8), (0, extra)).view(t.dtype)
+
+
+def _delayed_scale(amax: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype, margin: int,
+                   in_time: bool) -> torch.Tensor:
+    # In time (warm-up, window 1): from this tensor's amax; afterwards the stored delayed scale.
+    return compute_scale(amax, dtype, margin, previous=stored) if in_time else stored.clone()
+
+
+def _record(history: torch.Tensor, amax: torch.Tensor) -> None:
+    # Max over the micro-batches of a step; NaN propagates and is dealt with at the step update.
+    history[0].copy_(torch.maximum(history[0], amax))
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    """y = x W^T with the three GEMMs in FP8. State tensors are updated in place (see module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, history, scale_x, scale_g, scale_w, grad_data, grad_scale, grad_amax, grad_valid, cfg):
+        fwd_dtype, bwd_dtype, margin, in_time_input, in_time_grad, emulate, out_dtype, record = cfg
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if in_time_input:
+            amax_x = tensor_amax(x2)
+            s_x = compute_scale(amax_x, fwd_dtype, margin, previous=scale_x)
+            xq, xqt, _ = cast_fp8(x2, s_x, fwd_dtype, transpose=True)
+        else:
+            s_x = scale_x.clone()
+            xq, xqt, amax_x = cast_fp8(x2, s_x, fwd_dtype, transpose=True)
+        amax_w = tensor_amax(weight)
+        s_w = compute_scale(amax_w, fwd_dtype, margin, previous=scale_w)
+        wq, wqt, _ = cast_fp8(weight, s_w, fwd_dtype, transpose=True)
+        if record:
+            with torch.no_grad():
+                _record(history[_INPUT], amax_x)
+                scale_w.copy_(s_w)
+        out = scaled_gemm(xq, wq.t(), s_x, s_w, out_dtype, emulate=emulate, fast_accum=True)
+        ctx.save_for_backward(xqt, wqt, s_x, s_w)
+        # Mutable state goes on ctx, not through save_for_backward: it changes between forward and
+        # backward (a layer used twice, activation recompute), which the saved-tensor version check forbids.
+        ctx.state = (history, scale_g, grad_data, grad_scale, grad_amax, grad_valid)
+        ctx.cfg = (bwd_dtype, margin, in_time_grad, emulate, x.dtype, shape)
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xqt, wqt, s_x, s_w = ctx.saved_tensors
+        history, scale_g, grad_data, grad_scale, grad_amax, grad_valid = ctx.state
+        bwd_dtype, margin, in_time, emulate, x_dtype, shape = ctx.cfg
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if in_time:
+            amax_g = tensor_amax(g2)
+            s_g = compute_scale(amax_g, bwd_dtype, margin, previous=scale_g)
+            gq, gqt, _ = cast_fp8(g2, s_g, bwd_dtype, transpose=True)
+        else:
+            s_g = scale_g.clone()
+            gq, gqt, amax_g = cast_fp8(g2, s_g, bwd_dtype, transpose=True)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = scaled_gemm(gq, wqt.t(), s_g, s_w, grad_out.dtype, emulate=emulate, fast_accum=False)
+            grad_x = grad_x.to(x_dtype).reshape(shape)
+        with torch.no_grad():
+            _record(history[_GRAD], amax_g)
+        if not ctx.needs_input_grad[1]:  # frozen weight
+            return (grad_x,) + (None,) * 10
+        # dW = dY^T X: inner dimension = tokens, which FP8 GEMMs need in multiples of 16.
+        wgrad = scaled_gemm(_pad_cols(gqt, 16), _pad_cols(xqt, 16).t(), s_g, s_x, torch.float32,
+                            emulate=emulate, fast_accum=False)
+        with torch.no_grad():
+            previous = torch.where(grad_valid > 0, dequantize(grad_data, grad_scale), torch.zeros_like(wgrad))
+            total = previous + wgrad
+            amax_t = tensor_amax(total)
+            s_t = compute_scale(amax_t, E4M3, 0, previous=grad_scale)
+            grad_data.copy_((total * s_t).clamp(-format_max(E4M3), format_max(E4M3)).to(E4M3))
+            grad_scale.copy_(s_t)
+            grad_amax.copy_(amax_t)
+            grad_valid.fill_(1.0)
+        return (grad_x,) + (None,) * 10
+
+
+class FP8Linear(nn.Module):
+    """Drop-in for `nn.Linear` with MS-AMP O1/O2 numerics (see module docstring).
+
+    Args:
+        in_features, out_features, bias: as `nn.Linear`.
+        weight_dtype: storage of the weight, torch.float16 (MS-AMP) or torch.bfloat16.
+        fp8_format: "HYBRID" (E5M2 output gradients) or "E4M3".
+        amax_history_len: window of the delayed input / output-gradient scales (MS-AMP: 16).
+        amax_compute_algo: "max" over the window or "most_recent".
+        margin: extra power-of-two headroom of every scale.
+        emulate: run the GEMMs in FP32 on dequantised operands (CPU, pre-Hopper GPUs).
+        fp8_eval: run FP8 in eval mode too (otherwise eval uses a high-precision GEMM).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 weight_dtype: torch.dtype = torch.float16, fp8_format: str = "HYBRID", amax_history_len: int = 16,
+                 amax_compute_algo: str = "max", margin: int = 0, emulate: bool = False, fp8_eval: bool = True,
+                 device=None, bias_dtype: torch.dtype | None = None):
+        super().__init__()
+        if weight_dtype not in WEIGHT_DTYPES.values():
+            raise ValueError(f"FP8Linear.weight_dtype={weight_dtype} is not one of torch.float16, torch.bfloat16")
+        if fp8_format not in ("HYBRID", "E4M3"):
+            raise ValueError(f"FP8Linear.fp8_format={fp8_format!r} is not one of 'HYBRID', 'E4M3'")
+        if amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(f"FP8Linear.amax_compute_algo={amax_compute_algo!r} is not one of 'max', 'most_recent'")
+        if amax_history_len < 1:
+            raise ValueError(f"FP8Linear.amax_history_len={amax_history_len} must be >= 1")
+        self.in_features, self.out_features = in_features, out_features
+        self.fp8_format, self.amax_history_len, self.amax_compute_algo = fp8_format, amax_history_len, amax_compute_algo
+        self.margin, self.emulate, self.fp8_eval = margin, emulate, fp8_eval
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype, device=device))
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=bias_dtype or torch.float32, device=device))
+                     if bias else None)
+        # rows: input, output gradient; column 0 is the step in progress
+        self.register_buffer(META_PREFIX + "amax_history", torch.zeros(2, amax_history_len, device=device))
+        for name in SCALE_NAMES:
+            self.register_buffer(f"{META_PREFIX}scale_{name}", torch.ones((), device=device))
+        self.register_buffer(META_PREFIX + "steps", torch.zeros((), dtype=torch.int64, device=device))
+        # The FP8 weight gradient; not part of checkpoints (like .grad).
+        self.register_buffer("fp8_grad_data", torch.zeros(out_features, in_features, dtype=E4M3, device=device),
+                             persistent=False)
+        self.register_buffer("fp8_grad_scale", torch.ones((), device=device), persistent=False)
+        self.register_buffer("fp8_grad_amax", torch.zeros((), device=device), persistent=False)
+        self.register_buffer("fp8_grad_valid", torch.zeros((), device=device), persistent=False)
+        # Python mirrors of fp8_meta_steps: warm-up is decided without a device sync, and by a bool
+        # that flips once, so torch.compile guards on it (two graphs), not on a step count.
+        self._steps = 0
+        self._in_time = True
+        self.weight.fp8_grad_owner = True  # marks parameters whose gradient lives in FP8 on the layer
+        self.register_load_state_dict_post_hook(_sync_steps)
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_float(cls, linear: nn.Linear, **options) -> FP8Linear:
+        """Copy of `linear` (weights cast to the storage dtype, bias kept as is), on its device."""
+        new = cls(linear.in_features, linear.out_features, linear.bias is not None, device=linear.weight.device,
+                  bias_dtype=None if linear.bias is None else linear.bias.dtype, **options)
+        with torch.no_grad():
+            new.weight.copy_(linear.weight)
+            if linear.bias is not None:
+                new.bias.copy_(linear.bias)
+        new.weight.requires_grad_(linear.weight.requires_grad)
+        if linear.bias is not None:
+            new.bias.requires_grad_(linear.bias.requires_grad)
+        new.original_weight_dtype = linear.weight.dtype
+        for name, value in vars(linear).items():  # user attributes (e.g. HF's _is_hf_initialized)
+            if not name.startswith("_") and name not in vars(new):
+                setattr(new, name, value)
+        return new
+
+    # ---- state -----------------------------------------------------------------------------
+    @property
+    def amax_history(self) -> torch.Tensor:
+        return getattr(self, META_PREFIX + "amax_history")
+
+    def scale_buffers(self) -> list[torch.Tensor]:
+        """The (input, output gradient, weight) scale buffers, live."""
+        return [getattr(self, f"{META_PREFIX}scale_{name}") for name in SCALE_NAMES]
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """(input, output gradient, weight) scales in use, as a (3,) copy."""
+        return torch.stack(self.scale_buffers())
+
+    @property
+    def fp8_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        return E4M3, (E5M2 if self.fp8_format == "HYBRID" else E4M3)
+
+    def in_time(self) -> bool:
+        """Delayed scales are not trusted yet (warm-up: the first `amax_history_len` steps)."""
+        return self._in_time
+
+    def _count_step(self, steps: int) -> None:
+        self._steps = steps
+        self._in_time = self.amax_history_len == 1 or steps < self.amax_history_len
+
+    def weight_grad(self, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """The accumulated weight gradient, dequantised (None if there is none since the last reset)."""
+        if not bool(self.fp8_grad_valid):
+            return None
+        return dequantize(self.fp8_grad_data, self.fp8_grad_scale, dtype)
+
+    def reset_fp8_grad(self) -> None:
+        self.fp8_grad_valid.zero_()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # A container's zero_grad() does not reach this; lowprec's conversion patches the model's.
+        super().zero_grad(set_to_none)
+        self.reset_fp8_grad()
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device_type = x.device.type
+        autocast = torch.is_autocast_enabled(device_type)
+        out_dtype = torch.get_autocast_dtype(device_type) if autocast else x.dtype
+        if not self.training and not self.fp8_eval:
+            out = F.linear(x.to(out_dtype), self.weight.to(out_dtype))
+        else:
+            fwd, bwd = self.fp8_dtypes
+            in_time = self.in_time()
+            cfg = (fwd, bwd, self.margin, in_time, in_time, self.emulate, out_dtype, self.training)
+            with torch.autocast(device_type, enabled=False):
+                out = _FP8LinearFunction.apply(
+                    x, self.weight, self.amax_history, *self.scale_buffers(), self.fp8_grad_data, self.fp8_grad_scale,
+                    self.fp8_grad_amax, self.fp8_grad_valid, cfg,
+                )
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight={str(self.weight.dtype).replace('torch.', '')}, format={self.fp8_format}, "
+                f"window={self.amax_history_len}{', emulated' if self.emulate else ''}")
+
+
+def _sync_steps(module: FP8Linear, incompatible_keys) -> None:
+    module._count_step(int(getattr(module, META_PREFIX + "steps")))
+
+
+@torch.no_grad()
+def update_delayed_scales(layers: list[FP8Linear]) -> None:
+    """After an optimizer step: new delayed scales from each layer's window, then roll the window.
+
+    MS-AMP's `_update_scaling_factors`: a non-finite amax is dropped from the window (the scale
+    stays the last finite one), the scale comes from the max (or most recent) amax of the window,
+    and the window moves on by one step. Batched over all layers (a handful of kernels per step).
+    """
+    groups: dict[tuple, list[FP8Linear]] = {}
+    for layer in layers:
+        key = (layer.amax_history.device, layer.amax_history_len, layer.amax_compute_algo, layer.margin,
+               layer.fp8_format)
+        groups.setdefault(key, []).append(layer)
+    for (_, _, algo, margin, _), group in groups.items():
+        fwd, bwd = group[0].fp8_dtypes
+        history = torch.stack([layer.amax_history for layer in group])  # (n, 2, window)
+        scales = torch.stack([layer.scales for layer in group])  # (n, 3): input, grad, weight
+        current = history[..., 0]
+        finite = torch.isfinite(current)
+        history[..., 0] = torch.where(finite, current, torch.zeros_like(current))
+        reference = history.amax(dim=-1) if algo == "max" else history[..., 0]
+        new_input = compute_scale(reference[:, 0], fwd, margin, previous=scales[:, 0])
+        new_grad = compute_scale(reference[:, 1], bwd, margin, previous=scales[:, 1])
+        history = torch.roll(history, 1, dims=-1)
+        history[..., 0] = 0
+        torch._foreach_copy_([layer.amax_history for layer in group], list(history.unbind(0)))
+        live = [layer.scale_buffers() for layer in group]
+        torch._foreach_copy_([b[0] for b in live] + [b[1] for b in live],
+                             list(new_input.unbind(0)) + list(new_grad.unbind(0)))
+        for layer in group:
+            getattr(layer, META_PREFIX + "steps").add_(1)
+            layer._count_step(layer._steps + 1)

@@ -1,0 +1,18 @@
+"""Triton kernels for CUDA devices; every kernel has a plain-torch definition it is tested against."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+
+@lru_cache(maxsize=None)
+def triton_available() -> bool:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

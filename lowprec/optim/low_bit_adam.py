@@ -1,0 +1,252 @@
+"""Adam / AdamW with optimizer states stored in low precision (MS-AMP levels O1/O2).
+
+Each state is kept in its storage dtype with one per-tensor scale: FP32 (unscaled), BF16
+(unscaled: its range is FP32's), FP16, E4M3 or E5M2 (scaled by a power of two from the state's
+amax, as MS-AMP does). A step follows MS-AMP's LBAdamW:
+
+1. dequantise each state with its current scale and update it in FP32 with the new gradient,
+2. update the parameter in FP32 from the updated states (AdamW, or Adam with L2),
+3. choose new power-of-two scales from the updated states' amax and requantise them.
+
+MS-AMP O1 uses FP32/FP32, O2 uses E4M3 `exp_avg` and FP16 `exp_avg_sq`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..scaling import compute_scale, format_max, tensor_amax
+
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALED = (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16, "e4m3": torch.float8_e4m3fn,
+          "float8_e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2}
+
+
+def state_dtype(name: str, value: Any) -> torch.dtype:
+    """Accept a torch dtype or a name ('fp32', 'bf16', 'fp16', 'e4m3', 'e5m2'); MS-AMP's uint8 = E4M3."""
+    if value is torch.uint8:  # MS-AMP's spelling of an E4M3 state
+        return torch.float8_e4m3fn
+    if value is torch.int8:  # ... and of an E5M2 state
+        return torch.float8_e5m2
+    if isinstance(value, str) and value.lower() in _NAMES:
+        return _NAMES[value.lower()]
+    if value in STATE_DTYPES:
+        return value
+    raise ValueError(
+        f"{name}={value!r} is not a supported state dtype; use one of torch.float32, torch.bfloat16, "
+        "torch.float16, torch.float8_e4m3fn, torch.float8_e5m2 (or 'fp32', 'bf16', 'fp16', 'e4m3', 'e5m2')"
+    )
+
+
+def _encode(value: torch.Tensor, dtype: torch.dtype, previous_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 `value` -> (stored tensor, scale)."""
+    if dtype not in _SCALED:
+        return value.to(dtype), previous_scale
+    amax = tensor_amax(value)
+    scale = compute_scale(amax, dtype, previous=previous_scale)
+    limit = format_max(dtype)
+    return (value * scale).clamp_(-limit, limit).to(dtype), scale
+
+
+def _decode(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return stored.float() / scale if stored.dtype in _SCALED else stored.float()
+
+
+class LowBitAdamW(torch.optim.Optimizer):
+    """AdamW whose `exp_avg` / `exp_avg_sq` live in `exp_avg_dtype` / `exp_avg_sq_dtype`.
+
+    Args:
+        params: parameters (FP32, FP16 or BF16) or parameter groups.
+        lr, betas, eps, weight_decay: as `torch.optim.AdamW` (decoupled weight decay).
+        exp_avg_dtype, exp_avg_sq_dtype: storage of the moments (see module docstring).
+        maximize: maximise the objective instead.
+        fused: use the fused GPU kernel for CUDA parameters (default: when available).
+    """
+
+    _decoupled = True
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        exp_avg_dtype: Any = torch.float32,
+        exp_avg_sq_dtype: Any = torch.float32,
+        *,
+        maximize: bool = False,
+        fused: bool | None = None,
+    ):
+        if isinstance(lr, torch.Tensor) or not 0.0 <= lr:
+            raise ValueError(f"{type(self).__name__}.lr={lr!r} must be a float >= 0")
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"{type(self).__name__}.betas={betas!r} must be two floats in [0, 1)")
+        if not 0.0 <= eps:
+            raise ValueError(f"{type(self).__name__}.eps={eps!r} must be >= 0")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"{type(self).__name__}.weight_decay={weight_decay!r} must be >= 0")
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+            exp_avg_dtype=state_dtype("exp_avg_dtype", exp_avg_dtype),
+            exp_avg_sq_dtype=state_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype),
+            maximize=maximize, fused=fused,
+        )
+        super().__init__(params, defaults)
+        self._fp8_layers: dict[int, Any] = {}  # id(weight) -> layer holding its FP8 gradient
+        self._pre_step_fns: list = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.is_floating_point() or p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                    raise ValueError(
+                        f"{type(self).__name__} updates float32, float16 or bfloat16 parameters, got {p.dtype}"
+                    )
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            for key in ("exp_avg", "exp_avg_sq"):
+                # separate buffers: an FP32 state is stored as is, so one zeros tensor would alias both
+                zeros = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+                one = torch.ones((), dtype=torch.float32, device=p.device)
+                state[key], state[f"{key}_scale"] = _encode(zeros, group[f"{key}_dtype"], one)
+        return state
+
+    # ---- FP8 weight gradients (backend="msamp") -------------------------------------------------
+    def attach_fp8_grads(self, layers) -> None:
+        """Read the gradients of these layers' weights from their FP8 gradient buffers.
+
+        `layers` are `FP8Linear` modules (anything with `weight`, `fp8_grad_data`,
+        `fp8_grad_scale`, `fp8_grad_valid`). `zero_grad()` clears those buffers too.
+        """
+        self._fp8_layers = {id(layer.weight): layer for layer in layers}
+
+    def add_fp8_pre_step(self, fn) -> None:
+        """Run `fn()` before every step (the backend's FP8 gradient reduction across ranks)."""
+        self._pre_step_fns.append(fn)
+
+    def fp8_layers(self) -> list:
+        return list(self._fp8_layers.values())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        layers = self.fp8_layers()
+        if layers:
+            torch._foreach_zero_([layer.fp8_grad_valid for layer in layers])
+
+    def _fp8_grads_present(self) -> dict[int, bool]:
+        layers = self._fp8_layers
+        if not layers:
+            return {}
+        # One device sync per step for all layers, instead of one per layer.
+        flags = torch.stack([layer.fp8_grad_valid for layer in layers.values()]).cpu().tolist()
+        return {key: bool(flag) for key, flag in zip(layers, flags)}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for fn in self._pre_step_fns:
+            fn()
+        fp8_present = self._fp8_grads_present()
+        fp8_layers = self._fp8_layers
+        for group in self.param_groups:
+            for p in group["params"]:
+                layer = fp8_layers.get(id(p))
+                if layer is not None:
+                    if not fp8_present[id(p)]:
+                        continue
+                    grad, grad_scale = layer.fp8_grad_data, layer.fp8_grad_scale
+                elif p.grad is None:
+                    continue
+                else:
+                    grad, grad_scale = p.grad, None
+                if grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self._init_state(p, group)
+                state["step"] += 1
+                if self._use_fused(p, grad, group):
+                    from ..kernels.adam import fused_low_bit_adam_step
+
+                    fused_low_bit_adam_step(p, state, group, decoupled=self._decoupled, grad=grad,
+                                            grad_scale=grad_scale)
+                else:
+                    dense = grad.float() if grad_scale is None else grad.float() / grad_scale
+                    self._reference_step(p, dense, state, group)
+        return loss
+
+    def _use_fused(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> bool:
+        if group["fused"] is False or p.device.type != "cuda":
+            return False
+        from ..kernels import triton_available
+
+        if group["fused"] and not triton_available():
+            raise RuntimeError(f"{type(self).__name__}(fused=True) needs Triton on a CUDA device")
+        return triton_available() and p.is_contiguous() and grad.is_contiguous()
+
+    def _reference_step(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+        """The FP32 update in plain torch: the definition the fused kernel must match."""
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        step = state["step"].item()
+        if group["maximize"]:
+            grad = -grad
+        param = p.float()
+        if wd != 0:
+            if self._decoupled:
+                param.mul_(1 - lr * wd)
+            else:
+                grad = grad.add(param, alpha=wd)
+        m = _decode(state["exp_avg"], state["exp_avg_scale"]).mul_(beta1).add_(grad, alpha=1 - beta1)
+        v = _decode(state["exp_avg_sq"], state["exp_avg_sq_scale"]).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias1, bias2 = 1 - beta1**step, 1 - beta2**step
+        denom = (v.sqrt() / bias2**0.5).add_(eps)
+        param.addcdiv_(m, denom, value=-lr / bias1)
+        p.copy_(param)
+        state["exp_avg"], state["exp_avg_scale"] = _encode(m, group["exp_avg_dtype"], state["exp_avg_scale"])
+        state["exp_avg_sq"], state["exp_avg_sq_scale"] = _encode(v, group["exp_avg_sq_dtype"], state["exp_avg_sq_scale"])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch casts floating-point states to the parameter's dtype on load: an FP32 moment or a
+        # scale of 2**35 would become FP16 (inf). Take the saved tensors as they are instead.
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, p in zip(ids, params):
+            if pid not in saved:
+                continue
+            state = self.state[p]
+            for key, value in saved[pid].items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.detach().to(device="cpu" if key == "step" else p.device, copy=True)
+            state["step"] = state["step"].float()
+
+    def state_bytes(self) -> int:
+        """Bytes held by optimizer states (moments and their scales)."""
+        return sum(
+            t.numel() * t.element_size()
+            for state in self.state.values()
+            for key, t in state.items()
+            if key != "step" and isinstance(t, torch.Tensor)
+        )
+
+
+class LowBitAdam(LowBitAdamW):
+    """Adam with L2 regularisation (weight decay added to the gradient) and low-precision states."""
+
+    _decoupled = False
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, exp_avg_dtype: Any = torch.float32,
+                 exp_avg_sq_dtype: Any = torch.float32, *, maximize: bool = False, fused: bool | None = None):
+        super().__init__(params, lr, betas, eps, weight_decay, exp_avg_dtype, exp_avg_sq_dtype,
+                         maximize=maximize, fused=fused)

@@ -1,0 +1,145 @@
+"""Amax and scale rules shared by the backends: current, delayed (amax history), power of two.
+
+A scale multiplies a high-precision tensor before the cast, so `amax * scale <= fp8_max`; the
+dequantisation factor is `1 / scale`. Every function works on tensors (one scale per tensor, or a
+vector of them) without a host synchronisation, so it can run inside a training step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_MAX = {
+    torch.float8_e4m3fn: 448.0,
+    torch.float8_e5m2: 57344.0,
+    torch.float16: 65504.0,
+    torch.bfloat16: float(torch.finfo(torch.bfloat16).max),
+    torch.float32: float(torch.finfo(torch.float32).max),
+}
+
+
+# Largest power-of-two exponent of a scale: 2**126 is a normal FP32 number with room to spare.
+_MAX_EXPONENT = 126
+
+
+def format_max(dtype: torch.dtype) -> float:
+    """Largest finite value of a storage format (E4M3 448, E5M2 57344, FP16 65504, ...)."""
+    try:
+        return _MAX[dtype]
+    except KeyError:
+        raise ValueError(f"dtype={dtype} is not a scaled storage format; use one of {', '.join(map(str, _MAX))}") from None
+
+
+def compute_scale(
+    amax: torch.Tensor | float,
+    fp8_dtype: torch.dtype,
+    margin: int = 0,
+    previous: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Power-of-two scale `2 ** (floor(log2(fp8_max / amax)) - margin)`.
+
+    Powers of two make the cast exact apart from rounding the mantissa (no scale rounding error),
+    and are MS-AMP's rule. Where `amax` is 0, inf or NaN the result is `previous` (1 if None): a
+    NaN never becomes a scale, and a tensor of zeros keeps the last good scale. The exponent is
+    capped at 126 so that a tiny amax (or a wide target such as FP32) still gives a finite scale;
+    the capped scale only leaves more headroom.
+
+    Args:
+        amax: absolute maximum, a scalar or one per tensor.
+        fp8_dtype: the target format (any format `format_max` knows).
+        margin: extra power-of-two headroom.
+        previous: the scale in use, same shape as `amax`.
+
+    Returns:
+        float32 tensor of the shape of `amax`.
+    """
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    if previous is None:
+        previous = torch.ones_like(amax)
+    previous = torch.as_tensor(previous, dtype=torch.float32, device=amax.device)
+    valid = torch.isfinite(amax) & (amax > 0)
+    safe = torch.where(valid, amax, torch.ones_like(amax))
+    # fp_max / amax overflows FP32 to inf for tiny amax; log2(inf) = inf is then capped like any other.
+    exponent = (torch.floor(torch.log2(format_max(fp8_dtype) / safe)) - margin).clamp(max=_MAX_EXPONENT)
+    return torch.where(valid, torch.exp2(exponent), previous)
+
+
+def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
+    """`max(|tensor|)` as a float32 scalar; 0 for an empty tensor (an MoE expert with no tokens), which
+    `compute_scale` treats as "keep the previous scale"."""
+    if tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=tensor.device)
+    return tensor.detach().abs().amax().float()
+
+
+def current_scale(tensor: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0,
+                  previous: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, amax) from the tensor itself ("current" or "just-in-time" scaling)."""
+    amax = tensor_amax(tensor)
+    return compute_scale(amax, fp8_dtype, margin, previous), amax
+
+
+def quantize(tensor: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """`tensor * scale` cast to `fp8_dtype`, saturating at the format's max (casts of out-of-range
+    values to float8_e4m3fn would otherwise give NaN)."""
+    limit = format_max(fp8_dtype)
+    return (tensor.float() * scale).clamp(-limit, limit).to(fp8_dtype)
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (data.float() / scale).to(dtype)
+
+
+class AmaxHistory:
+    """Delayed scaling: scales from the amax of earlier steps (TE DelayedScaling, MS-AMP windows).
+
+    The scale used at step t comes from the history before t, so the cast needs no reduction over
+    the tensor first. While fewer than `length` amaxes have been seen (warm-up) and after a step
+    whose amax was inf/NaN, the current amax is used instead ("in time"), as MS-AMP does.
+
+    Args:
+        length: history length (1 = current scaling).
+        algo: "max" over the history, or "most_recent".
+        fp8_dtype, margin: as for `compute_scale`.
+    """
+
+    def __init__(self, length: int, algo: str, fp8_dtype: torch.dtype, margin: int = 0,
+                 device: torch.device | str | None = None):
+        if length < 1:
+            raise ValueError(f"amax_history_len={length} must be >= 1")
+        if algo not in ("max", "most_recent"):
+            raise ValueError(f"amax_compute_algo={algo!r} is not one of 'max', 'most_recent'")
+        self.length, self.algo, self.fp8_dtype, self.margin = length, algo, fp8_dtype, margin
+        self.history = torch.zeros(length, device=device)
+        self.scale = torch.ones((), device=device)
+        self.seen = torch.zeros((), dtype=torch.int64, device=device)
+
+    def in_time(self) -> torch.Tensor:
+        """True while the history cannot be trusted yet (as a 0-d bool tensor)."""
+        return (self.seen < self.length) | (self.length == 1)
+
+    def scale_for(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The scale to cast `tensor` with now; records its amax."""
+        amax = tensor_amax(tensor)
+        now = compute_scale(amax, self.fp8_dtype, self.margin, self.scale)
+        scale = torch.where(self.in_time(), now, self.scale)
+        self.record(amax)
+        return scale
+
+    def record(self, amax: torch.Tensor) -> None:
+        finite = torch.isfinite(amax)
+        self.history = torch.roll(self.history, 1)
+        self.history[0] = torch.where(finite, amax, torch.zeros_like(amax))
+        # A non-finite step restarts the warm-up so the next casts use their own amax.
+        self.seen = torch.where(finite, self.seen + 1, torch.zeros_like(self.seen))
+        reference = self.history.max() if self.algo == "max" else self.history[0]
+        self.scale = compute_scale(reference, self.fp8_dtype, self.margin, self.scale)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"history": self.history.clone(), "scale": self.scale.clone(), "seen": self.seen.clone()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.history.copy_(state["history"])
+        self.scale.copy_(state["scale"])
+        self.seen.copy_(state["seen"])

@@ -1,0 +1,266 @@
+"""A stand-in for the few parts of `transformer_engine` that lowprec's TE adapter touches, for CPU tests.
+
+A test double, not an emulator:
+- `Linear`, `LayerNorm`, `RMSNorm` take TE 2.x's constructor arguments (names, keyword-only where TE's
+  are, `device` defaulting to CUDA as TE's does) and compute in high precision.
+- `autocast` only records how it was entered, and sets `module.fp8` for the forwards inside it, which
+  is what TE's modules report.
+- Extra state is TE's format (a pickled dict in a byte tensor). A TE-format payload given back to
+  `set_extra_state` is recorded, never unpickled: TE itself gates that behind
+  NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE.
+- `common.recipe` has TE's recipe classes with only the fields lowprec sets, so a misnamed argument
+  is a TypeError here as it is in TE.
+
+`install(monkeypatch)` puts the modules in `sys.modules` for one test; monkeypatch takes them out. The
+`fake_te` and `te_missing` fixtures are defined here and imported by the test modules that use them
+(a conftest.py here would shadow tests/conftest.py for `from conftest import ...`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib.machinery
+import pickle
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_state = types.SimpleNamespace(enabled=False, recipe=None)
+autocast_calls: list[dict] = []
+
+
+# ---- transformer_engine.common.recipe ---------------------------------------------------------
+class Format(enum.Enum):
+    E4M3 = "E4M3"
+    E5M2 = "E5M2"
+    HYBRID = "HYBRID"
+
+
+@dataclass
+class DelayedScaling:
+    margin: int = 0
+    fp8_format: Format = Format.HYBRID
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    reduce_amax: bool = True
+
+    def delayed(self) -> bool:
+        return True
+
+
+@dataclass
+class Float8CurrentScaling:
+    fp8_format: Format = Format.HYBRID
+
+    def delayed(self) -> bool:
+        return False
+
+
+@dataclass
+class Float8BlockScaling:
+    fp8_format: Format = Format.E4M3
+
+    def delayed(self) -> bool:
+        return False
+
+
+@dataclass
+class MXFP8BlockScaling:
+    margin: int = 0
+    fp8_format: Format = Format.E4M3
+
+    def delayed(self) -> bool:
+        return False
+
+
+# ---- transformer_engine.pytorch --------------------------------------------------------------
+@contextlib.contextmanager
+def autocast(enabled: bool = True, calibrating: bool = False, recipe=None, amax_reduction_group=None):
+    autocast_calls.append({"enabled": enabled, "recipe": recipe})
+    saved = (_state.enabled, _state.recipe)
+    _state.enabled, _state.recipe = enabled, recipe
+    try:
+        yield
+    finally:
+        _state.enabled, _state.recipe = saved
+
+
+def _device(device) -> torch.device:
+    device = torch.device("cuda" if device is None else device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("fake TE: a module was built on the default CUDA device, as TE does without device=")
+    return device
+
+
+class _BaseModule(nn.Module):
+    """The parts of TE's base module that lowprec's subclasses call."""
+
+    def __init__(self):
+        super().__init__()
+        self.fp8 = False
+        self.fp8_meta: dict = {"fp8_checkpoint": False, "fp8_group": None}
+        self.te_format_payloads: list[torch.Tensor] = []  # given to set_extra_state, not unpickled
+
+    def init_fp8_meta_tensors(self, recipe) -> None:
+        """Delayed scaling: scales and amax histories of 1 GEMM, 3 forward tensors (input, weight, output) and
+        2 backward. Other recipes keep no such tensors."""
+        if not recipe.delayed():
+            return
+        for key, n in (("scaling_fwd", 3), ("scaling_bwd", 2)):
+            self.fp8_meta[key] = types.SimpleNamespace(
+                scale=torch.ones(n), amax_history=torch.zeros(recipe.amax_history_len, n)
+            )
+
+    def get_extra_state(self) -> torch.Tensor:
+        if not (self.fp8_meta["fp8_checkpoint"] or self.fp8):
+            return torch.empty(0, dtype=torch.uint8)
+        state = {"recipe": self.fp8_meta["recipe"]}
+        if "scaling_fwd" in self.fp8_meta:
+            state["scale_fwd"] = self.fp8_meta["scaling_fwd"].scale.clone()
+            state["amax_history_fwd"] = self.fp8_meta["scaling_fwd"].amax_history.clone()
+            state["scale_bwd"] = self.fp8_meta["scaling_bwd"].scale.clone()
+            state["amax_history_bwd"] = self.fp8_meta["scaling_bwd"].amax_history.clone()
+        state["extra_fp8_variables"] = {
+            k: v for k, v in self.fp8_meta.items() if isinstance(v, (bool, int, float, str, tuple, list))
+        }
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        if state is None or state.numel() == 0:
+            return
+        self.te_format_payloads.append(state)
+
+
+class Linear(_BaseModule):
+    def __init__(self, in_features: int, out_features: int, sequence_parallel: bool = False, *, bias: bool = True,
+                 params_dtype: torch.dtype | None = None, device="cuda"):
+        super().__init__()
+        device = _device(device)
+        dtype = params_dtype or torch.get_default_dtype()
+        self.in_features, self.out_features = in_features, out_features
+        # TE initialises weights itself; a constant makes a missing copy visible.
+        self.weight = nn.Parameter(torch.full((out_features, in_features), 0.125, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.fp8 = _state.enabled
+        return F.linear(x, self.weight, self.bias)
+
+
+class _Norm(_BaseModule):
+    def __init__(self, normalized_shape, eps: float = 1e-5, sequence_parallel=None, params_dtype=None,
+                 zero_centered_gamma: bool = False, *, device=None, dtype=None, has_bias: bool):
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        device, dtype = _device(device), dtype or params_dtype or torch.get_default_dtype()
+        self.normalized_shape, self.eps, self.zero_centered_gamma = shape, eps, zero_centered_gamma
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = nn.Parameter(init(shape, dtype=dtype, device=device))
+        if has_bias:
+            self.bias = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
+
+    def gamma(self) -> torch.Tensor:
+        return 1 + self.weight if self.zero_centered_gamma else self.weight
+
+
+class LayerNorm(_Norm):
+    def __init__(self, normalized_shape, eps: float = 1e-5, sequence_parallel=None, params_dtype=None,
+                 zero_centered_gamma: bool = False, *, device=None, dtype=None):
+        super().__init__(normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma,
+                         device=device, dtype=dtype, has_bias=True)
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.gamma(), self.bias, self.eps)
+
+
+class RMSNorm(_Norm):
+    def __init__(self, normalized_shape, eps: float = 1e-5, sequence_parallel=None, params_dtype=None,
+                 zero_centered_gamma: bool = False, *, device=None, dtype=None):
+        super().__init__(normalized_shape, eps, sequence_parallel, params_dtype, zero_centered_gamma,
+                         device=device, dtype=dtype, has_bias=False)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.gamma()
+
+
+# TE's classes live in TE's modules: lowprec recognises TE modules by that, and pickle finds classes by it.
+for _cls in (Linear, LayerNorm, RMSNorm):
+    _cls.__module__ = "transformer_engine.pytorch"
+for _cls in (Format, DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling):
+    _cls.__module__ = "transformer_engine.common.recipe"
+
+
+# ---- installation ------------------------------------------------------------------------------
+def _module(name: str, package: bool = False, **attrs) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
+    if package:
+        module.__path__ = []
+    module.__dict__.update(attrs)
+    return module
+
+
+def fill_delayed_state(module: nn.Module, recipe: DelayedScaling, seed: int = 0) -> None:
+    """Put DelayedScaling state into `module.fp8_meta` as TE leaves it after some FP8 steps."""
+    g = torch.Generator().manual_seed(seed)
+    module.fp8_meta["recipe"] = recipe
+    module.fp8_meta["num_gemms"] = 1
+    module.fp8_meta["fp8_max_fwd"] = 448.0
+    module.fp8_meta["fp8_max_bwd"] = 57344.0
+    module.init_fp8_meta_tensors(recipe)
+    for key in ("scaling_fwd", "scaling_bwd"):
+        meta = module.fp8_meta[key]
+        meta.scale.copy_(torch.rand(meta.scale.shape, generator=g) * 100)
+        meta.amax_history.copy_(torch.rand(meta.amax_history.shape, generator=g))
+    module.fp8_meta["fp8_checkpoint"] = True
+
+
+def install(monkeypatch) -> types.ModuleType:
+    """Make `import transformer_engine[.pytorch|.common.recipe]` return this double for one test."""
+    autocast_calls.clear()
+    _state.enabled, _state.recipe = False, None
+    recipe = _module("transformer_engine.common.recipe", Format=Format, DelayedScaling=DelayedScaling,
+                     Float8CurrentScaling=Float8CurrentScaling, Float8BlockScaling=Float8BlockScaling,
+                     MXFP8BlockScaling=MXFP8BlockScaling)
+    common = _module("transformer_engine.common", package=True, recipe=recipe)
+    pytorch = _module("transformer_engine.pytorch", Linear=Linear, LayerNorm=LayerNorm, RMSNorm=RMSNorm,
+                      autocast=autocast)
+    root = _module("transformer_engine", package=True, common=common, pytorch=pytorch)
+    for module in (root, common, recipe, pytorch):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+    return pytorch
+
+
+# ---- fixtures (imported by the test modules that use them) -------------------------------------
+@pytest.fixture
+def fake_te(monkeypatch):
+    """This double as `transformer_engine` for one test; lowprec's cached look-ups are cleared around it."""
+    from lowprec.backends import te_modules
+    from lowprec.utils import imports
+
+    imports.availability.cache_clear()
+    te_modules.module_classes.cache_clear()
+    yield install(monkeypatch)
+    imports.availability.cache_clear()
+    te_modules.module_classes.cache_clear()
+
+
+@pytest.fixture
+def te_missing(monkeypatch):
+    """TransformerEngine absent, even on a machine that has it: looked up under a module name that does not exist."""
+    from lowprec.utils import imports
+
+    real = imports.OPTIONAL_PACKAGES["transformer_engine"]
+    monkeypatch.setitem(
+        imports.OPTIONAL_PACKAGES, "transformer_engine",
+        imports.OptionalPackage("lowprec_no_such_te.pytorch", real.distribution, real.min_version, real.install_hint),
+    )
+    imports.availability.cache_clear()
+    yield real
+    imports.availability.cache_clear()

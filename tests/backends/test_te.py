@@ -1,0 +1,614 @@
+"""TransformerEngine adapter on CPU: the error without TE, recipe validation, the plan for an assumed GPU,
+and the adapter's calls into TE against a stand-in (tests/backends/fake_te.py).
+
+Also here: test_te_modules.py (checkpoint format, conversion), test_te_accelerator.py (through
+lowprec.Accelerator). Numerics, FP8 really running and torch.compile need TE's kernels:
+tests/gpu/test_te_gpu.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import fake_te as fake
+import pytest
+import torch
+from fake_te import fake_te, te_missing  # noqa: F401  (fixtures)
+from torch import nn
+
+from lowprec import (
+    Accelerator,
+    BackendUnavailableError,
+    FP8RecipeKwargs,
+    MissingDependencyError,
+    RunContext,
+    build_plan,
+)
+from lowprec.backends import create_backend, resolve_backend
+from lowprec.backends.te import TEBackend
+from lowprec.hardware import DeviceInfo, device_info
+
+CPU = device_info("cpu")
+A100 = DeviceInfo("cuda", "A100", (8, 0))
+L40S = DeviceInfo("cuda", "L40S", (8, 9))
+H100 = DeviceInfo("cuda", "H100", (9, 0))
+B200 = DeviceInfo("cuda", "B200", (10, 0))
+RTX5090 = DeviceInfo("cuda", "RTX 5090", (12, 0))
+
+RECIPES = ["delayed", "current", "block", "mxfp8"]
+DEVICE_FOR = {"delayed": H100, "current": H100, "block": H100, "mxfp8": B200}
+ALIGN = {"delayed": 16, "current": 16, "block": 128, "mxfp8": 32}
+DEFAULT_FORMAT = {"delayed": "HYBRID", "current": "HYBRID", "block": "E4M3", "mxfp8": "E4M3"}
+TE_RECIPE_CLASS = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "block": "Float8BlockScaling",
+                   "mxfp8": "MXFP8BlockScaling"}
+
+
+def te_kwargs(**kwargs) -> FP8RecipeKwargs:
+    kwargs.setdefault("skip_first_last", False)
+    kwargs.setdefault("skip_slow_shapes", False)
+    return FP8RecipeKwargs(backend="te", **kwargs)
+
+
+def te_backend(recipe: str = "delayed", *, device: DeviceInfo | None = None, engine: str = "single",
+               compiled: bool = False, **kwargs) -> TEBackend:
+    """An adapter for planning: TransformerEngine need not be installed."""
+    context = RunContext(device=device or DEVICE_FOR[recipe], engine=engine, compiled=compiled)
+    return create_backend(te_kwargs(recipe=recipe, **kwargs), context, require_package=False)
+
+
+def te_plan(model: nn.Module, recipe: str = "delayed", **kwargs):
+    backend = te_backend(recipe, **kwargs)
+    return build_plan(model, backend.recipe, context=backend.context, backend=backend), backend
+
+
+def by_name(plan) -> dict:
+    return {d.fqn: d for d in plan.modules}
+
+
+def hf_class(module: str, name: str) -> type:
+    """A class from transformers, or skip where this transformers version lacks it."""
+    mod = pytest.importorskip(f"transformers.models.{module}")
+    if not hasattr(mod, name):
+        pytest.skip(f"transformers has no {name}")
+    return getattr(mod, name)
+
+
+# ---- without TransformerEngine -----------------------------------------------------------------------
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_create_backend_without_te_says_what_to_install(te_missing, recipe):
+    r = FP8RecipeKwargs(backend="te", recipe=recipe)  # validation needs no package
+    with pytest.raises(BackendUnavailableError) as err:
+        create_backend(r, RunContext(device=DEVICE_FOR[recipe]))
+    message = str(err.value)
+    assert message.startswith("FP8RecipeKwargs(backend='te') needs transformer_engine is not installed")
+    assert "pip install --no-build-isolation 'transformer_engine[pytorch]>=2.9'" in message
+
+
+def test_accelerator_prepare_without_te_fails_before_touching_the_model(te_missing, fresh_accelerate_state):
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="te")])
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(BackendUnavailableError, match=r"transformer_engine is not installed.*pip install"):
+        accelerator.prepare(model)
+    assert [type(m) for m in model] == [nn.Linear, nn.LayerNorm, nn.Linear]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert accelerator.precision_plan is None
+
+
+@pytest.mark.parametrize("recipe", ["current", "block", "mxfp8"])  # recipes only TE offers
+def test_auto_with_a_te_only_recipe_names_te_and_the_install_command(te_missing, recipe):
+    with pytest.raises(BackendUnavailableError) as err:
+        resolve_backend(FP8RecipeKwargs(recipe=recipe), DEVICE_FOR[recipe])
+    lines = str(err.value).splitlines()
+    te_line = next(line for line in lines if line.strip().startswith("te:"))
+    assert "transformer_engine is not installed" in te_line and "pip install" in te_line
+    assert any(line.strip().startswith("torchao:") and f"{recipe!r} is not a recipe" in line for line in lines)
+
+
+def test_planning_needs_no_te_but_converting_does(te_missing):
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
+    plan, backend = te_plan(model, "current")
+    assert [d.convert for d in plan.modules] == [True, True]
+    for call in (lambda: backend.convert(model, plan), lambda: backend.forward_context(model), backend.te_recipe):
+        with pytest.raises(MissingDependencyError, match=r"backend='te' needs transformer_engine is not installed"):
+            call()
+    assert type(model[0]) is nn.Linear
+
+
+def test_install_hint_names_a_doc_that_exists():
+    import pathlib
+
+    from lowprec.utils.imports import OPTIONAL_PACKAGES
+
+    hint = OPTIONAL_PACKAGES["transformer_engine"].install_hint
+    doc = "docs/backends/te.md"
+    assert doc in hint
+    assert (pathlib.Path(__file__).parents[2] / doc).is_file()
+
+
+def test_fake_te_does_not_outlive_its_test():
+    import sys
+
+    from lowprec.utils import imports
+
+    with pytest.MonkeyPatch.context() as mp:
+        pytorch = fake.install(mp)
+        imports.availability.cache_clear()
+        assert imports.is_available("transformer_engine")
+        assert imports.require("transformer_engine", feature="test") is pytorch
+        names = ("transformer_engine", "transformer_engine.common", "transformer_engine.common.recipe",
+                 "transformer_engine.pytorch")
+        doubles = {name: sys.modules[name] for name in names}
+        assert all(module.__spec__.origin is None for module in doubles.values())  # built here, not imported
+    imports.availability.cache_clear()
+    assert all(sys.modules.get(name) is not module for name, module in doubles.items())
+
+
+# ---- recipe validation (no package needed) -----------------------------------------------------------
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_is_accepted_with_its_default_format(recipe):
+    backend = te_backend(recipe)
+    assert backend.recipe_name == recipe and backend.fp8_format == DEFAULT_FORMAT[recipe]
+    assert not backend.emulated and backend.execution_note == f"hardware FP8 on {DEVICE_FOR[recipe].describe()}"
+
+
+def test_default_recipe_is_delayed_hybrid():
+    backend = create_backend(FP8RecipeKwargs(backend="te"), RunContext(device=H100), require_package=False)
+    assert (backend.recipe_name, backend.fp8_format) == ("delayed", "HYBRID")
+
+
+@pytest.mark.parametrize(
+    "recipe,fmt,ok",
+    [("delayed", "E4M3", True), ("delayed", "HYBRID", True), ("current", "E4M3", True), ("current", "HYBRID", True),
+     ("block", "E4M3", True), ("block", "HYBRID", False), ("mxfp8", "E4M3", True), ("mxfp8", "HYBRID", True)],
+)
+def test_fp8_format_per_recipe(recipe, fmt, ok):
+    if ok:
+        assert te_backend(recipe, fp8_format=fmt).fp8_format == fmt
+    else:
+        with pytest.raises(ValueError, match=rf"fp8_format='{fmt}' cannot be used with te recipe '{recipe}', which "
+                                             r"supports 'E4M3'"):
+            FP8RecipeKwargs(backend="te", recipe=recipe, fp8_format=fmt)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise", "nvfp4", "fp8"])
+def test_unknown_recipe_lists_the_te_recipes(name):
+    with pytest.raises(ValueError) as err:
+        FP8RecipeKwargs(backend="te", recipe=name)
+    assert str(err.value) == (f"FP8RecipeKwargs.recipe={name!r} is not a recipe of backend 'te'; it offers "
+                              "'delayed', 'current', 'block', 'mxfp8'")
+
+
+@pytest.mark.parametrize("fmt,hint", [("E5M2", "E5M2 is used for gradients by 'HYBRID'"), ("fp4", "'HYBRID', 'E4M3'")])
+def test_bad_fp8_format(fmt, hint):
+    with pytest.raises(ValueError, match=f"FP8RecipeKwargs.fp8_format='{fmt}' is not one of") as err:
+        FP8RecipeKwargs(backend="te", fp8_format=fmt)
+    assert hint in str(err.value)
+
+
+@pytest.mark.parametrize("recipe", ["current", "block", "mxfp8"])
+@pytest.mark.parametrize("option,value", [("margin", 1), ("amax_history_len", 16),
+                                          ("amax_compute_algo", "most_recent")])
+def test_delayed_scaling_options_are_rejected_for_recipes_without_history(recipe, option, value):
+    with pytest.raises(ValueError) as err:
+        FP8RecipeKwargs(backend="te", recipe=recipe, **{option: value})
+    message = str(err.value)
+    assert message.startswith(f"FP8RecipeKwargs.{option}={value!r} applies to delayed (amax-history) scaling")
+    assert f"te recipe '{recipe}' scales from the current tensor" in message
+    assert "te:delayed" in message  # where the option does apply
+
+
+@pytest.mark.parametrize("recipe", ["current", "block", "mxfp8"])
+def test_margin_zero_is_a_no_op_for_current_scaling(recipe):
+    backend = te_backend(recipe, margin=0)
+    assert "margin" not in backend.effective_options()
+
+
+def test_delayed_scaling_options_are_applied():
+    backend = te_backend("delayed", margin=2, amax_history_len=16, amax_compute_algo="most_recent", fp8_format="E4M3")
+    opts = backend.effective_options()
+    assert (opts["margin"], opts["amax_history_len"], opts["amax_compute_algo"], opts["fp8_format"]) == (
+        2, 16, "most_recent", "E4M3")
+    defaults = te_backend("delayed").effective_options()
+    assert (defaults["margin"], defaults["amax_history_len"], defaults["amax_compute_algo"]) == (0, 1024, "max")
+
+
+@pytest.mark.parametrize(
+    "recipe,device,why",
+    [
+        ("delayed", L40S, None),
+        ("current", L40S, None),
+        ("delayed", A100, "A100 (sm_80) has no FP8 tensor cores"),
+        ("delayed", CPU, "CPU has no FP8 tensor cores"),
+        ("block", L40S, "recipe 'block' needs sm_90+, L40S (sm_89) is older"),
+        ("block", B200, None),
+        ("mxfp8", H100, "recipe 'mxfp8' needs sm_100+, H100 (sm_90) is older"),
+        ("mxfp8", RTX5090, "recipe 'mxfp8' is not supported on RTX 5090 (sm_120)"),
+    ],
+)
+def test_hardware_each_recipe_needs(recipe, device, why):
+    if why is None:
+        assert not te_backend(recipe, device=device).emulated
+        return
+    with pytest.raises(BackendUnavailableError) as err:
+        te_backend(recipe, device=device)
+    assert str(err.value) == (f"backend 'te' recipe '{recipe}' cannot run here: {why}, and NVIDIA TransformerEngine "
+                              "has no emulation mode")
+
+
+def test_emulation_is_refused():
+    with pytest.raises(ValueError, match="emulate=True cannot be honoured: backend 'te' has no emulation mode"):
+        FP8RecipeKwargs(backend="te", emulate=True)
+    assert not te_backend("current", emulate=False).emulated
+
+
+def test_delayed_scaling_under_torch_compile_is_an_error():
+    with pytest.raises(ValueError) as err:
+        te_backend("delayed", compiled=True)
+    assert "recipe='delayed') cannot run under torch.compile" in str(err.value)
+    assert "Use recipe='current'" in str(err.value)
+
+
+@pytest.mark.parametrize("recipe", ["current", "block", "mxfp8"])
+def test_recipes_without_history_are_allowed_under_torch_compile(recipe):
+    assert te_backend(recipe, compiled=True).context.compiled
+
+
+@pytest.mark.parametrize(
+    "option,value,why",
+    [
+        ("interval", 1, "TransformerEngine removed `interval` in v2.3"),
+        ("interval", 4, "TransformerEngine removed `interval` in v2.3"),
+        ("override_linear_precision", (False, False, True), "removed `override_linear_precision` in v2.0"),
+        ("override_linear_precision", (False, False, False), "exclude=[...]"),
+    ],
+)
+def test_options_te_removed_are_rejected_by_name(option, value, why):
+    with pytest.raises(ValueError) as err:
+        FP8RecipeKwargs(backend="te", **{option: value})
+    assert str(err.value).startswith(f"FP8RecipeKwargs.{option}={value!r} cannot be honoured: ")
+    assert why in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(pad_inner_dim=True), "pad_inner_dim=True cannot be honoured by backend 'te'"),
+        (dict(enable_fsdp_float8_all_gather=True), "enable_fsdp_float8_all_gather=True cannot be honoured by te"),
+        (dict(opt_level="O3"), "opt_level='O3' is not available with backend 'te'"),
+    ],
+)
+def test_options_te_cannot_honour(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FP8RecipeKwargs(backend="te", **kwargs)
+
+
+@pytest.mark.parametrize("flag,expected", [(None, False), (False, False), (True, True)])
+def test_eval_precision_option(flag, expected):
+    backend = te_backend("current", use_autocast_during_eval=flag)
+    assert backend.effective_options()["use_autocast_during_eval"] is expected
+    plan, _ = te_plan(nn.Sequential(nn.Linear(64, 64)), "current", use_autocast_during_eval=flag)
+    assert ("eval runs in high precision (use_autocast_during_eval=False)" in plan.notes) is not expected
+
+
+def test_mxfp8_from_accelerates_environment_variable(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "te")
+    monkeypatch.setenv("ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING", "true")
+    assert FP8RecipeKwargs().recipe == "mxfp8"
+    monkeypatch.setenv("ACCELERATE_FP8_RECIPE", "delayed")
+    with pytest.raises(ValueError, match="asks for the MXFP8 recipe but ACCELERATE_FP8_RECIPE='delayed'"):
+        FP8RecipeKwargs()
+
+
+@pytest.mark.parametrize("engine,ok", [("single", True), ("ddp", True), ("fsdp2", False), ("fsdp1", False),
+                                       ("deepspeed", False)])
+def test_fp8_weights_only_where_supported(engine, ok):
+    if ok:
+        assert te_backend("current", engine=engine, fp8_weights=True).effective_options()["fp8_weights"] is True
+    else:
+        with pytest.raises(BackendUnavailableError, match=f"fp8_weights=True\\) is not supported with {engine}"):
+            te_backend("current", engine=engine, fp8_weights=True)
+
+
+def test_fp8_weights_needs_adam():
+    backend = te_backend("current", fp8_weights=True)
+    model = nn.Sequential(nn.Linear(64, 64))
+    plan = build_plan(model, backend.recipe, context=backend.context, backend=backend)
+    with pytest.raises(ValueError, match="needs master weights.*got SGD"):
+        backend.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), plan)
+
+
+# ---- module selection and the plan ------------------------------------------------------------------
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_linear_alignment_is_decided_per_module(recipe):
+    a = ALIGN[recipe]
+    model = nn.ModuleDict({
+        "fits": nn.Linear(a, 2 * a),
+        "bad_out": nn.Linear(a, a + a // 2),
+        "bad_in": nn.Linear(a // 2, a),
+        "bad_both": nn.Linear(a + a // 2, a // 2),
+        "fits_after": nn.Linear(3 * a, a, bias=False),
+    })
+    plan, _ = te_plan(model, recipe)
+    d = by_name(plan)
+    assert [n for n, m in d.items() if m.convert] == ["fits", "fits_after"]  # no early return after a misfit
+    rule = f"not divisible by {a} (TE '{recipe}' FP8 GEMM requirement)"
+    assert d["bad_out"].reason == f"out_features={a + a // 2} {rule}"
+    assert d["bad_in"].reason == f"in_features={a // 2} {rule}"
+    assert d["bad_both"].reason == f"in_features={a + a // 2}, out_features={a // 2} {rule}"
+    assert d["fits"].shape == (2 * a, a) and d["fits"].reason == "FP8"
+
+
+@pytest.mark.parametrize(
+    "in_features,out_features,expected",
+    [
+        (64, 96, {"delayed": True, "current": True, "block": False, "mxfp8": True}),
+        (48, 48, {"delayed": True, "current": True, "block": False, "mxfp8": False}),
+        (256, 384, {"delayed": True, "current": True, "block": True, "mxfp8": True}),
+        (16, 8, {"delayed": False, "current": False, "block": False, "mxfp8": False}),
+        (24, 32, {"delayed": False, "current": False, "block": False, "mxfp8": False}),
+    ],
+)
+def test_alignment_differs_between_recipes(in_features, out_features, expected):
+    for recipe, convert in expected.items():
+        plan, _ = te_plan(nn.Sequential(nn.Linear(in_features, out_features)), recipe)
+        assert plan.modules[0].convert is convert, (recipe, plan.modules[0].reason)
+
+
+class CenteredRMSNorm(nn.Module):
+    """Named like an RMSNorm, computes a LayerNorm without bias: TE's RMSNorm would change its output."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x):
+        x = x - x.mean(-1, keepdim=True)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def norm_zoo() -> nn.ModuleDict:
+    llama = hf_class("llama.modeling_llama", "LlamaRMSNorm")
+    gemma = hf_class("gemma.modeling_gemma", "GemmaRMSNorm")
+    torch.manual_seed(0)
+    zoo = nn.ModuleDict({
+        "ln": nn.LayerNorm(64, eps=1e-3),
+        "ln_no_affine": nn.LayerNorm(64, elementwise_affine=False),
+        "ln_no_bias": nn.LayerNorm(64, bias=False),
+        "rms": nn.RMSNorm(64),
+        "rms_no_weight": nn.RMSNorm(64, elementwise_affine=False),
+        "llama": llama(64, eps=1e-6),
+        "gemma": gemma(64, eps=1e-6),
+        "centered": CenteredRMSNorm(64),
+        "proj": nn.Linear(64, 64),
+    })
+    with torch.no_grad():  # trained-looking weights: 1 and 1 + 0 would not tell the variants apart
+        for name in ("rms", "llama", "gemma"):
+            zoo[name].weight.copy_(torch.randn(64) * 0.3 + (0 if name == "gemma" else 1))
+    return zoo
+
+
+def test_norm_candidates_and_their_reasons():
+    plan, backend = te_plan(norm_zoo(), "current")
+    d = by_name(plan)
+    kinds = {n: m.kind for n, m in d.items()}
+    assert kinds == {"ln": "layernorm", "ln_no_affine": "layernorm", "ln_no_bias": "layernorm", "rms": "rmsnorm",
+                     "rms_no_weight": "rmsnorm", "llama": "rmsnorm", "gemma": "rmsnorm", "centered": "rmsnorm",
+                     "proj": "linear"}
+    assert {n for n, m in d.items() if m.convert} == {"ln", "rms", "llama", "gemma", "proj"}
+    assert d["ln_no_affine"].reason.startswith("LayerNorm without affine parameters")
+    assert d["ln_no_bias"].reason.startswith("LayerNorm(bias=False)")
+    assert d["rms_no_weight"].reason.startswith("RMSNorm without a 1-D weight")
+    assert d["centered"].reason.startswith("CenteredRMSNorm does not compute x * rsqrt(mean(x^2) + eps) * w")
+    assert d["ln"].shape == (64,) and d["llama"].shape == (64,)
+    assert "4 of 8 norm layers replaced" in str(plan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_variant_is_measured(dtype):
+    zoo = norm_zoo().to(dtype)
+    backend = te_backend("current")
+    variants = {n: backend.rms_variant(zoo[n]) for n in ("rms", "llama", "gemma", "centered")}
+    assert variants == {"rms": "standard", "llama": "standard", "gemma": "zero_centered", "centered": None}
+
+
+@pytest.mark.parametrize("module,name,variant", [("llama.modeling_llama", "LlamaRMSNorm", "standard"),
+                                                 ("gemma.modeling_gemma", "GemmaRMSNorm", "zero_centered"),
+                                                 ("gemma2.modeling_gemma2", "Gemma2RMSNorm", "zero_centered")])
+def test_rmsnorm_variant_on_meta_and_on_cpu(module, name, variant):
+    cls = hf_class(module, name)
+    backend = te_backend("current")
+    with torch.device("meta"):
+        on_meta = cls(64)
+    on_cpu = cls(64)  # both alive: the adapter caches its answer by id(module)
+    assert backend.rms_variant(on_meta) == variant
+    assert backend.rms_variant(on_cpu) == variant
+
+
+@pytest.mark.parametrize("module,name", [("gemma3n.modeling_gemma3n", "Gemma3nRMSNorm"),
+                                         ("gemma4.modeling_gemma4", "Gemma4RMSNorm"),
+                                         ("qwen3_next.modeling_qwen3_next", "Qwen3NextRMSNorm"),
+                                         ("qwen3_5.modeling_qwen3_5", "Qwen3_5RMSNorm")])
+def test_rmsnorm_variant_on_meta_matches_the_probe(module, name):
+    cls = hf_class(module, name)
+    backend = te_backend("current")
+    on_cpu = cls(64)  # kept alive: the adapter caches its answer by id(module)
+    measured = backend.rms_variant(on_cpu)
+    assert measured in ("standard", "zero_centered")
+    with torch.device("meta"):
+        on_meta = cls(64)
+    assert backend.rms_variant(on_meta) == measured
+
+
+def block(width: int = 64) -> nn.ModuleDict:
+    return nn.ModuleDict({
+        "attn": nn.ModuleDict({"q": nn.Linear(width, width), "o": nn.Linear(width, width)}),
+        "mlp": nn.ModuleDict({"up": nn.Linear(width, 4 * width), "down": nn.Linear(4 * width, width)}),
+        "norm": nn.RMSNorm(width),
+    })
+
+
+def tiny_transformer() -> nn.ModuleDict:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"layers": nn.ModuleList([block(), block()]), "final_norm": nn.LayerNorm(64),
+                          "lm_head": nn.Linear(64, 512)})
+
+
+def test_skip_first_last_keeps_the_edge_linears_and_not_the_norms():
+    plan, _ = te_plan(tiny_transformer(), "delayed", skip_first_last=True)
+    d = by_name(plan)
+    assert d["layers.0.attn.q"].reason == "first Linear layer (skip_first_last=True)"
+    assert d["lm_head"].reason == "last Linear layer (skip_first_last=True)"
+    assert [n for n, m in d.items() if not m.convert] == ["layers.0.attn.q", "lm_head"]
+    assert d["final_norm"].convert and d["layers.0.norm"].convert
+
+
+def test_skip_slow_shapes_after_the_shape_rule():
+    with torch.device("meta"):
+        model = nn.ModuleDict({"small": nn.Linear(4096, 1024), "wide": nn.Linear(4096, 4096),
+                               "deep": nn.Linear(8192, 1024), "odd": nn.Linear(100, 64)})
+    plan, _ = te_plan(model, "current", skip_slow_shapes=True)
+    d = by_name(plan)
+    assert d["small"].reason == ("FP8 slower than BF16 on H100 for K=4096 <= 4096 and N=1024 <= 1024 "
+                                 "(skip_slow_shapes=True)")
+    assert d["wide"].convert and d["deep"].convert
+    assert d["odd"].reason.startswith("in_features=100 not divisible by 16")
+
+
+def test_include_patterns():
+    plan, _ = te_plan(tiny_transformer(), "current", include=["*.mlp.*", "final_norm"])
+    d = by_name(plan)
+    assert sorted(n for n, m in d.items() if m.convert) == [
+        "final_norm", "layers.0.mlp.down", "layers.0.mlp.up", "layers.1.mlp.down", "layers.1.mlp.up"]
+    assert d["layers.0.norm"].reason == "not matched by any include pattern"
+
+
+def test_exclude_patterns_cover_linears_norms_and_whole_blocks():
+    plan, _ = te_plan(tiny_transformer(), "current", exclude=["layers.1", "lm_head", "*norm*"])
+    d = by_name(plan)
+    assert sorted(n for n, m in d.items() if m.convert) == [
+        "layers.0.attn.o", "layers.0.attn.q", "layers.0.mlp.down", "layers.0.mlp.up"]
+    assert d["layers.1.mlp.up"].reason == "excluded by pattern 'layers.1'"
+    assert d["lm_head"].reason == "excluded by pattern 'lm_head'"
+    assert d["layers.0.norm"].reason == "excluded by pattern '*norm*'"
+
+
+def test_module_filter_fn_sees_te_candidates():
+    seen = []
+
+    def keep_attention(module, fqn):
+        seen.append((type(module).__name__, fqn))
+        return ".attn." in fqn
+
+    plan, _ = te_plan(tiny_transformer(), "current", module_filter_fn=keep_attention)
+    assert ("RMSNorm", "layers.0.norm") in seen and ("LayerNorm", "final_norm") in seen
+    assert sorted(d.fqn for d in plan.converted) == ["layers.0.attn.o", "layers.0.attn.q", "layers.1.attn.o",
+                                                     "layers.1.attn.q"]
+
+
+def test_multihead_attention_projection_is_not_a_candidate():
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(64, 4), "proj": nn.Linear(64, 64)})
+    plan, _ = te_plan(model, "current")
+    assert [d.fqn for d in plan.modules] == ["proj"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_plan_of_a_transformers_llama(device):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=100)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(config)
+    plan, _ = te_plan(model, "current")
+    linears = [d for d in plan.modules if d.kind == "linear"]
+    norms = [d for d in plan.modules if d.kind == "rmsnorm"]
+    assert len(linears) == 15 and len(norms) == 5 and all(d.convert for d in norms)
+    assert [d.fqn for d in linears if not d.convert] == ["lm_head"]
+    assert by_name(plan)["lm_head"].reason.startswith("out_features=100 not divisible by 16")
+
+
+@pytest.mark.parametrize("recipe,fmt", [(r, f) for r in RECIPES for f in TEBackend.recipes[r].formats])
+def test_precision_table_row(recipe, fmt):
+    plan, _ = te_plan(nn.Sequential(nn.Linear(256, 256)), recipe, fp8_format=fmt)
+    gemm = plan.tensor("gemm")
+    assert gemm.dtype == {"HYBRID": "FP8 E4M3/E5M2", "E4M3": "FP8 E4M3"}[fmt]
+    assert {"delayed": "amax of the last 1024 steps", "current": "amax of the current tensor",
+            "block": "128x128 blocks (weights)", "mxfp8": "1x32 blocks with E8M0"}[recipe] in gemm.scaling
+    assert plan.tensor("weight").dtype == "FP32" and plan.tensor("master_weight").dtype == "N/A"
+    assert plan.bytes_per_param["weight"] == 4 and plan.bytes_per_param["master_weight"] == 0
+    assert (plan.recipe, plan.fp8_format, plan.backend) == (recipe, fmt, "te")
+    assert "TE FP8 GEMMs need batch x sequence divisible by 8 at run time (pad sequences)" in plan.notes
+    delayed_note = "DelayedScaling: checkpoints keep scales and amax histories without pickle; not compilable"
+    assert (delayed_note in plan.notes) is (recipe == "delayed")
+
+
+def test_fp8_weights_in_the_plan():
+    model = nn.ModuleDict({"a": nn.Linear(64, 64), "odd": nn.Linear(64, 40), "norm": nn.LayerNorm(64)})
+    plan, _ = te_plan(model, "current", fp8_weights=True)
+    assert plan.tensor("weight").dtype == "FP8 E4M3 (Linear), FP32 (rest)"
+    assert plan.tensor("master_weight").dtype == "FP32 (TE FusedAdam)"
+    # converted Linear weights only: TE's quantized init leaves biases in high precision
+    share = 64 * 64 / sum(p.numel() for p in model.parameters())
+    assert plan.bytes_per_param["weight"] == pytest.approx(share * 1 + (1 - share) * 4)
+    assert plan.bytes_per_param["master_weight"] == pytest.approx(share * 4)
+    assert "fp8_weights: Adam/AdamW is replaced by TE FusedAdam(master_weights=True)" in plan.notes
+
+
+def test_plan_of_a_model_with_nothing_to_convert():
+    plan, _ = te_plan(nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 10)), "current")
+    assert not plan.converted
+    assert plan.notes[0].startswith("no module runs in FP8")
+
+
+# ---- the adapter's calls into TE (stand-in TE) -----------------------------------------------------------
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_te_recipe_object(fake_te, recipe):
+    kwargs = dict(margin=3, amax_history_len=32, amax_compute_algo="most_recent") if recipe == "delayed" else {}
+    made = te_backend(recipe, fp8_format="E4M3", **kwargs).te_recipe()
+    assert type(made).__name__ == TE_RECIPE_CLASS[recipe]
+    assert made.fp8_format is fake.Format.E4M3
+    if recipe == "delayed":
+        assert made == fake.DelayedScaling(margin=3, fp8_format=fake.Format.E4M3, amax_history_len=32,
+                                           amax_compute_algo="most_recent", reduce_amax=True)
+        assert te_backend("delayed").te_recipe() == fake.DelayedScaling(
+            margin=0, fp8_format=fake.Format.HYBRID, amax_history_len=1024, amax_compute_algo="max", reduce_amax=True)
+
+
+@pytest.mark.parametrize("eval_fp8", [None, False, True])
+def test_forward_context_follows_train_and_eval(fake_te, eval_fp8):
+    backend = te_backend("current", use_autocast_during_eval=eval_fp8)
+    model = nn.Linear(16, 16)
+    context = backend.forward_context(model)
+    for training, expected in ((True, True), (False, bool(eval_fp8))):
+        model.train(training)
+        with context():
+            pass
+        call = fake.autocast_calls[-1]
+        assert call["enabled"] is expected
+        assert type(call["recipe"]).__name__ == "Float8CurrentScaling"
+
+
+def test_is_converted_recognises_te_modules_only(fake_te):
+    backend = te_backend("current")
+    assert backend.is_converted(fake_te.Linear(16, 16, device="cpu"))
+    assert backend.is_converted(fake_te.RMSNorm(16, device="cpu"))
+    assert not backend.is_converted(nn.Linear(16, 16)) and not backend.is_converted(nn.LayerNorm(16))
+
+    class Linear(nn.Linear):  # a user class of the same name elsewhere
+        pass
+
+    assert not backend.is_converted(Linear(16, 16))
+
+
+def test_a_model_already_in_te_is_planned_as_converted(fake_te):
+    model = nn.ModuleDict({"te": fake_te.Linear(64, 64, device="cpu"), "plain": nn.Linear(64, 64)})
+    plan, _ = te_plan(model, "current")
+    d = by_name(plan)
+    assert d["te"].reason == "already an FP8 module" and d["plain"].convert
+
+
+def test_already_converted_norms_keep_their_kind(fake_te):
+    model = nn.ModuleDict({"proj": fake_te.Linear(64, 64, device="cpu"), "norm": fake_te.RMSNorm(64, device="cpu"),
+                           "ln": fake_te.LayerNorm(64, device="cpu")})
+    plan, _ = te_plan(model, "current")
+    assert {d.fqn: d.kind for d in plan.modules} == {"proj": "linear", "norm": "rmsnorm", "ln": "layernorm"}

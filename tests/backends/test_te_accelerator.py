@@ -1,0 +1,202 @@
+"""lowprec.Accelerator with backend="te" on CPU: a stand-in TE (tests/backends/fake_te.py) and an assumed GPU.
+
+What this covers: conversion at prepare(), every forward inside te.autocast (on in training, off in eval
+unless asked), the optimizer stepping the TE modules' parameters, checkpoints (save_model into the plain
+model, save_state / load_state of delayed-scaling state without pickle), and the errors prepare() raises.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import fake_te as fake
+import pytest
+import torch
+from fake_te import fake_te  # noqa: F401  (fixture)
+from torch import nn
+
+from lowprec import Accelerator, BackendUnavailableError, FP8RecipeKwargs
+from lowprec.hardware import DeviceInfo
+
+H100 = DeviceInfo("cuda", "H100", (9, 0))
+B200 = DeviceInfo("cuda", "B200", (10, 0))
+RECIPES = ["delayed", "current", "block", "mxfp8"]
+DEVICE_FOR = {"delayed": H100, "current": H100, "block": H100, "mxfp8": B200}
+TE_RECIPE_CLASS = {"delayed": "DelayedScaling", "current": "Float8CurrentScaling", "block": "Float8BlockScaling",
+                   "mxfp8": "MXFP8BlockScaling"}
+
+
+@pytest.fixture
+def te_accelerator(fake_te, monkeypatch, fresh_accelerate_state):
+    """Build lowprec.Accelerator(backend='te') on this CPU host planning for an assumed GPU."""
+    device = {"value": H100}
+    monkeypatch.setattr("lowprec.accelerator.device_info", lambda *_a, **_k: device["value"])
+
+    def make(recipe="current", gpu=None, **kwargs):
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        device["value"] = gpu or DEVICE_FOR[recipe]
+        dynamo_plugin = kwargs.pop("dynamo_plugin", None)
+        kwargs.setdefault("skip_first_last", False)
+        kwargs.setdefault("skip_slow_shapes", False)
+        return Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="te", recipe=recipe,
+                                                                                   **kwargs)],
+                           dynamo_plugin=dynamo_plugin)
+
+    return make
+
+
+def small_model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 16),
+                         nn.Linear(16, 10))
+
+
+def data(n: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 32, generator=g)
+    return torch.utils.data.TensorDataset(x, torch.randn(n, 10, generator=g))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_prepare_converts_runs_in_te_autocast_and_trains(te_accelerator, recipe):
+    accelerator = te_accelerator(recipe)
+    model = small_model()
+    reference = copy.deepcopy(model)
+    loader = torch.utils.data.DataLoader(data(), batch_size=16)
+    model, loader = accelerator.prepare(model, loader)
+    inner = accelerator.unwrap_model(model)
+    optimizer = accelerator.prepare(torch.optim.AdamW(inner.parameters(), lr=1e-2))
+    plan = accelerator.precision_plan
+    kept = {"delayed": {"5"}, "current": {"5"}, "block": {"0", "2", "4", "5"}, "mxfp8": {"4", "5"}}[recipe]
+    assert {d.fqn for d in plan.skipped} == kept
+    converted = {int(d.fqn): inner[int(d.fqn)] for d in plan.converted}
+    assert all(type(m).__module__ == "lowprec.backends.te_modules" for m in converted.values())
+    assert all(type(inner[int(n)]) is nn.Linear for n in kept)
+
+    x, y = next(iter(loader))
+    loss = nn.functional.mse_loss(model(x).float(), y)
+    accelerator.backward(loss)
+    optimizer.step()
+    for i, module in converted.items():
+        assert not torch.equal(module.weight.detach(), reference[i].weight)
+    assert fake.autocast_calls and fake.autocast_calls[-1]["enabled"] is True
+    assert type(fake.autocast_calls[-1]["recipe"]).__name__ == TE_RECIPE_CLASS[recipe]
+    assert all(m.fp8 for m in converted.values() if hasattr(m, "in_features"))
+
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    assert fake.autocast_calls[-1]["enabled"] is False  # TE's and Accelerate's default: eval in high precision
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_optimizer_built_before_prepare_steps_the_te_parameters(te_accelerator, recipe):
+    accelerator = te_accelerator(recipe)
+    model = small_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    inner = accelerator.unwrap_model(model)
+    in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert in_optimizer == {id(p) for p in inner.parameters()}
+    before = inner[0].weight.detach().clone()
+    accelerator.backward(model(torch.randn(8, 32)).float().square().mean())
+    optimizer.step()
+    assert not torch.equal(inner[0].weight.detach(), before)
+
+
+def test_eval_in_fp8_when_asked(te_accelerator):
+    accelerator = te_accelerator("current", use_autocast_during_eval=True)
+    model = accelerator.prepare(small_model())
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(4, 32))
+    assert fake.autocast_calls[-1]["enabled"] is True
+    assert accelerator.unwrap_model(model)[0].fp8
+
+
+def test_prepare_with_compile_and_delayed_scaling_is_an_error(te_accelerator):
+    from accelerate.utils import TorchDynamoPlugin
+
+    accelerator = te_accelerator("delayed", dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
+    model = small_model()
+    with pytest.raises(ValueError, match="recipe='current'"):
+        accelerator.prepare(model)
+    assert type(model[0]) is nn.Linear
+
+
+def test_prepare_mxfp8_on_hopper_is_an_error(te_accelerator):
+    accelerator = te_accelerator("mxfp8", gpu=H100)
+    with pytest.raises(BackendUnavailableError, match="recipe 'mxfp8' needs sm_100"):
+        accelerator.prepare(small_model())
+
+
+def test_saved_model_loads_into_the_plain_model(te_accelerator, tmp_path):
+    from safetensors.torch import load_file
+
+    accelerator = te_accelerator("delayed")
+    model = accelerator.prepare(small_model())
+    inner = accelerator.unwrap_model(model)
+    for m in inner.modules():
+        if hasattr(m, "fp8_meta") and hasattr(m, "in_features"):
+            fake.fill_delayed_state(m, fake.DelayedScaling(amax_history_len=8))
+    extra = [k for k, v in inner.state_dict().items() if k.endswith("._extra_state")]
+    assert extra == ["0._extra_state", "2._extra_state", "3._extra_state", "4._extra_state"]
+
+    portable = accelerator.get_state_dict(model)
+    assert not any(k.endswith("_extra_state") for k in portable)
+    accelerator.save_model(model, str(tmp_path / "m"))
+    plain = small_model(seed=3)
+    plain.load_state_dict(load_file(str(tmp_path / "m" / "model.safetensors")), strict=True)
+    for name, tensor in plain.state_dict().items():
+        torch.testing.assert_close(tensor, inner.state_dict()[name])
+
+
+def test_save_state_and_load_state_restore_scales_without_pickle(te_accelerator, tmp_path):
+    def setup(seed):
+        accelerator = te_accelerator("delayed", amax_history_len=8)
+        model = accelerator.prepare(small_model(seed))
+        inner = accelerator.unwrap_model(model)
+        accelerator.prepare(torch.optim.AdamW(inner.parameters(), lr=1e-2))
+        linears = [m for m in inner.modules() if type(m).__name__ == "Linear" and hasattr(m, "fp8_meta")]
+        return accelerator, inner, linears
+
+    accelerator, model, linears = setup(0)
+    for i, m in enumerate(linears):
+        fake.fill_delayed_state(m, fake.DelayedScaling(margin=1, amax_history_len=8), seed=i)
+    saved = [m.fp8_meta["scaling_fwd"].scale.clone() for m in linears]
+    saved_history = [m.fp8_meta["scaling_bwd"].amax_history.clone() for m in linears]
+    weights = {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    accelerator.save_state(str(tmp_path / "ckpt"))
+
+    accelerator, model, linears = setup(1)
+    assert not any("scaling_fwd" in m.fp8_meta for m in linears)
+
+    def refuse(*_a, **_k):
+        raise AssertionError("extra state was unpickled")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pickle, "loads", refuse)
+        accelerator.load_state(str(tmp_path / "ckpt"))
+    assert len(linears) == 3
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+    for m, scale, history in zip(linears, saved, saved_history, strict=True):
+        assert torch.equal(m.fp8_meta["scaling_fwd"].scale, scale)
+        assert torch.equal(m.fp8_meta["scaling_bwd"].amax_history, history)
+        assert m.fp8_meta["recipe"] == fake.DelayedScaling(margin=1, amax_history_len=8)
+        assert m.te_format_payloads == []  # lowprec's own format: nothing went through TE's pickle path
+
+
+def test_tied_weights_survive_conversion(te_accelerator):
+    accelerator = te_accelerator("current")
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"embed": nn.Embedding(64, 32), "body": nn.Linear(32, 32),
+                           "lm_head": nn.Linear(32, 64, bias=False)})
+    model.lm_head.weight = model.embed.weight
+    inner = accelerator.unwrap_model(accelerator.prepare(model))
+    assert type(inner.body).__module__ == "lowprec.backends.te_modules"
+    lm_head = next(d for d in accelerator.precision_plan.modules if d.fqn == "lm_head")
+    assert not lm_head.convert or inner.lm_head.weight is inner.embed.weight
