@@ -25,9 +25,10 @@ from torch import nn
 
 from .backends import Backend, RunContext, create_backend
 from .compat import is_fp8_handler, to_recipe
+from .engines import EnginePrecision, deepspeed_precision, fsdp_precision
 from .hardware import device_info
 from .plan import PrecisionPlan, build_plan
-from .recipe import FP8RecipeKwargs
+from .recipe import FP8RecipeKwargs, warn_unapplied_launcher_defaults
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,11 @@ class Accelerator(_Accelerator):
             **kwargs,
         )
         self.fp8_enabled = recipe is not None
+        if recipe is not None:
+            # Fail here, not at prepare(): a missing package, no FP8 hardware with emulate=False, a
+            # recipe this device or engine cannot run. The backend is made again per model in prepare().
+            backend = create_backend(recipe, self.run_context())
+            warn_unapplied_launcher_defaults(recipe, backend)
 
     # ---- what Accelerate sees ----------------------------------------------------------------
     @property
@@ -154,7 +160,15 @@ class Accelerator(_Accelerator):
 
         compiled = self.state.dynamo_plugin is not None and self.state.dynamo_plugin.backend != DynamoBackend.NO
         return RunContext(device=device_info(self.device), engine=engine, world_size=self.num_processes,
-                          compiled=compiled)
+                          compiled=compiled, precision=self._engine_precision(engine))
+
+    def _engine_precision(self, engine: str) -> EnginePrecision | None:
+        """The dtypes the engine's own plugin will apply (None: nothing beyond the defaults)."""
+        if engine in ("fsdp2", "fsdp1") and self.state.fsdp_plugin is not None:
+            return fsdp_precision(self.state.fsdp_plugin.mixed_precision_policy)
+        if engine == "deepspeed" and self.state.deepspeed_plugin is not None:
+            return deepspeed_precision(self.state.deepspeed_plugin.deepspeed_config)
+        return None
 
     # ---- prepare -----------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None):

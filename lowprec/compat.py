@@ -102,6 +102,9 @@ def _from_ao(handler: Any) -> FP8RecipeKwargs:
         recipe=recipe,
         fp8_format=fp8_format,
         module_filter_fn=handler.module_filter_func,
+        # In Accelerate a module_filter_func replaces its first/last skipping: the user's filter alone
+        # decides. lowprec's own heuristics (first/last, slow shapes) step aside the same way.
+        **({"skip_first_last": False, "skip_slow_shapes": False} if handler.module_filter_func is not None else {}),
         pad_inner_dim=config.pad_inner_dim,
         # Accelerate turns this on by default for every recipe; here True means "where it applies".
         enable_fsdp_float8_all_gather=None if config.enable_fsdp_float8_all_gather else False,

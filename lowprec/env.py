@@ -81,6 +81,8 @@ class EnvOptions:
     values: dict[str, str] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # field -> variable it came from
     launcher_defaults_ignored: list[str] = field(default_factory=list)
+    # field -> (variable, value) of each launcher default set aside, for the warning at prepare time
+    launcher_defaults: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def _false(value: str) -> bool:
@@ -130,6 +132,7 @@ def read_fp8_env(environ: Mapping[str, str] | None = None) -> EnvOptions:
                 continue
             if from_launcher and LAUNCHER_DEFAULTS.get(key) == value:
                 out.launcher_defaults_ignored.append(f"{PREFIX}{key}={value}")
+                out.launcher_defaults[name] = (PREFIX + key, value)
                 continue
             found[PREFIX + key] = value
         if len(set(found.values())) > 1:

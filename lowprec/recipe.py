@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -162,15 +163,8 @@ class FP8RecipeKwargs(KwargsHandler):
             raise ValueError(
                 f"FP8RecipeKwargs.module_filter_fn={self.module_filter_fn!r} must be callable as fn(module, fqn) -> bool"
             )
-        if self.opt_level is None and self.backend not in ("msamp", "auto"):
-            ignored = [v for v in env.launcher_defaults_ignored if v.startswith("ACCELERATE_FP8_OPT_LEVEL=")]
-            if ignored:
-                log.info(
-                    "lowprec: %s comes from accelerate launch's defaults and is not applied to backend %r; "
-                    "write `lowprec_opt_level: O2` in fp8_config to ask for that memory level",
-                    ignored[0],
-                    self.backend,
-                )
+        # Set aside, not forgotten: warn_unapplied_launcher_defaults() tells the user where it matters.
+        self._launcher_defaults = {n: v for n, v in env.launcher_defaults.items() if getattr(self, n) is None}
         try:
             self._check_backend()
         except ValueError as exc:
@@ -246,6 +240,41 @@ class FP8RecipeKwargs(KwargsHandler):
             f"{f.name}={getattr(self, f.name)!r}"
             for f in dataclasses.fields(self)
             if getattr(self, f.name) != defaults.get(f.name)
+        )
+
+
+def warn_unapplied_launcher_defaults(recipe: FP8RecipeKwargs, backend) -> None:
+    """Warn about each value `accelerate launch` exported that lowprec set aside and that would change the run.
+
+    The launcher exports its defaults whether or not the config file names them, so lowprec cannot
+    tell `opt_level: O2` written by the user from the launcher's own `O2`; it applies neither, and
+    says so whenever applying it would make a difference.
+    """
+    pending = getattr(recipe, "_launcher_defaults", {})
+    if not pending:
+        return
+    in_force = dict(backend.effective_options())
+    in_force["opt_level"] = backend.opt_level
+    if backend.pads_inner_dim:
+        in_force["pad_inner_dim"] = bool(recipe.pad_inner_dim)
+    if hasattr(backend, "fsdp_fp8_all_gather") and backend.context.engine == "fsdp2":
+        in_force["enable_fsdp_float8_all_gather"] = backend.fsdp_fp8_all_gather
+    differing = []
+    for name, (var, raw) in pending.items():
+        if name not in in_force:
+            continue  # the option does not apply to this backend and recipe
+        try:
+            value = FP8RecipeKwargs._parse(name, raw)
+        except ValueError:
+            value = raw
+        if value != in_force[name]:
+            differing.append(f"{var}={raw} (in force: {in_force[name]!r}; to apply it write `lowprec_{name}: {raw}`)")
+    if differing:
+        warnings.warn(
+            "lowprec: accelerate launch exports these FP8 values whether or not your fp8_config sets them, so "
+            "lowprec cannot tell them from a choice and does not apply them: " + "; ".join(differing)
+            + ". Set the field in FP8RecipeKwargs, or write the `lowprec_<key>:` spelling in fp8_config.",
+            stacklevel=3,
         )
 
 

@@ -141,10 +141,8 @@ def test_accelerates_own_fp8_paths_stay_off(monkeypatch):
     from lowprec import BackendUnavailableError
 
     monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "te")
-    accelerator = Accelerator(mixed_precision="fp8")
-    assert accelerator.fp8_recipe.backend == "te"
     with pytest.raises(BackendUnavailableError, match="transformer_engine is not installed"):
-        accelerator.prepare(regression_model())
+        Accelerator(mixed_precision="fp8")
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
@@ -309,3 +307,63 @@ def test_ddp_two_processes_gloo(tmp_path):
     assert result["fp8_modules"] == ["2", "4"]
     assert result["max_param_diff_across_ranks"] == 0.0
     assert result["last_loss"] < 0.6 * result["first_loss"]
+
+
+# ---- errors at construction, not at prepare() (issue 16) -----------------------------------------
+def test_emulate_false_without_fp8_hardware_fails_at_construction(monkeypatch):
+    from lowprec import BackendUnavailableError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BackendUnavailableError) as err:
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(emulate=False)], cpu=True)
+    assert "emulate=False forbids emulation" in str(err.value)
+
+
+def test_te_without_transformer_engine_fails_at_construction(monkeypatch):
+    from lowprec import BackendUnavailableError
+    from lowprec.utils import imports
+
+    monkeypatch.setattr(imports, "availability", lambda name: (False, f"{name} is not installed. Install it with: X"))
+    monkeypatch.setattr("lowprec.backends.base.availability", imports.availability)
+    with pytest.raises(BackendUnavailableError) as err:
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="te", recipe="current")], cpu=True)
+    assert str(err.value).startswith("FP8RecipeKwargs(backend='te') cannot be used: transformer_engine is not installed")
+
+
+# ---- values accelerate launch exports whether or not they were chosen (issue 16) -----------------
+LAUNCHER = {"ACCELERATE_FP8_OVERRIDE_FPROP": "False", "ACCELERATE_FP8_OPT_LEVEL": "O2",
+            "ACCELERATE_FP8_PAD_INNER_DIM": "1", "ACCELERATE_FP8_MARGIN": "0"}
+
+
+def test_launcher_default_that_would_change_the_run_is_a_warning(monkeypatch):
+    for name, value in LAUNCHER.items():
+        monkeypatch.setenv(name, value)
+    with pytest.warns(UserWarning, match="does not apply them") as record:
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()], cpu=True)
+    message = next(str(w.message) for w in record if "does not apply them" in str(w.message))
+    assert "ACCELERATE_FP8_OPT_LEVEL=O2 (in force: None; to apply it write `lowprec_opt_level: O2`)" in message
+    assert "ACCELERATE_FP8_PAD_INNER_DIM=1" in message
+    assert "MARGIN" not in message  # torchao's tensorwise recipe has no margin: nothing is lost
+
+
+def test_launcher_default_equal_to_what_is_in_force_is_silent(monkeypatch):
+    import warnings
+
+    for name, value in LAUNCHER.items():
+        monkeypatch.setenv(name, value)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        # msamp's default level is O2 and it has no pad_inner_dim: the exported values change nothing
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="msamp")], cpu=True)
+    assert not [w for w in record if "does not apply them" in str(w.message)]
+
+
+def test_launcher_default_overridden_in_code_is_not_reported(monkeypatch):
+    import warnings
+
+    for name, value in LAUNCHER.items():
+        monkeypatch.setenv(name, value)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(opt_level="O1", pad_inner_dim=False)], cpu=True)
+    assert not [w for w in record if "does not apply them" in str(w.message)]

@@ -110,6 +110,25 @@ def test_ao_module_filter_func_carried_over():
 
     r = to_recipe(AORecipeKwargs(module_filter_func=keep))
     assert r.module_filter_fn is keep
+    # as in Accelerate, the user's filter replaces the first/last skipping (and lowprec's slow-shape rule)
+    assert r.skip_first_last is False and r.skip_slow_shapes is False
+
+
+def test_ao_module_filter_func_alone_decides_what_is_converted():
+    from lowprec.backends import RunContext
+    from lowprec.hardware import assumed_device
+    from lowprec.plan import build_plan
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    r = to_recipe(AORecipeKwargs(module_filter_func=lambda module, fqn: fqn != "2"))
+    plan = build_plan(model, r, context=RunContext(device=assumed_device("9.0")))
+    assert sorted(d.fqn for d in plan.converted) == ["0", "1", "3"]
+    assert {d.fqn: d.reason for d in plan.skipped} == {"2": "module_filter_fn returned False"}
+
+
+def test_ao_default_keeps_accelerates_first_last_skipping():
+    r = to_recipe(AORecipeKwargs())
+    assert r.module_filter_fn is None and r.skip_first_last is True
 
 
 # ---- MS-AMP ----------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def registered_backends() -> list[type[Backend]]:
     return [backend_class(name) for name in _REGISTRY]
 
 
-def _why_not(cls: type[Backend], recipe: FP8RecipeKwargs, device: DeviceInfo) -> str | None:
+def _why_not(cls: type[Backend], recipe: FP8RecipeKwargs, context: RunContext) -> str | None:
     if not getattr(cls, "implemented", True):
         return "not available in this version of lowprec"
     ok, reason = cls.availability()
@@ -80,15 +80,23 @@ def _why_not(cls: type[Backend], recipe: FP8RecipeKwargs, device: DeviceInfo) ->
         cls.check_recipe(recipe.replace(backend=cls.name))
     except ValueError as exc:
         return str(exc)
-    info = cls.recipes[recipe.recipe or cls.default_recipe]
+    name = recipe.recipe or cls.default_recipe_for(context)
+    problem = cls.context_problem(name, context)
+    if problem is not None:
+        return f"recipe {name!r} {problem}"
+    info = cls.recipes[name]
+    device = context.device
     hardware = device.capability is not None and device.capability >= info.min_capability
     if not hardware and not (cls.supports_emulation and recipe.emulate is not False):
         return f"cannot run on {device.describe()}"
     return None
 
 
-def resolve_backend(recipe: FP8RecipeKwargs, device: DeviceInfo) -> type[Backend]:
-    """The backend class `recipe` asks for; for 'auto', the best one that can honour it here."""
+def resolve_backend(recipe: FP8RecipeKwargs, context: RunContext | DeviceInfo) -> type[Backend]:
+    """The backend class `recipe` asks for; for 'auto', the best one that can honour it in `context`
+    (a device alone means one uncompiled process on it)."""
+    if isinstance(context, DeviceInfo):
+        context = RunContext(device=context)
     if recipe.backend != "auto":
         cls = backend_class(recipe.backend)
         if not getattr(cls, "implemented", True):
@@ -97,7 +105,7 @@ def resolve_backend(recipe: FP8RecipeKwargs, device: DeviceInfo) -> type[Backend
     reasons = []
     for name in AUTO_ORDER:
         cls = backend_class(name)
-        why = _why_not(cls, recipe, device)
+        why = _why_not(cls, recipe, context)
         if why is None:
             return cls
         reasons.append(f"  {name}: {why}")
@@ -112,9 +120,17 @@ def create_backend(recipe: FP8RecipeKwargs, context: RunContext, *, require_pack
     With `require_package=False` the adapter may be created without its package installed: enough
     to plan (the plan reads only shapes), not to convert a model.
     """
-    cls = resolve_backend(recipe, context.device)
+    cls = resolve_backend(recipe, context)
     ok, reason = cls.availability()
     if require_package and not ok:
-        raise BackendUnavailableError(f"FP8RecipeKwargs(backend={cls.name!r}) needs {reason}")
-    bound = recipe if recipe.backend == cls.name else recipe.replace(backend=cls.name)
-    return cls(bound, context)
+        raise BackendUnavailableError(f"FP8RecipeKwargs(backend={cls.name!r}) cannot be used: {reason}")
+    if recipe.backend == cls.name:
+        return cls(recipe, context)
+    try:
+        return cls(recipe.replace(backend=cls.name), context)
+    except (ValueError, BackendUnavailableError) as exc:
+        # The user never named this backend: say that `auto` chose it, and how to choose otherwise.
+        raise type(exc)(
+            f"backend='auto' chose {cls.name!r} on {context.device.describe()} and it cannot run this recipe: {exc}. "
+            f"Name a backend (FP8RecipeKwargs(backend=...)) to choose another."
+        ) from exc

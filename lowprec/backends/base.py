@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from ..engines import EnginePrecision, default_engine_precision
 from ..hardware import DeviceInfo
 from ..utils.imports import availability
 
@@ -52,12 +53,18 @@ class RunContext:
     engine: str = "single"  # "single", "ddp", "fsdp2", "deepspeed", "fsdp1"
     world_size: int = 1
     compiled: bool = False  # the model will run under torch.compile
+    # What the engine does with precision; None: what Accelerate gives the engine by default.
+    precision: EnginePrecision | None = None
 
     ENGINES: ClassVar[tuple[str, ...]] = ("single", "ddp", "fsdp2", "deepspeed", "fsdp1")
 
     def __post_init__(self):
         if self.engine not in self.ENGINES:
             raise ValueError(f"RunContext.engine={self.engine!r} is not one of {self.ENGINES}")
+
+    @property
+    def engine_precision(self) -> EnginePrecision:
+        return self.precision if self.precision is not None else default_engine_precision(self.engine)
 
 
 class Backend(ABC):
@@ -166,6 +173,16 @@ class Backend(ABC):
             raise ValueError(f"{field}.emulate=True cannot be honoured: backend {cls.name!r} has no emulation mode")
 
     @classmethod
+    def default_recipe_for(cls, context: RunContext) -> str:
+        """The recipe used when the user names none; a backend may choose by context."""
+        return cls.default_recipe
+
+    @classmethod
+    def context_problem(cls, recipe_name: str, context: RunContext) -> str | None:
+        """Why `recipe_name` cannot run in `context` (e.g. not under torch.compile), or None."""
+        return None
+
+    @classmethod
     def availability(cls) -> tuple[bool, str]:
         if cls.package is None:
             return True, ""
@@ -175,8 +192,11 @@ class Backend(ABC):
     def __init__(self, recipe: FP8RecipeKwargs, context: RunContext):
         self.recipe = recipe
         self.context = context
-        self.recipe_name = recipe.recipe or self.default_recipe
+        self.recipe_name = recipe.recipe or self.default_recipe_for(context)
         self.info = self.recipes[self.recipe_name]
+        problem = self.context_problem(self.recipe_name, context)
+        if problem is not None:
+            raise ValueError(f"FP8RecipeKwargs(backend={self.name!r}, recipe={self.recipe_name!r}) {problem}")
         self.fp8_format = recipe.fp8_format or self.info.formats[0]
         self.emulated, self.execution_note = self._decide_execution()
 
@@ -309,11 +329,46 @@ class Backend(ABC):
 
         size = param_dtype.itemsize
         states = 2 * size if self.opt_level is None else state_bytes(self.opt_level)
-        return {"weight": size, "weight_grad": size, "master_weight": 0, "optimizer_states": states}
+        out = {"weight": size, "weight_grad": size, "master_weight": 0, "optimizer_states": states}
+        out.update(self.engine_state_bytes(param_dtype))
+        return out
 
     def notes(self, plan: PrecisionPlan) -> list[str]:
         """Extra lines for the printed plan."""
         return []
+
+    def engine_rows(self, hp: str, *, fp8_gather: bool = False) -> list[TensorPrecision]:
+        """The gradient-communication, weight and master-weight rows as the engine realises them.
+
+        `hp` is the parameters' dtype; `fp8_gather` says the backend all-gathers weights in FP8.
+        """
+        from ..plan import TensorPrecision
+
+        ep = self.context.engine_precision
+        why = f"from {ep.source}" if ep.source else ""
+        if self.context.engine == "single":
+            comm = TensorPrecision("grad_comm", "N/A (one process)")
+        else:
+            comm = TensorPrecision("grad_comm", ep.grad_reduce or hp, why if ep.grad_reduce else "")
+        weight = ep.weight or hp
+        if fp8_gather:
+            weight = f"{weight} (all-gathered as FP8 E4M3)"
+        elif ep.param_gather and ep.param_gather != weight:
+            weight = f"{weight} (all-gathered as {ep.param_gather})"
+        master = TensorPrecision("master_weight", f"{ep.master_weight} ({self.context.engine})" if ep.master_weight
+                                 else "N/A", why if ep.master_weight else "")
+        return [comm, TensorPrecision("weight", weight, why if weight != hp else ""), master]
+
+    def engine_state_bytes(self, param_dtype: torch.dtype) -> dict[str, float]:
+        """Bytes per parameter the engine changes: DeepSpeed's BF16 weights/grads + FP32 masters."""
+        ep = self.context.engine_precision
+        out: dict[str, float] = {}
+        if ep.weight is not None:
+            size = {"BF16": 2, "FP16": 2, "FP32": 4}.get(ep.weight, param_dtype.itemsize)
+            out["weight"] = out["weight_grad"] = float(size)
+        if ep.master_weight is not None:
+            out["master_weight"] = float({"FP32": 4, "BF16": 2, "FP16": 2}.get(ep.master_weight, 4))
+        return out
 
 
 def _delayed_recipes() -> list[tuple[str, str]]:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..utils.imports import require
-from .base import Backend, BackendUnavailableError, RecipeInfo
+from .base import Backend, BackendUnavailableError, RecipeInfo, RunContext
 from .torchao import _is_mha_projection
 
 if TYPE_CHECKING:
@@ -60,12 +60,6 @@ class TEBackend(Backend):
         # Weak: a module id() can be reused once the module is gone.
         self._rms_variants: weakref.WeakKeyDictionary[nn.Module, str | None] = weakref.WeakKeyDictionary()
         self._hp_weights: dict[int, torch.Tensor] = {}
-        if context.compiled and self.recipe_name == "delayed":
-            raise ValueError(
-                "FP8RecipeKwargs(backend='te', recipe='delayed') cannot run under torch.compile: TransformerEngine "
-                "rejects DelayedScaling inside compiled code. Use recipe='current' (per-tensor current scaling, "
-                "compilable), or turn compilation off."
-            )
         if self.recipe.fp8_weights and context.engine in ("fsdp2", "fsdp1", "deepspeed"):
             raise BackendUnavailableError(
                 f"FP8RecipeKwargs(backend='te', fp8_weights=True) is not supported with {context.engine} in this "
@@ -75,6 +69,19 @@ class TEBackend(Backend):
             ok, reason = self._te().is_fp8_block_scaling_available(return_reason=True)
             if not ok:
                 raise BackendUnavailableError(f"FP8RecipeKwargs(backend='te', recipe='block') cannot run here: {reason}")
+
+    @classmethod
+    def default_recipe_for(cls, context: RunContext) -> str:
+        # DelayedScaling is TE's default but does not compile; current scaling does (and is faster
+        # compiled: results/gpu/2026-11-22-h100-te)
+        return "current" if context.compiled else cls.default_recipe
+
+    @classmethod
+    def context_problem(cls, recipe_name: str, context: RunContext) -> str | None:
+        if context.compiled and recipe_name == "delayed":
+            return ("cannot run under torch.compile: TransformerEngine rejects DelayedScaling inside compiled code. "
+                    "Use recipe='current' (per-tensor current scaling, compilable), or turn compilation off.")
+        return None
 
     @staticmethod
     def _te():
@@ -269,13 +276,17 @@ class TEBackend(Backend):
             "mxfp8": "1x32 blocks with E8M0 (power-of-2) scales",
         }[self.recipe_name]
         fp8_weights = bool(self.recipe.fp8_weights)
+        comm, weight, master = self.engine_rows(hp)
+        if fp8_weights:  # single process or DDP only (refused with sharded engines)
+            weight = TensorPrecision("weight", f"FP8 E4M3 (Linear), {hp} (rest)",
+                                     "quantised at init and after each step by FusedAdam")
+            master = TensorPrecision("master_weight", "FP32 (TE FusedAdam)")
         return [
             TensorPrecision("gemm", gemm, scaling),
-            TensorPrecision("grad_comm", hp),
-            TensorPrecision("weight", f"FP8 E4M3 (Linear), {hp} (rest)" if fp8_weights else hp,
-                            "quantised at init and after each step by FusedAdam" if fp8_weights else ""),
-            TensorPrecision("master_weight", "FP32 (TE FusedAdam)" if fp8_weights else "N/A"),
-            TensorPrecision("weight_grad", hp),
+            comm,
+            weight,
+            master,
+            TensorPrecision("weight_grad", self.context.engine_precision.weight or hp),
             self.optimizer_state_precision(hp),
         ]
 

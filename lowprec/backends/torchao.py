@@ -146,13 +146,10 @@ class TorchAOBackend(Backend):
         else:
             gemm = "FP8 E4M3 (wgrad BF16)"
             scaling = "dynamic per-row, power-of-2 scales; weight-gradient GEMM in high precision"
-        weight = f"{hp} (all-gathered as FP8 E4M3)" if self.fsdp_fp8_all_gather else hp
         return [
             TensorPrecision("gemm", gemm, scaling),
-            TensorPrecision("grad_comm", hp),
-            TensorPrecision("weight", weight),
-            TensorPrecision("master_weight", "N/A"),
-            TensorPrecision("weight_grad", hp),
+            *self.engine_rows(hp, fp8_gather=self.fsdp_fp8_all_gather),
+            TensorPrecision("weight_grad", self.context.engine_precision.weight or hp),
             self.optimizer_state_precision(hp),
         ]
 

@@ -18,6 +18,33 @@ import torch
 from .model import PRESETS
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def check_fp8_choice(backend: str, recipe: str | None, opt_level: str | None, compiled: bool) -> str | None:
+    """Why the FP8 run would fail to start (bad backend/recipe/level, package missing), or None.
+
+    Checked before the BF16 run so that a typo costs seconds, not a whole baseline run.
+    """
+    from ..backends import BackendUnavailableError, RunContext, create_backend
+    from ..hardware import device_info
+    from ..recipe import FP8RecipeKwargs
+
+    try:
+        fp8 = FP8RecipeKwargs(backend=backend, recipe=recipe, opt_level=opt_level)
+        create_backend(fp8, RunContext(device=device_info(), compiled=compiled))
+    except (ValueError, BackendUnavailableError) as exc:
+        return str(exc)
+    return None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="lowprec demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -26,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--opt-level", default=None)
     p.add_argument("--size", choices=sorted(PRESETS), default=None,
                    help="model size (default: tiny on CPU, proxy on an FP8 GPU)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 60 CPU, 40 GPU)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="optimizer steps per run (default 60 CPU, 40 GPU)")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
@@ -62,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     fp8_gpu = cuda and torch.cuda.get_device_capability() >= (8, 9)
     size = args.size or ("proxy" if fp8_gpu else "tiny")
-    steps = args.steps or (40 if cuda else 60)
+    steps = args.steps if args.steps is not None else (40 if cuda else 60)
     out = args.out or tempfile.mkdtemp(prefix="lowprec-demo-")
     os.makedirs(out, exist_ok=True)
     common = ["--size", size, "--steps", str(steps)]
@@ -78,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         fp8_args += ["--recipe", args.recipe]
     if args.opt_level:
         fp8_args += ["--opt-level", args.opt_level]
+
+    compiled = cuda if args.compile is None else args.compile  # as lowprec.demo.run decides
+    problem = check_fp8_choice(args.backend, args.recipe, args.opt_level, compiled)
+    if problem is not None:
+        print(f"lowprec demo: the FP8 run cannot start, so nothing was run: {problem}", file=sys.stderr)
+        return 2
 
     preset = PRESETS[size]
     print(f"lowprec demo: Llama-style model '{size}' ({preset.note}), {steps} steps per run, "

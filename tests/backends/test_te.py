@@ -80,19 +80,14 @@ def test_create_backend_without_te_says_what_to_install(te_missing, recipe):
     with pytest.raises(BackendUnavailableError) as err:
         create_backend(r, RunContext(device=DEVICE_FOR[recipe]))
     message = str(err.value)
-    assert message.startswith("FP8RecipeKwargs(backend='te') needs transformer_engine is not installed")
+    assert message.startswith("FP8RecipeKwargs(backend='te') cannot be used: transformer_engine is not installed")
     assert "pip install --no-build-isolation 'transformer_engine[pytorch]>=2.9'" in message
 
 
-def test_accelerator_prepare_without_te_fails_before_touching_the_model(te_missing, fresh_accelerate_state):
-    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="te")])
-    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64))
-    before = copy.deepcopy(model.state_dict())
+def test_accelerator_without_te_fails_at_construction(te_missing, fresh_accelerate_state):
+    # issue 16: this used to surface only at prepare(); now before any model exists
     with pytest.raises(BackendUnavailableError, match=r"transformer_engine is not installed.*pip install"):
-        accelerator.prepare(model)
-    assert [type(m) for m in model] == [nn.Linear, nn.LayerNorm, nn.Linear]
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert accelerator.precision_plan is None
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="te")])
 
 
 @pytest.mark.parametrize("recipe", ["current", "block", "mxfp8"])  # recipes only TE offers
@@ -247,6 +242,45 @@ def test_delayed_scaling_under_torch_compile_is_an_error():
         te_backend("delayed", compiled=True)
     assert "recipe='delayed') cannot run under torch.compile" in str(err.value)
     assert "Use recipe='current'" in str(err.value)
+
+
+def test_te_without_a_recipe_under_torch_compile_uses_current_scaling():
+    backend = create_backend(te_kwargs(), RunContext(device=H100, compiled=True), require_package=False)
+    assert backend.recipe_name == "current"
+    assert create_backend(te_kwargs(), RunContext(device=H100), require_package=False).recipe_name == "delayed"
+
+
+def test_auto_under_torch_compile_chooses_a_compilable_te_recipe(fake_te):
+    # issue 16: auto picked TE's delayed recipe and then failed under compile (the demo on a GPU host)
+    backend = create_backend(FP8RecipeKwargs(), RunContext(device=H100, compiled=True))
+    assert (backend.name, backend.recipe_name) == ("te", "current")
+    backend = create_backend(FP8RecipeKwargs(), RunContext(device=H100))
+    assert (backend.name, backend.recipe_name) == ("te", "delayed")
+
+
+def test_auto_with_delayed_asked_for_under_compile_moves_on_and_says_why(fake_te):
+    # 'delayed' is offered by te and msamp; te cannot compile it, so auto takes the next that can
+    recipe = FP8RecipeKwargs(recipe="delayed")
+    assert resolve_backend(recipe, RunContext(device=H100, compiled=True)).name == "msamp"
+    with pytest.raises(BackendUnavailableError) as err:
+        resolve_backend(recipe.replace(emulate=False), RunContext(device=CPU, compiled=True))
+    assert "te: recipe 'delayed' cannot run under torch.compile" in str(err.value)
+
+
+def test_an_error_about_a_choice_auto_made_says_auto_made_it(fake_te, monkeypatch):
+    # a failure only construction finds (auto's own checks passed)
+    original = TEBackend.__init__
+
+    def failing_init(self, recipe, context):
+        original(self, recipe, context)
+        raise BackendUnavailableError("TE says no")
+
+    monkeypatch.setattr(TEBackend, "__init__", failing_init)
+    with pytest.raises(BackendUnavailableError) as err:
+        create_backend(FP8RecipeKwargs(), RunContext(device=H100))
+    message = str(err.value)
+    assert message.startswith("backend='auto' chose 'te' on H100 (sm_90)")
+    assert "TE says no" in message and "Name a backend" in message
 
 
 @pytest.mark.parametrize("recipe", ["current", "block", "mxfp8"])

@@ -121,17 +121,22 @@ def test_eval_in_fp8_when_asked(te_accelerator):
 def test_prepare_with_compile_and_delayed_scaling_is_an_error(te_accelerator):
     from accelerate.utils import TorchDynamoPlugin
 
-    accelerator = te_accelerator("delayed", dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
-    model = small_model()
+    # refused when the Accelerator is built, before any model exists
     with pytest.raises(ValueError, match="recipe='current'"):
-        accelerator.prepare(model)
-    assert type(model[0]) is nn.Linear
+        te_accelerator("delayed", dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
+
+
+def test_te_without_a_recipe_under_compile_trains_with_current_scaling(te_accelerator):
+    from accelerate.utils import TorchDynamoPlugin
+
+    accelerator = te_accelerator(None, gpu=H100, dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
+    accelerator.prepare(small_model())
+    assert accelerator.precision_plan.recipe == "current"
 
 
 def test_prepare_mxfp8_on_hopper_is_an_error(te_accelerator):
-    accelerator = te_accelerator("mxfp8", gpu=H100)
     with pytest.raises(BackendUnavailableError, match="recipe 'mxfp8' needs sm_100"):
-        accelerator.prepare(small_model())
+        te_accelerator("mxfp8", gpu=H100)
 
 
 def test_saved_model_loads_into_the_plain_model(te_accelerator, tmp_path):
@@ -199,4 +204,24 @@ def test_tied_weights_survive_conversion(te_accelerator):
     inner = accelerator.unwrap_model(accelerator.prepare(model))
     assert type(inner.body).__module__ == "lowprec.backends.te_modules"
     lm_head = next(d for d in accelerator.precision_plan.modules if d.fqn == "lm_head")
-    assert not lm_head.convert or inner.lm_head.weight is inner.embed.weight
+    # TE builds new parameters, so converting the head would untie it: it stays, and the plan says why
+    assert not lm_head.convert and lm_head.reason.startswith("weight shared with 'embed'")
+    assert type(inner.lm_head) is nn.Linear and inner.lm_head.weight is inner.embed.weight
+
+
+def test_optimizer_prepared_in_a_later_call_updates_the_converted_weights(te_accelerator):
+    # issue 16: TE conversion makes new Parameters; an optimizer prepared on its own afterwards kept
+    # updating the discarded ones, silently
+    accelerator = te_accelerator("current")
+    model = small_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = accelerator.prepare(model)
+    optimizer = accelerator.prepare(optimizer)
+    inner = accelerator.unwrap_model(model)
+    live = {id(p) for p in inner.parameters()}
+    assert all(id(p) in live for group in optimizer.param_groups for p in group["params"])
+    before = [p.detach().clone() for p in inner.parameters()]
+    for p in inner.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, inner.parameters()))

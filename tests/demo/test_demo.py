@@ -57,3 +57,36 @@ def test_demo_run_with_gradient_accumulation(tmp_path):
     GradientState._reset_state()
     assert result["steps"] == 4 and result["tokens_per_step"] == 2 * 4 * 128
     assert json.loads((tmp_path / "r.json").read_text())["grad_accum"] == 2
+
+
+# ---- a bad FP8 choice fails before the BF16 baseline runs (issue 16) ------------------------------
+@pytest.mark.parametrize("argv, expected", [
+    (["--recipe", "bogus"], "FP8RecipeKwargs.recipe='bogus' is not a recipe of any backend"),
+    (["--backend", "nope"], "FP8RecipeKwargs.backend='nope' is not one of"),
+    (["--backend", "torchao", "--opt-level", "O4"], "FP8RecipeKwargs.opt_level='O4' is not one of"),
+])
+def test_demo_rejects_a_bad_fp8_choice_before_running(argv, expected, capsys, monkeypatch):
+    from lowprec.demo import compare
+
+    monkeypatch.setattr(compare.subprocess, "run", lambda *a, **k: pytest.fail("a training run was started"))
+    assert compare.main(argv + ["--out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert "the FP8 run cannot start, so nothing was run" in err and expected in err
+
+
+def test_demo_without_te_says_what_to_install_before_running(capsys, monkeypatch):
+    from lowprec.demo import compare
+
+    monkeypatch.setattr("lowprec.backends.base.availability", lambda name: (False, f"{name} is not installed"))
+    monkeypatch.setattr(compare.subprocess, "run", lambda *a, **k: pytest.fail("a training run was started"))
+    assert compare.main(["--backend", "te", "--out", "unused"]) == 2
+    assert "FP8RecipeKwargs(backend='te') cannot be used: transformer_engine is not installed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("steps", ["0", "-3", "x"])
+def test_demo_steps_must_be_a_positive_integer(steps, capsys):
+    from lowprec.demo import compare
+
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--steps", steps])
+    assert "argument --steps" in capsys.readouterr().err

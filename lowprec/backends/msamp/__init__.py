@@ -187,12 +187,13 @@ class MSAMPBackend(Backend):
         scaling = (f"power-of-2 per-tensor: inputs and output grads from the {opts['amax_compute_algo']} amax of "
                    f"the last {opts['amax_history_len']} steps (current amax while warming up), weights from "
                    "their current amax")
-        grad_comm = "FP8 E4M3, shared scale" if self.context.engine == "ddp" else "N/A (one process)"
+        comm, _, _ = self.engine_rows(hp)
+        if self.context.engine == "ddp":
+            comm = TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (Linear), {comm.dtype} (rest)",
+                                   "weight grads: amax all-reduced (MAX), FP8 all_to_all, FP32 sum, FP8 all_gather")
         return [
             TensorPrecision("gemm", gemm, scaling),
-            TensorPrecision("grad_comm", f"{grad_comm} (Linear), {hp} (rest)",
-                            "weight grads: amax all-reduced (MAX), FP8 all_to_all, FP32 sum, FP8 all_gather"
-                            if self.context.engine == "ddp" else ""),
+            comm,
             TensorPrecision("weight", f"{wdt} (Linear), {hp} (rest)"),
             TensorPrecision("master_weight", "N/A"),
             TensorPrecision("weight_grad", f"FP8 E4M3 (Linear), {hp} (rest)",
