@@ -197,6 +197,7 @@ class Accelerator(_Accelerator):
                 if isinstance(obj, torch.optim.Optimizer):
                     args[i] = backend.wrap_optimizer(obj, plan)
                     replaced[id(obj)] = args[i]
+                    plan.verify_optimizer(args[i])
             # An LR scheduler built on the user's optimizer must drive its replacement.
             for obj in args:
                 if hasattr(obj, "optimizer") and id(obj.optimizer) in replaced:
@@ -265,6 +266,18 @@ class Accelerator(_Accelerator):
             _warn_once(f"lowprec: {plan.backend} runs {plan.execution}")
         if self.is_main_process:
             log.info("%s", plan)
+            shortfall = plan.shortfall()
+            if shortfall:
+                # A warning, not the log: the plan is logged at INFO, which nobody sees by default,
+                # and a run that trains in BF16 while asked for FP8 must not pass unnoticed. Not
+                # _warn_once: each model prepared gets its own, pointing at the user's prepare().
+                warnings.warn(
+                    f"lowprec: model {type(model).__name__}: " + "\n".join(shortfall)
+                    + "\nOptions are lowprec.FP8RecipeKwargs fields (Accelerate's AORecipeKwargs has only "
+                    "module_filter_func, which replaces both skip rules); print(accelerator.precision_plan) "
+                    "lists every layer.",
+                    stacklevel=3,
+                )
         return new
 
     def _finalize(self, prepared: nn.Module) -> None:

@@ -50,6 +50,7 @@ FIELD_KEYS: dict[str, tuple[str, ...]] = {
     "amax_history_len": ("AMAX_HISTORY_LEN", "AMAX_HISTORY_LENGTH"),
     "amax_compute_algo": ("AMAX_COMPUTE_ALGO", "AMAX_COMPUTE_ALGORITHM"),
     "opt_level": ("OPT_LEVEL", "OPTIMIZATION_LEVEL"),
+    "optimizer_states": ("OPTIMIZER_STATES",),
     "include": ("INCLUDE",),
     "exclude": ("EXCLUDE",),
     "skip_first_last": ("SKIP_FIRST_LAST",),

@@ -14,6 +14,7 @@ from torch import nn
 from .backends import RunContext, create_backend
 from .hardware import DeviceInfo, device_info
 from .selection import ModuleDecision, select_modules
+from .speed import unmeasured_note
 
 if TYPE_CHECKING:
     from .backends.base import Backend
@@ -32,6 +33,12 @@ TENSOR_KINDS: "OrderedDict[str, str]" = OrderedDict(
         ("optimizer_states", "optimizer states"),
     ]
 )
+
+
+# Below half of the Linear parameters in FP8, most GEMM work (2 FLOPs per Linear parameter and
+# token) stays in high precision: even FP8 GEMMs twice as fast as BF16 would make the step at most
+# 1.33x faster, so the run is mostly a BF16 run paying FP8's casts, which nobody asks for on purpose.
+LOW_FP8_SHARE = 0.5
 
 
 class PlanMismatchError(RuntimeError):
@@ -106,6 +113,36 @@ class PrecisionPlan:
                         for m in self.modules if m.kind == "linear" and m.convert)
         return converted / self.total_params if self.total_params else 0.0
 
+    def shortfall(self) -> list[str]:
+        """Why few or no Linear layers run in FP8: a headline, then one line per rule that kept layers
+        out (with counts and the option that would convert them). Empty when at least
+        `LOW_FP8_SHARE` of the Linear parameters are in FP8, or the model has no Linear layer."""
+        linears = [m for m in self.modules if m.kind == "linear"]
+        if not linears or self.fp8_linear_param_fraction >= LOW_FP8_SHARE:
+            return []
+        converted = sum(m.convert for m in linears)
+        if not converted:
+            head = f"no Linear layer (of {len(linears)}) runs in FP8 on {self.device}: every GEMM stays in high precision"
+        else:
+            head = (f"only {converted} of {len(linears)} Linear layers run in FP8 on {self.device} "
+                    f"({100 * self.fp8_linear_param_fraction:.1f}% of Linear parameters, under "
+                    f"{100 * LOW_FP8_SHARE:.0f}%): most GEMMs stay in high precision, so FP8 gains little")
+        # Grouped by what would convert them, so each line is one change to make (exclude: per pattern).
+        groups: "OrderedDict[tuple[str, str], list[ModuleDecision]]" = OrderedDict()
+        for m in linears:
+            if not m.convert:
+                groups.setdefault((m.rule or m.reason, m.option), []).append(m)
+        lines = [head + ". Kept in high precision:"]
+        for (rule, option), kept in groups.items():
+            reasons = list(dict.fromkeys(m.reason for m in kept))
+            if rule == "skip_first_last" and len(reasons) > 1:
+                label = "first and last Linear layers (skip_first_last=True)"
+            else:
+                label = reasons[0] + (f"; {len(reasons) - 1} more like it" if len(reasons) > 1 else "")
+            count = f"{len(kept)} Linear layer{'s' if len(kept) > 1 else ''}"
+            lines.append(f"  - {count}: {label}" + (f" -> {option}" if option else ""))
+        return lines
+
     @property
     def model_state_bytes_per_param(self) -> float:
         return sum(self.bytes_per_param.values())
@@ -127,11 +164,42 @@ class PrecisionPlan:
         if wrong:
             raise PlanMismatchError("the converted model does not match its precision plan:\n  " + "\n  ".join(wrong))
 
+    def verify_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Check the optimizer built in prepare() stores its states as the plan says."""
+        from .optim.levels import built_states
+
+        from .optim import LowBitAdamW
+
+        base = getattr(optimizer, "optimizer", optimizer)
+        built = built_states(base, self.param_dtype)
+        planned = self.tensor("optimizer_states").dtype
+        if isinstance(base, LowBitAdamW) and self.options.get("optimizer_states") is None:
+            # The user passed a LowBitAdamW of their own and asked for no state precision: the plan
+            # shows their choice rather than refusing it.
+            self._show_user_states(base, built)
+            return
+        if built != planned:
+            raise PlanMismatchError(
+                f"the optimizer does not match its precision plan: optimizer states planned {planned}, built {built} "
+                f"({type(getattr(optimizer, 'optimizer', optimizer)).__name__})"
+            )
+
+    def _show_user_states(self, optimizer, built: str) -> None:
+        from .optim.levels import state_bytes
+
+        self.tensors = [t if t.kind != "optimizer_states" else
+                        TensorPrecision("optimizer_states", built, "the LowBitAdamW passed to prepare()")
+                        for t in self.tensors]
+        group = optimizer.param_groups[0]
+        self.bytes_per_param["optimizer_states"] = float(state_bytes((group["exp_avg_dtype"],
+                                                                      group["exp_avg_sq_dtype"])))
+
     # ---- rendering --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["model_state_bytes_per_param"] = self.model_state_bytes_per_param
         out["fp8_linear_param_fraction"] = self.fp8_linear_param_fraction
+        out["shortfall"] = self.shortfall()
         return out
 
     def table(self) -> str:
@@ -172,6 +240,9 @@ class PrecisionPlan:
         others = [m for m in self.modules if m.kind != "linear"]
         if others:
             lines.append(f"         {sum(m.convert for m in others)} of {len(others)} norm layers replaced")
+        shortfall = self.shortfall()
+        if shortfall:
+            lines += [f"  WARNING: {shortfall[0]}"] + [f"  {line}" for line in shortfall[1:]]
         lines += _grouped("  FP8:", self.converted)
         lines += _grouped("  kept in high precision:", self.skipped)
         if self.notes:
@@ -247,6 +318,10 @@ def build_plan(
     plan.tensors = backend.tensor_precisions(plan)
     plan.bytes_per_param = backend.model_state_bytes(plan, param_dtype)
     plan.notes = backend.notes(plan)
+    if backend.recipe.skip_slow_shapes and backend.speed_scaling is not None:
+        note = unmeasured_note(context.device, backend.speed_scaling)
+        if note is not None:
+            plan.notes.append(note)
     if not plan.converted:
         plan.notes.insert(0, "no module runs in FP8 with this recipe and model: training is high precision throughout")
     return plan

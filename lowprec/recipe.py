@@ -21,6 +21,11 @@ FP8_FORMATS = ("HYBRID", "E4M3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 OPT_LEVELS = ("O1", "O2", "O3")
 WEIGHT_DTYPES = ("fp16", "bf16")
+# optimizer_states: a preset, or a pair "<exp_avg>+<exp_avg_sq>" of these names
+STATE_PRESETS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "fp16": ("fp16", "fp16"),
+                 "fp8": ("e4m3", "fp16")}
+STATE_NAMES = ("fp32", "bf16", "fp16", "e4m3", "e5m2")
+LEVEL_STATES = {"O1": "fp32", "O2": "fp8", "O3": "fp8"}  # the optimizer-state part of each MS-AMP level
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -83,6 +88,33 @@ def _parse_patterns(name: str, value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _parse_states(value: Any) -> str:
+    """'fp8', ('e4m3', 'fp16'), 'e4m3,fp16', 'e4m3+fp16', torch dtypes -> a preset name or 'm+v'."""
+    aliases = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+               "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
+    accepted = (f"one of {', '.join(repr(p) for p in STATE_PRESETS)}, or a pair (exp_avg, exp_avg_sq) of "
+                f"{', '.join(repr(n) for n in STATE_NAMES)} such as ('e4m3', 'fp16') or 'e4m3+fp16'")
+    if isinstance(value, str) and value.strip()[:1] in "[(":
+        try:  # accelerate launch exports a yaml list as its Python repr
+            value = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise ValueError(f"FP8RecipeKwargs.optimizer_states={value!r} is not {accepted}") from None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in STATE_PRESETS:
+            return text
+        parts = [p for p in text.replace(",", "+").split("+")]
+    elif isinstance(value, Sequence) and len(value) == 2:
+        parts = [str(p).replace("torch.", "").strip().lower() for p in value]
+    else:
+        raise ValueError(f"FP8RecipeKwargs.optimizer_states={value!r} is not {accepted}")
+    names = tuple(aliases.get(p.strip(), p.strip()) for p in parts)
+    if len(names) != 2 or any(n not in STATE_NAMES for n in names):
+        raise ValueError(f"FP8RecipeKwargs.optimizer_states={value!r} is not {accepted}")
+    preset = next((k for k, pair in STATE_PRESETS.items() if pair == names), None)
+    return preset or "+".join(names)
+
+
 @dataclass
 class FP8RecipeKwargs(KwargsHandler):
     """What should be low precision, for any backend.
@@ -99,7 +131,13 @@ class FP8RecipeKwargs(KwargsHandler):
         margin: delayed scaling only: scale = 2**-margin * fp8_max / amax.
         amax_history_len: delayed scaling only: steps of amax history kept.
         amax_compute_algo: delayed scaling only: "max" over the history, or "most_recent".
-        opt_level: MS-AMP memory level "O1", "O2", "O3", or None (FP32 states and gradients).
+        opt_level: MS-AMP memory level "O1", "O2", "O3", or None (FP32 states and gradients): a
+            preset of weight, weight-gradient, communication and optimizer-state precision, accepted
+            only by a backend that honours the whole row (backend="msamp").
+        optimizer_states: storage of Adam's moments, for any backend: "fp32", "bf16", "fp16", "fp8"
+            (MS-AMP's E4M3 exp_avg + FP16 exp_avg_sq, 3 bytes/param instead of 8), or a pair such as
+            ("e4m3", "e4m3"). Adam/AdamW passed to prepare() becomes lowprec.optim.LowBitAdam(W).
+            None: the level's states, else the optimizer's own (the parameters' dtype).
         include: fnmatch patterns of module names to convert; None converts every candidate.
         exclude: fnmatch patterns of module names to keep in high precision.
         skip_first_last: keep the first and last Linear layers (registration order) in high precision.
@@ -138,6 +176,7 @@ class FP8RecipeKwargs(KwargsHandler):
     fp8_weights: bool | None = None
     weight_dtype: str | None = None
     emulate: bool | None = None
+    optimizer_states: str | tuple[str, str] | None = None
 
     def __post_init__(self):
         env = read_fp8_env()
@@ -159,6 +198,12 @@ class FP8RecipeKwargs(KwargsHandler):
             self.skip_first_last = True
         if self.skip_slow_shapes is None:
             self.skip_slow_shapes = True
+        if self.opt_level is not None and self.optimizer_states is not None:
+            if LEVEL_STATES[self.opt_level] != self.optimizer_states:
+                raise ValueError(
+                    f"FP8RecipeKwargs.opt_level={self.opt_level!r} stores optimizer states as "
+                    f"{LEVEL_STATES[self.opt_level]!r}, but optimizer_states={self.optimizer_states!r}; set one of them"
+                )
         if self.module_filter_fn is not None and not callable(self.module_filter_fn):
             raise ValueError(
                 f"FP8RecipeKwargs.module_filter_fn={self.module_filter_fn!r} must be callable as fn(module, fqn) -> bool"
@@ -193,6 +238,8 @@ class FP8RecipeKwargs(KwargsHandler):
                        "torch.bfloat16": "bf16"}
             text = str(value).strip().lower()
             return _parse_choice(name, aliases.get(text, text), WEIGHT_DTYPES, upper=False)
+        if name == "optimizer_states":
+            return _parse_states(value)
         if name == "opt_level":
             if isinstance(value, str) and value.strip().lower() in ("", "none", "o0"):
                 return None

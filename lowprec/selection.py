@@ -23,6 +23,10 @@ class ModuleDecision:
     params: int
     convert: bool
     reason: str
+    # For a module kept in high precision: the rule that kept it (exclude, include, module_filter_fn,
+    # skip_first_last, tied, constraint, skip_slow_shapes) and the recipe option that would convert it.
+    rule: str = ""
+    option: str = ""
 
 
 def _matches(fqn: str, patterns) -> str | None:
@@ -72,26 +76,49 @@ def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Backend) 
             continue
         name = fqn or "<root>"
         params = sum(p.numel() for p in module.parameters(recurse=False))
-        reason = None
+        reason = rule = None
         if (pattern := _matches(name, recipe.exclude)) is not None:
-            reason = f"excluded by pattern {pattern!r}"
+            reason, rule = f"excluded by pattern {pattern!r}", "exclude"
         elif recipe.include is not None and _matches(name, recipe.include) is None:
-            reason = "not matched by any include pattern"
+            reason, rule = "not matched by any include pattern", "include"
         elif recipe.module_filter_fn is not None and not recipe.module_filter_fn(module, fqn):
-            reason = "module_filter_fn returned False"
+            reason, rule = "module_filter_fn returned False", "module_filter_fn"
         elif kind == "linear" and recipe.skip_first_last and fqn in edge:
-            reason = f"{edge[fqn]} Linear layer (skip_first_last=True)"
+            reason, rule = f"{edge[fqn]} Linear layer (skip_first_last=True)", "skip_first_last"
         elif not backend.reuses_parameters and (tied := _tied_to(module, owners)) is not None:
             reason = (f"weight shared with {tied!r} ({backend.name} builds new parameters, so converting would untie "
                       "them)")
+            rule = "tied"
         elif (why := backend.constraint(module)) is not None:
-            reason = why
+            reason, rule = why, "constraint"
         elif kind == "linear" and recipe.skip_slow_shapes and (why := backend.slow_shape(module)) is not None:
-            reason = f"{why} (skip_slow_shapes=True)"
+            reason, rule = f"{why} (skip_slow_shapes=True)", "skip_slow_shapes"
         decisions.append(
-            ModuleDecision(name, kind, _shape(module, kind), params, reason is None, reason or "FP8")
+            ModuleDecision(name, kind, _shape(module, kind), params, reason is None, reason or "FP8",
+                           rule or "", _option(rule, backend, kind, pattern) if rule else "")
         )
     return decisions
+
+
+def _option(rule: str, backend: Backend, kind: str, pattern: str | None) -> str:
+    """The recipe option (and value) that would convert a module `rule` kept in high precision."""
+    if rule == "exclude":
+        return f"remove {pattern!r} from exclude"
+    if rule == "constraint":
+        if kind != "linear":
+            return ""  # a norm the backend's module cannot stand in for; no option changes that
+        # A Linear's constraint is its dimensions, which only padding can change.
+        if backend.pads_inner_dim:
+            return "pad_inner_dim=True pads them to what the FP8 GEMMs need"
+        return (f"backend {backend.name!r} cannot pad them (only backend='torchao' has pad_inner_dim=True); "
+                "resize them to fit")
+    return {
+        "include": "add a pattern naming them to include (include=None considers every module)",
+        "module_filter_fn": "let module_filter_fn return True for them (or module_filter_fn=None)",
+        "skip_first_last": "skip_first_last=False converts them",
+        "tied": "untie the weights, or backend='torchao' (it keeps the shared Parameter)",
+        "skip_slow_shapes": "skip_slow_shapes=False converts them anyway (FP8, though slower at these shapes)",
+    }[rule]
 
 
 def _parameter_owners(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:

@@ -1,12 +1,19 @@
-"""Shared fixtures: a clean ACCELERATE_* environment and a fresh Accelerate state per test."""
+"""Shared fixtures: a clean ACCELERATE_* environment, a CPU host without TE, and a fresh Accelerate state per test."""
 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import pytest
-import torch
+
+# Deterministic cuBLAS workspaces for the GPU tests that rerun training and compare bit for bit
+# (torch.use_deterministic_algorithms refuses cuBLAS ops without it); read when CUDA makes its first
+# cuBLAS handle, so set before torch does anything.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
 
 # torchao's optional CUDA extensions cannot load into a CPU build of torch; it says so on import.
 if not torch.cuda.is_available():
@@ -21,6 +28,30 @@ def clean_accelerate_env(monkeypatch):
         if name.startswith("ACCELERATE_"):
             monkeypatch.delenv(name, raising=False)
     yield
+
+
+@pytest.fixture(autouse=True)
+def cpu_host(request, monkeypatch):
+    """Run the CPU suite as on a machine with no GPU and no TransformerEngine, whatever this one has.
+
+    CPU tests expect what such a machine gives: Accelerate placing models on the CPU, lowprec planning
+    for the CPU (emulated FP8), backend='auto' choosing among what the CPU runs, and TE reported absent.
+    On a CUDA host, or with TE installed, each would differ and the test would fail for no fault of the
+    code. Tests that plan for a GPU name it (a DeviceInfo, capability=...); TE tests use the stand-in
+    (tests/backends/fake_te.py), which puts itself in sys.modules over this; tests marked gpu see the
+    machine as it is. Child processes need the same: tests that start one pass CUDA_VISIBLE_DEVICES="".
+    """
+    if request.node.get_closest_marker("gpu") is not None:
+        yield
+        return
+    from lowprec.utils.imports import availability  # held: a test may patch the module's name
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # A None entry makes importlib.util.find_spec() answer None: "not installed" to lowprec's look-up.
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)
+    availability.cache_clear()
+    yield
+    availability.cache_clear()
 
 
 @pytest.fixture

@@ -136,22 +136,57 @@ def test_handler_alone_turns_fp8_on():
     assert accelerator.mixed_precision == "fp8" and accelerator.precision_plan is not None
 
 
-def test_accelerates_own_fp8_paths_stay_off(monkeypatch):
-    """ACCELERATE_FP8_BACKEND=te would send Accelerate's own code into TE; lowprec answers instead."""
+@pytest.fixture
+def accelerate_fp8_calls(monkeypatch):
+    """Accelerate's own FP8 code, recorded and stopped if it runs: lowprec must be the only one converting."""
+    import accelerate.accelerator as accelerate_module
+
+    calls = []
+
+    def stop(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"Accelerate's own FP8 path ran: {name}")
+
+        return call
+
+    for name in ("_prepare_ao", "_prepare_te", "_prepare_msamp"):
+        monkeypatch.setattr(accelerate_module.Accelerator, name, stop(name))
+    for name in ("convert_model_to_fp8_ao", "convert_model", "apply_fp8_autowrap"):
+        monkeypatch.setattr(accelerate_module, name, stop(name))
+    return calls
+
+
+@pytest.mark.parametrize("env_backend,backend", [("AO", "torchao"), ("MSAMP", "msamp")])
+def test_accelerates_own_fp8_paths_stay_off(monkeypatch, accelerate_fp8_calls, env_backend, backend):
+    """ACCELERATE_FP8_BACKEND would send Accelerate's own code into torchao / MS-AMP; lowprec converts instead."""
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", env_backend)
+    accelerator = Accelerator(mixed_precision="fp8")
+    assert accelerator.fp8_recipe.backend == backend
+    # For "fp8" without a handler Accelerate makes a recipe handler of its own (and a GradScaler for MS-AMP).
+    assert (accelerator.ao_recipe_handler, accelerator.te_recipe_handler, accelerator.msamp_recipe_handler) == (
+        None, None, None)
+    assert accelerator.scaler is None and accelerator.state.mixed_precision == "bf16"
+    model = regression_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x, y = regression_data(16)[:]
+    accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
+    optimizer.step()
+    assert accelerator.precision_plan.backend == backend and accelerator.precision_plan.converted
+    assert accelerate_fp8_calls == []
+
+
+def test_accelerate_fp8_backend_te_gets_lowprecs_answer(monkeypatch, accelerate_fp8_calls):
+    """Accelerate's TE path would fail with its own ImportError; lowprec's says what to install. (No TE here:
+    tests/conftest.py hides it.)"""
     from lowprec import BackendUnavailableError
 
-    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "te")
-    with pytest.raises(BackendUnavailableError, match="transformer_engine is not installed"):
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "TE")
+    with pytest.raises(BackendUnavailableError) as err:
         Accelerator(mixed_precision="fp8")
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "torchao")
-    accelerator = Accelerator(mixed_precision="fp8")
-    from accelerate.utils.dataclasses import FP8BackendType
-
-    assert accelerator.fp8_backend == FP8BackendType.NO
+    message = str(err.value)
+    assert message.startswith("FP8RecipeKwargs(backend='te') cannot be used: transformer_engine is not installed")
+    assert accelerate_fp8_calls == []
 
 
 def test_prepare_model_directly_converts():
@@ -296,8 +331,9 @@ def test_ddp_two_processes_gloo(tmp_path):
     script = os.path.join(os.path.dirname(__file__), "distributed", "ddp_train.py")
     out = tmp_path / "result.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    # CUDA_VISIBLE_DEVICES="": the ranks are CPU processes on a CUDA host too (tests/conftest.py cpu_host)
     env.update(ACCELERATE_USE_CPU="1", ACCELERATE_MIXED_PRECISION="fp8", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            script, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -321,10 +357,9 @@ def test_emulate_false_without_fp8_hardware_fails_at_construction(monkeypatch):
 
 def test_te_without_transformer_engine_fails_at_construction(monkeypatch):
     from lowprec import BackendUnavailableError
-    from lowprec.utils import imports
 
-    monkeypatch.setattr(imports, "availability", lambda name: (False, f"{name} is not installed. Install it with: X"))
-    monkeypatch.setattr("lowprec.backends.base.availability", imports.availability)
+    monkeypatch.setattr("lowprec.backends.base.availability",
+                        lambda name: (False, f"{name} is not installed. Install it with: X"))
     with pytest.raises(BackendUnavailableError) as err:
         Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="te", recipe="current")], cpu=True)
     assert str(err.value).startswith("FP8RecipeKwargs(backend='te') cannot be used: transformer_engine is not installed")
@@ -365,5 +400,73 @@ def test_launcher_default_overridden_in_code_is_not_reported(monkeypatch):
         monkeypatch.setenv(name, value)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(opt_level="O1", pad_inner_dim=False)], cpu=True)
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(backend="msamp", opt_level="O1", pad_inner_dim=False)], cpu=True)
     assert not [w for w in record if "does not apply them" in str(w.message)]
+
+
+# ---- a run with few or no FP8 layers says so at prepare() (issue 16) -----------------------------------
+def shortfall_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "runs in FP8" in str(w.message) or "run in FP8" in str(w.message)]
+
+
+def prepare_recording(accelerator, *objects):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        result = accelerator.prepare(*objects)
+    return result, shortfall_warnings(record), record
+
+
+def test_no_fp8_layer_is_one_warning_naming_the_option():
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(64, 256)
+            self.down = nn.Linear(256, 64)
+
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="torchao")])
+    model = MLP()
+    optimizer = torch.optim.AdamW(model.parameters())
+    _, found, record = prepare_recording(accelerator, model, optimizer)
+    assert len(found) == 1, found
+    assert found[0].startswith("lowprec: model MLP: no Linear layer (of 2) runs in FP8 on CPU")
+    assert "2 Linear layers: first and last Linear layers (skip_first_last=True) -> skip_first_last=False" in found[0]
+    # it points at the caller's prepare(), not at lowprec
+    assert next(w for w in record if "runs in FP8" in str(w.message)).filename == __file__
+
+
+def test_exclude_covering_everything_is_a_warning():
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(exclude="*")])
+    _, found, _ = prepare_recording(accelerator, regression_model())
+    assert len(found) == 1 and "4 Linear layers: excluded by pattern '*' -> remove '*' from exclude" in found[0]
+
+
+def test_each_model_with_no_fp8_layer_gets_its_warning():
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(exclude="*")])
+    _, found, _ = prepare_recording(accelerator, regression_model(), regression_model(1))
+    assert len(found) == 2
+
+
+def test_defaults_on_four_square_linears_warn_only_when_few_convert():
+    # On the CPU nothing is measured to be slow: first and last stay, half the parameters are FP8.
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="torchao")])
+    _, found, _ = prepare_recording(accelerator, nn.Sequential(*(nn.Linear(256, 256) for _ in range(4))))
+    plan = accelerator.precision_plan
+    assert [d.convert for d in plan.modules] == [False, True, True, False] and found == []
+    assert "skip_slow_shapes: no measured thresholds for CPU (emulated); every eligible Linear is converted" in plan.notes
+
+
+def test_most_layers_in_fp8_is_silent():
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(skip_first_last=False)])
+    _, found, _ = prepare_recording(accelerator, regression_model())
+    assert found == [] and len(accelerator.precision_plan.converted) == 4
+
+
+def test_accelerate_ao_recipe_on_a_small_mlp_warns():
+    from accelerate.utils import AORecipeKwargs
+
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
+    _, found, _ = prepare_recording(accelerator, nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)))
+    assert len(found) == 1
+    assert "skip_first_last=False" in found[0] and "AORecipeKwargs has only module_filter_func" in found[0]

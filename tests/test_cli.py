@@ -68,3 +68,18 @@ def test_env_lists_backends(capsys):
     out = capsys.readouterr().out
     assert "torchao  recipes tensorwise, rowwise, rowwise_with_gw_hp: available" in out
     assert "te       recipes" in out
+
+
+def test_plan_tiny_for_hopper_states_that_nothing_is_fp8(capsys):
+    assert main(["plan", "--model", "tiny", "--capability", "9.0"]) == 0
+    out = capsys.readouterr().out
+    assert "modules: 0 of 15 Linear layers in FP8" in out
+    assert "  WARNING: no Linear layer (of 15) runs in FP8 on assumed GPU (sm_90)" in out
+    assert "-> skip_slow_shapes=False converts them anyway" in out and "-> skip_first_last=False" in out
+
+
+def test_plan_tiny_on_cpu_converts_what_the_defaults_convert(capsys):
+    assert main(["plan", "--model", "tiny", "--capability", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "modules: 13 of 15 Linear layers in FP8" in out and "WARNING" not in out
+    assert "skip_slow_shapes: no measured thresholds for CPU (emulated); every eligible Linear is converted" in out

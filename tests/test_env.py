@@ -60,6 +60,8 @@ EVERY_KEY = [
     ("ACCELERATE_FP8_EMULATE", "1", "emulate", True),
     ("ACCELERATE_FP8_FP8_WEIGHTS", "true", "fp8_weights", True),
     ("ACCELERATE_FP8_WEIGHT_DTYPE", "bfloat16", "weight_dtype", "bf16"),
+    ("ACCELERATE_FP8_OPTIMIZER_STATES", "FP8", "optimizer_states", "fp8"),
+    ("ACCELERATE_FP8_OPTIMIZER_STATES", "['e4m3', 'e4m3']", "optimizer_states", "e4m3+e4m3"),
 ]
 
 
@@ -148,9 +150,13 @@ def test_launcher_default_value_honoured_without_marker(monkeypatch, var, value,
     assert getattr(FP8RecipeKwargs(), field) is None
 
 
-def test_opt_level_o2_without_marker_is_honoured_for_torchao(monkeypatch):
-    setenv(monkeypatch, {"ACCELERATE_FP8_BACKEND": "torchao", "ACCELERATE_FP8_OPT_LEVEL": "O2"})
+def test_opt_level_o2_without_marker_is_honoured(monkeypatch):
+    setenv(monkeypatch, {"ACCELERATE_FP8_BACKEND": "msamp", "ACCELERATE_FP8_OPT_LEVEL": "O2"})
     assert FP8RecipeKwargs().opt_level == "O2"
+    # torchao honours only the optimizer-state part of a level: asked for the level, it says so
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "torchao")
+    with pytest.raises(ValueError, match="opt_level='O2' is not available with backend 'torchao'.*optimizer_states"):
+        FP8RecipeKwargs()
 
 
 def test_opt_level_o3_without_marker_is_an_error_for_torchao(monkeypatch):
@@ -166,7 +172,7 @@ def test_opt_level_o2_with_marker_is_ignored_for_torchao(monkeypatch):
 
 def test_opt_level_o2_with_lowprec_prefix_always_counts(monkeypatch):
     # O2 equals the launcher's default, yet the lowprec-prefixed key is always an explicit choice.
-    setenv(monkeypatch, {**LAUNCHER_ENV, "ACCELERATE_FP8_BACKEND": "torchao", "ACCELERATE_FP8_LOWPREC_OPT_LEVEL": "O2"})
+    setenv(monkeypatch, {**LAUNCHER_ENV, "ACCELERATE_FP8_BACKEND": "msamp", "ACCELERATE_FP8_LOWPREC_OPT_LEVEL": "O2"})
     assert FP8RecipeKwargs().opt_level == "O2"
     monkeypatch.setenv("ACCELERATE_FP8_LOWPREC_OPT_LEVEL", "O3")
     with pytest.raises(ValueError, match="FP8RecipeKwargs.opt_level='O3'.*ACCELERATE_FP8_LOWPREC_OPT_LEVEL"):
@@ -360,14 +366,18 @@ def test_env_value_the_backend_rejects_names_the_variable(monkeypatch, env, var)
     assert var in str(err.value)
 
 
-def test_yaml_list_exported_by_the_launcher_is_honoured_or_rejected(monkeypatch):
-    # `exclude: [lm_head, "layers.0.*"]` in fp8_config reaches the script as this string.
+def test_yaml_list_exported_by_the_launcher_is_honoured(monkeypatch):
+    # `exclude: [lm_head, "layers.0.*"]` in fp8_config reaches the script as this string (the list's Python repr).
     setenv(monkeypatch, {**LAUNCHER_ENV, "ACCELERATE_FP8_EXCLUDE": "['lm_head', 'layers.0.*']"})
-    try:
-        exclude = FP8RecipeKwargs().exclude
-    except ValueError:
-        return  # rejected: acceptable
-    assert exclude == ("lm_head", "layers.0.*")
+    assert FP8RecipeKwargs().exclude == ("lm_head", "layers.0.*")
+
+
+def test_broken_list_in_the_environment_is_rejected(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_FP8_EXCLUDE", "['lm_head', 'layers.0.*'")
+    with pytest.raises(ValueError) as err:
+        FP8RecipeKwargs()
+    assert str(err.value) == ("FP8RecipeKwargs.exclude=\"['lm_head', 'layers.0.*'\" looks like a list but does not "
+                              "parse as one (read from environment variable ACCELERATE_FP8_EXCLUDE)")
 
 
 # ---- a real `accelerate launch` -------------------------------------------------------------------------
@@ -432,4 +442,5 @@ def test_accelerate_launch_config_file(tmp_path):
         "fp8_weights": None,
         "weight_dtype": None,
         "emulate": True,
+        "optimizer_states": None,
     }

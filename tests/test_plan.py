@@ -178,10 +178,14 @@ def planned(plan) -> set[str]:
 
 
 def test_verify_passes_when_the_model_matches():
+    # Written out from the model and the recipe, not read from the plan: skip_first_last keeps the first and
+    # the last Linear, and every other one is 64-wide (fits the FP8 GEMMs).
+    built_fp8 = {"layers.0.mlp.down_proj", "layers.1.mlp.up_proj", "layers.1.mlp.down_proj",
+                 "layers.2.mlp.up_proj", "layers.2.mlp.down_proj"}
     m = model()
     plan = plan_for(m, recipe())
     modules = {id(mod): name for name, mod in m.named_modules()}
-    plan.verify(m, lambda mod: modules[id(mod)] in planned(plan))
+    plan.verify(m, lambda mod: modules[id(mod)] in built_fp8)
 
 
 def test_verify_raises_when_a_planned_module_was_not_converted():
@@ -215,3 +219,57 @@ def test_verify_raises_when_a_module_is_missing():
     del m.lm_head
     with pytest.raises(PlanMismatchError, match="lm_head: planned but not found"):
         plan.verify(m, lambda mod: False)
+
+
+# ---- few or no Linear layers in FP8 is stated, with what would convert them (issue 16) ----------------------
+def four_linears() -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))
+
+
+def test_no_fp8_linear_on_hopper_names_each_rule_and_its_option():
+    from lowprec.hardware import assumed_device
+
+    # Library defaults, planned for an H100/H200: first/last kept, the two middle ones too small.
+    plan = build_plan(four_linears(), FP8RecipeKwargs(backend="torchao"),
+                      context=RunContext(device=assumed_device("9.0")))
+    assert plan.shortfall() == [
+        "no Linear layer (of 4) runs in FP8 on assumed GPU (sm_90): every GEMM stays in high precision. "
+        "Kept in high precision:",
+        "  - 2 Linear layers: first and last Linear layers (skip_first_last=True) -> skip_first_last=False converts "
+        "them",
+        "  - 2 Linear layers: FP8 slower than BF16 on Hopper (sm_90) for K=256 <= 4096 and N=256 <= 1024 "
+        "(skip_slow_shapes=True) -> skip_slow_shapes=False converts them anyway (FP8, though slower at these shapes)",
+    ]
+    text = str(plan)
+    assert "modules: 0 of 4 Linear layers in FP8 (0.0% of Linear parameters)\n  WARNING: no Linear layer (of 4)" in text
+    assert json.loads(json.dumps(plan.to_dict()))["shortfall"] == plan.shortfall()
+
+
+def test_a_small_share_in_fp8_is_stated_with_the_share():
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 1024))
+    plan = plan_for(net, recipe(), capability="cpu")
+    assert len(plan.converted) == 2 and plan.fp8_linear_param_fraction < 0.5
+    assert plan.shortfall()[0].startswith("only 2 of 4 Linear layers run in FP8 on CPU (10.5% of Linear parameters, "
+                                          "under 50%)")
+    assert "WARNING: only 2 of 4" in str(plan)
+
+
+def test_exclusions_are_grouped_per_pattern_and_shapes_name_pad_inner_dim():
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 40))
+    lines = plan_for(net, recipe(exclude=["0", "1"], skip_first_last=False)).shortfall()
+    assert lines[1:] == [
+        "  - 1 Linear layer: excluded by pattern '0' -> remove '0' from exclude",
+        "  - 1 Linear layer: excluded by pattern '1' -> remove '1' from exclude",
+        "  - 1 Linear layer: out_features=40 not divisible by 16 (FP8 GEMM requirement; pad_inner_dim=True pads "
+        "instead) -> pad_inner_dim=True pads them to what the FP8 GEMMs need",
+    ]
+
+
+def test_most_parameters_in_fp8_is_no_shortfall():
+    plan = plan_for(four_linears(), FP8RecipeKwargs(backend="torchao"), capability="cpu")  # no slow shapes measured
+    assert [d.convert for d in plan.modules] == [False, True, True, False]  # exactly half: not "few"
+    assert plan.shortfall() == [] and "WARNING" not in str(plan)
+    assert plan_for(nn.Sequential(nn.ReLU()), recipe()).shortfall() == []  # no Linear at all: nothing to say

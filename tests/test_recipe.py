@@ -41,6 +41,11 @@ BAD_VALUES = [
     ("weight_dtype", "fp8", ["'fp16'", "'bf16'"]),
     ("weight_dtype", 16, ["'fp16'", "'bf16'"]),
     ("module_filter_fn", "lm_head", ["fn(module, fqn)"]),
+    ("optimizer_states", "fp4", ["'fp32'", "'fp8'", "'e4m3'", "('e4m3', 'fp16')"]),
+    ("optimizer_states", ("e4m3",), ["'fp32'", "'fp8'"]),
+    ("optimizer_states", ("e4m3", "int8"), ["'e5m2'"]),
+    ("optimizer_states", "e4m3+fp16+fp32", ["'e4m3+fp16'"]),
+    ("optimizer_states", 8, ["'fp8'"]),
 ]
 
 
@@ -172,18 +177,46 @@ def test_delayed_options_accepted_with_auto():
     assert (r.margin, r.amax_history_len, r.amax_compute_algo) == (2, 16, "max")
 
 
-@pytest.mark.parametrize("backend", ["torchao", "te", "msamp"])
-def test_opt_level_o3_rejected_in_this_version(backend):
-    with pytest.raises(ValueError, match=f"FP8RecipeKwargs.opt_level='O3' is not available with backend '{backend}'"
+def test_opt_level_o3_rejected_in_this_version():
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.opt_level='O3' is not available with backend 'msamp'"
                                          r".*'O1', 'O2'"):
-        FP8RecipeKwargs(backend=backend, opt_level="o3")
+        FP8RecipeKwargs(backend="msamp", opt_level="o3")
+
+
+@pytest.mark.parametrize("level", ["O1", "o2"])
+def test_opt_level_o1_o2_accepted_by_msamp_which_honours_the_whole_row(level):
+    assert FP8RecipeKwargs(backend="msamp", opt_level=level).opt_level == level.upper()
+
+
+@pytest.mark.parametrize("backend", ["torchao", "te"])
+@pytest.mark.parametrize("level", ["O1", "o2", "O3"])
+def test_opt_level_on_a_backend_without_the_whole_row_names_the_knob_that_exists(backend, level):
+    # issue 12: never a silent partial level; te/torchao honour only the optimizer-state part today
+    with pytest.raises(ValueError) as err:
+        FP8RecipeKwargs(backend=backend, opt_level=level)
+    message = str(err.value)
+    assert f"opt_level={level.upper()!r} is not available with backend {backend!r}" in message
+    assert "optimizer_states" in message and "backend='msamp'" in message
 
 
 @pytest.mark.parametrize("backend", ["torchao", "te", "msamp"])
-@pytest.mark.parametrize("level", ["O1", "o2"])
-def test_opt_level_o1_o2_accepted_by_every_backend(backend, level):
-    # The memory level is orthogonal to the compute backend (DESIGN.md): te/torchao get the optimizer states.
-    assert FP8RecipeKwargs(backend=backend, opt_level=level).opt_level == level.upper()
+@pytest.mark.parametrize("value, expected", [("fp8", "fp8"), ("FP32", "fp32"), (("e4m3", "fp16"), "fp8"),
+                                             ("e4m3,e4m3", "e4m3+e4m3"), (["bf16", "fp32"], "bf16+fp32"),
+                                             ("float8_e5m2+float16", "e5m2+fp16")])
+def test_optimizer_states_for_every_backend(backend, value, expected):
+    assert FP8RecipeKwargs(backend=backend, optimizer_states=value).optimizer_states == expected
+
+
+def test_optimizer_states_that_contradict_the_level_is_an_error():
+    with pytest.raises(ValueError, match="opt_level='O1' stores optimizer states as 'fp32', but "
+                                         "optimizer_states='fp8'; set one of them"):
+        FP8RecipeKwargs(backend="msamp", opt_level="O1", optimizer_states="fp8")
+    assert FP8RecipeKwargs(backend="msamp", opt_level="O2", optimizer_states="fp8").optimizer_states == "fp8"
+
+
+def test_optimizer_states_and_fp8_weights_both_choose_the_optimizer():
+    with pytest.raises(ValueError, match="fp8_weights=True and optimizer_states='fp8' both choose the optimizer"):
+        FP8RecipeKwargs(backend="te", fp8_weights=True, optimizer_states="fp8")
 
 
 @pytest.mark.parametrize("value", ["none", "None", "O0", ""])

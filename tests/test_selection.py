@@ -8,15 +8,16 @@ from torch import nn
 
 from lowprec import FP8RecipeKwargs, RunContext
 from lowprec.backends import create_backend
-from lowprec.hardware import device_info
+from lowprec.hardware import assumed_device, device_info
 from lowprec.selection import select_modules
 
 CPU = RunContext(device=device_info("cpu"))
+HOPPER = RunContext(device=assumed_device("9.0"))  # H100 and H200
 
 
-def decide(model: nn.Module, **recipe_kwargs) -> dict:
+def decide(model: nn.Module, *, context: RunContext = CPU, **recipe_kwargs) -> dict:
     recipe = FP8RecipeKwargs(backend="torchao", **recipe_kwargs)
-    return {d.fqn: d for d in select_modules(model, recipe, create_backend(recipe, CPU, require_package=False))}
+    return {d.fqn: d for d in select_modules(model, recipe, create_backend(recipe, context, require_package=False))}
 
 
 def fp8(decisions: dict) -> list[str]:
@@ -208,17 +209,17 @@ def test_a_plain_linear_named_out_proj_is_a_candidate():
     assert d["1.out_proj"].convert
 
 
-# ---- speed rule (thresholds of torchao's H100 auto filter; weight shape is (N=out, K=in)) ------------------
+# ---- speed rule (on Hopper: thresholds of torchao's H100 auto filter; weight shape is (N=out, K=in)) -------
 def meta_linear(n: int, k: int) -> nn.Linear:
     with torch.device("meta"):
         return nn.Linear(k, n)
 
 
-def one(n: int, k: int, **kwargs):
+def one(n: int, k: int, context: RunContext = HOPPER, **kwargs):
     """The decision for a single Linear(K -> N) between two fit ones (first/last rule out of the way)."""
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(16, 16), nn.Linear(k, n), nn.Linear(16, 16))
-    return decide(model, **kwargs)["1"]
+    return decide(model, context=context, **kwargs)["1"]
 
 
 @pytest.mark.parametrize(
@@ -237,7 +238,9 @@ def test_tensorwise_slow_shapes(n, k, slow):
     d = one(n, k)
     assert d.convert is not slow
     if slow:
-        assert d.reason == f"FP8 slower than BF16 on H100 for K={k} <= 4096 and N={n} <= 1024 (skip_slow_shapes=True)"
+        assert d.reason == (f"FP8 slower than BF16 on Hopper (sm_90) for K={k} <= 4096 and N={n} <= 1024 "
+                            "(skip_slow_shapes=True)")
+        assert d.rule == "skip_slow_shapes" and d.option.startswith("skip_slow_shapes=False")
     assert d.shape == (n, k)
     assert one(n, k, skip_slow_shapes=False).convert
 
@@ -260,20 +263,31 @@ def test_rowwise_slow_shapes(recipe, n, k, why):
     d = one(n, k, recipe=recipe)
     assert d.convert is (why is None)
     if why is not None:
-        assert d.reason == f"FP8 slower than BF16 on H100 for {why} (skip_slow_shapes=True)"
+        assert d.reason == f"FP8 slower than BF16 on Hopper (sm_90) for {why} (skip_slow_shapes=True)"
 
 
 def test_thresholds_match_torchao_auto_filter():
-    utils = pytest.importorskip("torchao.float8.float8_linear_utils")
-    auto = getattr(utils, "_auto_filter_for_recipe", None)
-    if auto is None:
-        pytest.skip("torchao has no _auto_filter_for_recipe")
+    pytest.importorskip("torchao")
+    # A plain import: if torchao renames or drops its filter, our copied thresholds lose their reference and
+    # this must fail (a skip would go unnoticed), so that they are checked again against torchao's source.
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe as auto
+
     dims = [16, 1024, 1040, 2048, 2064, 4096, 4112, 8192]
     for recipe in ("tensorwise", "rowwise"):
         keep = auto(recipe, filter_fqns=[])
         for n in dims:
             for k in dims:
                 assert one(n, k, recipe=recipe).convert == keep(meta_linear(n, k), "x"), (recipe, n, k)
+
+
+@pytest.mark.parametrize("capability", ["cpu", "8.9", "10.0", "12.0"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_no_slow_shapes_where_nothing_was_measured(capability, recipe):
+    # H100's thresholds are not assumed to hold elsewhere: the small shape Hopper skips converts.
+    context = RunContext(device=assumed_device(capability))
+    assert not one(16, 16, recipe="tensorwise", context=HOPPER).convert
+    d = one(16, 16, recipe=recipe, context=context)
+    assert d.convert and d.reason == "FP8"
 
 
 # ---- reasons ---------------------------------------------------------------------------------------------
@@ -293,9 +307,29 @@ def test_every_decision_has_a_reason():
     ],
 )
 def test_first_failing_check_is_the_reason(kwargs, reason):
-    # "1" is unfit and slow; the earlier checks win.
-    d = decide(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 10), nn.Linear(16, 16)), **kwargs)
+    # "1" is unfit and, on Hopper, slow; the earlier checks win.
+    d = decide(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 10), nn.Linear(16, 16)), context=HOPPER, **kwargs)
     assert d["1"].reason.startswith(reason)
+
+
+@pytest.mark.parametrize(
+    "kwargs,rule,option",
+    [
+        (dict(exclude=["x", "1"]), "exclude", "remove '1' from exclude"),
+        (dict(include=["0"]), "include", "add a pattern naming them to include (include=None considers every module)"),
+        (dict(module_filter_fn=lambda m, fqn: fqn != "1"), "module_filter_fn",
+         "let module_filter_fn return True for them (or module_filter_fn=None)"),
+        (dict(), "constraint", "pad_inner_dim=True pads them to what the FP8 GEMMs need"),
+        (dict(pad_inner_dim=True), "skip_slow_shapes",
+         "skip_slow_shapes=False converts them anyway (FP8, though slower at these shapes)"),
+    ],
+)
+def test_each_kept_module_names_the_option_that_converts_it(kwargs, rule, option):
+    d = decide(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 10), nn.Linear(16, 16)), context=HOPPER, **kwargs)
+    assert (d["1"].rule, d["1"].option) == (rule, option)
+    assert (d["0"].rule, d["0"].option) == ("skip_first_last", "skip_first_last=False converts them")
+    converted = decide(Tiny(), **FAST)["layers.0.mlp.up_proj"]
+    assert converted.convert and (converted.rule, converted.option) == ("", "")
 
 
 def test_first_linear_reason_beats_shape_reason():

@@ -134,7 +134,12 @@ class Backend(ABC):
             levels = [lvl for lvl in cls.opt_levels if lvl is not None]
             raise ValueError(
                 f"{field}.opt_level={recipe.opt_level!r} is not available with backend {cls.name!r} in this "
-                f"version of lowprec (it supports {', '.join(repr(lv) for lv in levels) or 'no MS-AMP level'})"
+                f"version of lowprec (it supports {', '.join(repr(lv) for lv in levels) or 'no MS-AMP level'}). "
+                "A level fixes a whole row (weight, weight-gradient, gradient-communication and optimizer-state "
+                "precision) and is accepted only where every part is honoured"
+                + ("" if levels else "; the knob this backend offers today is optimizer_states ('fp32', 'bf16', "
+                   "'fp16', or 'fp8' = MS-AMP O1/O2's E4M3+FP16 states), and backend='msamp' runs levels "
+                   "O1/O2 whole")
             )
         if recipe.use_autocast_during_eval is not None and not cls.eval_fp8_configurable:
             if recipe.use_autocast_during_eval != cls.eval_fp8_default:
@@ -164,9 +169,11 @@ class Backend(ABC):
                 + (f"it stores weights in {', '.join(map(repr, cls.weight_dtypes))}" if cls.weight_dtypes
                    else "it keeps the model's own weight dtype (weight_dtype applies to backend='msamp')")
             )
-        if recipe.fp8_weights and recipe.opt_level is not None:
+        if recipe.fp8_weights and (recipe.opt_level is not None or recipe.optimizer_states is not None):
+            chosen = (f"opt_level={recipe.opt_level!r}" if recipe.opt_level is not None
+                      else f"optimizer_states={recipe.optimizer_states!r}")
             raise ValueError(
-                f"{field}.fp8_weights=True and opt_level={recipe.opt_level!r} both choose the optimizer "
+                f"{field}.fp8_weights=True and {chosen} both choose the optimizer "
                 "(TE FusedAdam with FP32 masters vs lowprec's low-bit Adam); set one of them"
             )
         if recipe.emulate and not cls.supports_emulation:
@@ -234,9 +241,20 @@ class Backend(ABC):
     def constraint(self, module: nn.Module) -> str | None:
         """Why `module` cannot run in FP8 on this backend (e.g. shape), or None if it can."""
 
-    def slow_shape(self, module: nn.Module) -> str | None:
-        """Why FP8 would make `module` slower than high precision, or None. Only for Linear-likes."""
+    @property
+    def speed_scaling(self) -> str | None:
+        """The scaling kind (`lowprec.speed.PER_TENSOR`, ...) whose measured thresholds decide
+        `skip_slow_shapes` for this backend's GEMMs; None: the backend has no speed rule."""
         return None
+
+    def slow_shape(self, module: nn.Module) -> str | None:
+        """Why FP8 would make `module` slower than high precision on this device, or None. Only for
+        Linear-likes; None also where nothing was measured for the device (the plan notes it)."""
+        from .. import speed
+
+        if self.speed_scaling is None:
+            return None
+        return speed.slow_reason(self.context.device, self.speed_scaling, module.out_features, module.in_features)
 
     @abstractmethod
     def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
@@ -256,33 +274,49 @@ class Backend(ABC):
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise ValueError, before any model is converted, if `wrap_optimizer` would refuse `optimizer`."""
-        if self.opt_level is not None:
+        if self.optimizer_states is not None:
             from ..optim.levels import check_optimizer
 
-            check_optimizer(optimizer, self.opt_level, backend=self.name)
+            check_optimizer(optimizer, self.optimizer_states, backend=self.name, option=self._states_option)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, plan: PrecisionPlan) -> torch.optim.Optimizer:
-        """Optimizer-state precision: an MS-AMP level replaces Adam/AdamW with lowprec's low-bit Adam."""
-        if self.opt_level is None:
+        """Optimizer-state precision: low-bit states replace Adam/AdamW with lowprec's low-bit Adam."""
+        if self.optimizer_states is None:
             return optimizer
         from ..optim.levels import low_bit_optimizer
 
-        return low_bit_optimizer(optimizer, self.opt_level, backend=self.name)
+        return low_bit_optimizer(optimizer, self.optimizer_states, backend=self.name, option=self._states_option)
 
     @property
     def opt_level(self) -> str | None:
         """The memory level in force (a backend may have a default when the recipe names none)."""
         return self.recipe.opt_level
 
+    @property
+    def optimizer_states(self) -> str | None:
+        """The optimizer-state storage in force ('fp8', 'e4m3+e4m3', ...), or None: the optimizer's own."""
+        from ..recipe import LEVEL_STATES
+
+        if self.recipe.optimizer_states is not None:
+            return self.recipe.optimizer_states
+        return LEVEL_STATES[self.opt_level] if self.opt_level is not None else None
+
+    @property
+    def _states_option(self) -> str:
+        return "optimizer_states" if self.recipe.optimizer_states is not None else "opt_level"
+
     def optimizer_state_precision(self, param_dtype: str) -> TensorPrecision:
-        """The optimizer-state column: the level's low-bit states, or the parameters' dtype."""
+        """The optimizer-state column: the low-bit states in force, or the parameters' dtype."""
         from ..optim.levels import state_description
         from ..plan import TensorPrecision
 
-        if self.opt_level is None:
+        states = self.optimizer_states
+        if states is None:
             return TensorPrecision("optimizer_states", f"{param_dtype}+{param_dtype}")
-        return TensorPrecision("optimizer_states", state_description(self.opt_level),
-                               f"level {self.opt_level}: lowprec.optim.LowBitAdam(W), per-tensor scales")
+        why = (f"optimizer_states={states!r}" if self.recipe.optimizer_states is not None
+               else f"level {self.opt_level}")
+        return TensorPrecision("optimizer_states", state_description(states),
+                               f"{why}: lowprec.optim.LowBitAdam(W), per-tensor power-of-2 scales")
 
     def setup_communication(self, model: nn.Module, plan: PrecisionPlan) -> None:
         """Install gradient / weight communication hooks on the wrapped model (DDP hook etc.)."""
@@ -321,6 +355,7 @@ class Backend(ABC):
             out["fp8_weights"] = bool(r.fp8_weights)
         out["skip_first_last"] = r.skip_first_last
         out["skip_slow_shapes"] = r.skip_slow_shapes
+        out["optimizer_states"] = self.optimizer_states
         return out
 
     def model_state_bytes(self, plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
@@ -328,7 +363,7 @@ class Backend(ABC):
         from ..optim.levels import state_bytes
 
         size = param_dtype.itemsize
-        states = 2 * size if self.opt_level is None else state_bytes(self.opt_level)
+        states = 2 * size if self.optimizer_states is None else state_bytes(self.optimizer_states)
         out = {"weight": size, "weight_grad": size, "master_weight": 0, "optimizer_states": states}
         out.update(self.engine_state_bytes(param_dtype))
         return out

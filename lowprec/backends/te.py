@@ -53,7 +53,6 @@ class TEBackend(Backend):
     eval_fp8_default = False  # TE's and Accelerate's default: evaluate in high precision
     eval_fp8_configurable = True
     supports_fp8_weights = True
-    opt_levels = (None, "O1", "O2")  # optimizer-state precision only (MS-AMP memory levels)
 
     def __init__(self, recipe, context):
         super().__init__(recipe, context)
@@ -65,7 +64,9 @@ class TEBackend(Backend):
                 f"FP8RecipeKwargs(backend='te', fp8_weights=True) is not supported with {context.engine} in this "
                 "version of lowprec; use fp8_weights=False there (weights stay high precision, GEMMs FP8)"
             )
-        if self.recipe_name == "block" and not self.emulated and torch.cuda.is_available():
+        # TE's own check reads the local GPU: only ask when planning for it and TE is there to ask
+        if (self.recipe_name == "block" and not self.emulated and torch.cuda.is_available()
+                and context.device.type == "cuda" and self.availability()[0]):
             ok, reason = self._te().is_fp8_block_scaling_available(return_reason=True)
             if not ok:
                 raise BackendUnavailableError(f"FP8RecipeKwargs(backend='te', recipe='block') cannot run here: {reason}")
@@ -159,13 +160,15 @@ class TEBackend(Backend):
             return "zero_centered"
         return None
 
-    def slow_shape(self, module: nn.Module) -> str | None:
-        # TE publishes no per-shape table; torchao's H100 per-tensor thresholds describe the same
-        # cuBLAS FP8 GEMMs against BF16, so they apply to TE's per-tensor recipes too.
-        n, k = module.out_features, module.in_features
-        if k <= 4096 and n <= 1024:
-            return f"FP8 slower than BF16 on H100 for K={k} <= 4096 and N={n} <= 1024"
-        return None
+    @property
+    def speed_scaling(self) -> str:
+        from ..speed import MXFP8, PER_TENSOR
+
+        # TE publishes no per-shape table; torchao's per-tensor measurements time the same cuBLAS
+        # FP8 GEMMs against BF16. Block scaling adds scale handling to those GEMMs, so where
+        # per-tensor FP8 loses, block scaling loses too (a lower bound on its slow shapes). MXFP8 runs
+        # other kernels, on Blackwell only: it keeps thresholds of its own.
+        return MXFP8 if self.recipe_name == "mxfp8" else PER_TENSOR
 
     # ----- recipe and context ----------------------------------------------------------------
     def te_recipe(self):
@@ -226,8 +229,16 @@ class TEBackend(Backend):
                 "FP8RecipeKwargs(fp8_weights=True) needs master weights: lowprec moves torch.optim.Adam / AdamW to "
                 f"TransformerEngine's FusedAdam(master_weights=True); got {type(optimizer).__name__}"
             )
-        fused_adam = self._te().optimizers.FusedAdam
         defaults = optimizer.defaults
+        unsupported = [k for k in ("amsgrad", "maximize") if defaults.get(k)]
+        if unsupported:
+            # FusedAdam has neither: dropping them would silently train another optimizer
+            raise ValueError(
+                f"FP8RecipeKwargs(fp8_weights=True) moves {type(optimizer).__name__} to TransformerEngine's FusedAdam, "
+                f"which has no {' / '.join(unsupported)}; set {', '.join(k + '=False' for k in unsupported)} or "
+                "fp8_weights=False"
+            )
+        fused_adam = self._te().optimizers.FusedAdam
         decoupled = isinstance(optimizer, torch.optim.AdamW) or defaults.get("decoupled_weight_decay", False)
         # Keep the hyper-parameters and keys others added (a scheduler's initial_lr); drop torch's
         # implementation switches (foreach, fused, capturable, ...), which FusedAdam has its own of.

@@ -33,17 +33,33 @@ _TENSOR_SLOTS = {  # key in TE's state -> (fp8_meta entry, attribute)
 _RECIPE_FIELDS = ("margin", "amax_history_len", "amax_compute_algo", "reduce_amax")
 
 
-def _jsonable(value: Any) -> Any:
+_TUPLE = "__tuple__"  # JSON has no tuple: {"__tuple__": [...]} stands for one, at any depth
+
+
+def _jsonable(value: Any, where: str) -> Any:
+    """`value` in JSON's types, tuples tagged so that they come back as tuples; `where` names it in errors."""
     if isinstance(value, tuple):
-        return {"__tuple__": [_jsonable(v) for v in value]}
+        return {_TUPLE: [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [_jsonable(v) for v in value]
-    return value
+        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        # JSON turns other keys into strings, and a dict keyed by the tag alone would decode as a tuple.
+        bad = [k for k in value if not isinstance(k, str)] or ([_TUPLE] if set(value) == {_TUPLE} else [])
+        if bad:
+            raise TypeError(f"cannot store {where} in a pickle-free TE checkpoint: its keys must be strings, and not "
+                            f"{_TUPLE!r} alone; got {bad[0]!r}")
+        return {k: _jsonable(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"cannot store {where} in a pickle-free TE checkpoint: {type(value).__name__} is not one of "
+                    "bool, int, float, str, None, or a tuple, list or dict of them")
 
 
 def _from_json(value: Any) -> Any:
-    if isinstance(value, dict) and set(value) == {"__tuple__"}:
-        return tuple(_from_json(v) for v in value["__tuple__"])
+    if isinstance(value, dict):
+        if set(value) == {_TUPLE}:
+            return tuple(_from_json(v) for v in value[_TUPLE])
+        return {k: _from_json(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_from_json(v) for v in value]
     return value
@@ -58,7 +74,7 @@ def encode_state(state: dict[str, Any]) -> torch.Tensor:
             "fp8_format": getattr(getattr(recipe, "fp8_format", None), "name", None),
             **{f: getattr(recipe, f) for f in _RECIPE_FIELDS if isinstance(getattr(recipe, f, None), (int, str, bool))},
         },
-        "extra": {k: _jsonable(v) for k, v in state.get("extra_fp8_variables", {}).items()},
+        "extra": _jsonable(dict(state.get("extra_fp8_variables", {})), "fp8_meta"),
         "tensors": [],
     }
     chunks = []
@@ -80,16 +96,28 @@ def decode_state(payload: torch.Tensor) -> dict[str, Any] | None:
     offset = len(MAGIC)
     size = int.from_bytes(bytes(data[offset : offset + 8].tolist()), "little")
     offset += 8
+    _check_length(data, offset + size, "its JSON header")
     header = json.loads(bytes(data[offset : offset + size].tolist()).decode())
     offset += size
-    state: dict[str, Any] = {"recipe": header["recipe"], "extra_fp8_variables": {k: _from_json(v) for k, v in header["extra"].items()}}
+    state: dict[str, Any] = {"recipe": header["recipe"], "extra_fp8_variables": _from_json(header["extra"])}
     for name, dtype, shape in header["tensors"]:
         dtype = getattr(torch, dtype)
         count = int(torch.tensor(shape).prod().item()) if shape else 1
         nbytes = count * torch.empty((), dtype=dtype).element_size()
+        _check_length(data, offset + nbytes, f"tensor {name!r}")
         state[name] = data[offset : offset + nbytes].clone().view(dtype).reshape(shape)
         offset += nbytes
+    if offset != data.numel():
+        raise ValueError(f"lowprec TE extra state is corrupt: its header describes {offset} bytes, the entry has "
+                         f"{data.numel()}")
     return state
+
+
+def _check_length(data: torch.Tensor, end: int, what: str) -> None:
+    # A cut-off entry would otherwise fail inside json or reshape with a message about neither.
+    if end > data.numel():
+        raise ValueError(f"lowprec TE extra state is truncated: {what} ends at byte {end}, the entry has "
+                         f"{data.numel()}")
 
 
 def _recipe_from_header(info: dict[str, Any]):

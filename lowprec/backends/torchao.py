@@ -51,7 +51,6 @@ class TorchAOBackend(Backend):
         ),
     }
     supports_emulation = True
-    opt_levels = (None, "O1", "O2")  # optimizer-state precision only (MS-AMP memory levels)
     eval_fp8_default = True  # Float8Linear has no high-precision eval mode
     pads_inner_dim = True
 
@@ -75,21 +74,13 @@ class TorchAOBackend(Backend):
             return f"{', '.join(bad)} not divisible by 16 (FP8 GEMM requirement; pad_inner_dim=True pads instead)"
         return None
 
-    def slow_shape(self, module: nn.Module) -> str | None:
-        # torchao's H100 microbenchmark thresholds (torchao.float8._auto_filter_for_recipe),
-        # weight shape (N, K). rowwise_with_gw_hp has no published thresholds: rowwise's are used.
-        n, k = module.out_features, module.in_features
-        if self.recipe_name == "tensorwise":
-            if k <= 4096 and n <= 1024:
-                return f"FP8 slower than BF16 on H100 for K={k} <= 4096 and N={n} <= 1024"
-            return None
-        if n <= 2048:
-            return f"FP8 slower than BF16 on H100 for N={n} <= 2048"
-        if k <= 1024:
-            return f"FP8 slower than BF16 on H100 for K={k} <= 1024"
-        if n <= 4096 and k <= 2048:
-            return f"FP8 slower than BF16 on H100 for N={n} <= 4096 and K={k} <= 2048"
-        return None
+    @property
+    def speed_scaling(self) -> str:
+        from ..speed import PER_ROW, PER_TENSOR
+
+        # rowwise_with_gw_hp has no thresholds of its own: its forward and input-gradient GEMMs are
+        # rowwise's, so rowwise's are used.
+        return PER_TENSOR if self.recipe_name == "tensorwise" else PER_ROW
 
     # ----- configuration -------------------------------------------------------------------
     @property

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from .low_bit_adam import LowBitAdam, LowBitAdamW
+from .low_bit_adam import LowBitAdam, LowBitAdamW, state_dtype
 
 log = logging.getLogger(__name__)
 
@@ -19,43 +19,70 @@ STATE_NAMES = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "FP
                torch.float8_e4m3fn: "FP8 E4M3", torch.float8_e5m2: "FP8 E5M2"}
 
 
-def state_description(level: str) -> str:
-    """'FP8 E4M3+FP16' for O2: the optimizer-state column of the precision table."""
-    m, v = LEVEL_STATE_DTYPES[level]
+# FP8RecipeKwargs.optimizer_states presets -> (exp_avg, exp_avg_sq) storage; "fp8" is MS-AMP O2's pair.
+STATE_PRESETS: dict[str, tuple[torch.dtype, torch.dtype]] = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "fp16": (torch.float16, torch.float16),
+    "fp8": (torch.float8_e4m3fn, torch.float16),
+}
+
+
+def state_pair(choice) -> tuple[torch.dtype, torch.dtype]:
+    """(exp_avg, exp_avg_sq) dtypes of a level ('O1', 'O2'), a preset ('fp8'), or a pair as it is."""
+    if isinstance(choice, str):
+        if choice in LEVEL_STATE_DTYPES:
+            return LEVEL_STATE_DTYPES[choice]
+        if choice in STATE_PRESETS:
+            return STATE_PRESETS[choice]
+        choice = choice.split("+")  # "e4m3+e4m3", as FP8RecipeKwargs.optimizer_states spells a pair
+    m, v = choice
+    return state_dtype("exp_avg_dtype", m), state_dtype("exp_avg_sq_dtype", v)
+
+
+def state_description(choice) -> str:
+    """'FP8 E4M3+FP16' for O2 / 'fp8': the optimizer-state column of the precision table."""
+    m, v = state_pair(choice)
     return f"{STATE_NAMES[m]}+{STATE_NAMES[v]}"
 
 
-def state_bytes(level: str) -> int:
-    m, v = LEVEL_STATE_DTYPES[level]
+def state_bytes(choice) -> int:
+    m, v = state_pair(choice)
     return m.itemsize + v.itemsize
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, level: str, *, backend: str) -> None:
-    """Raise ValueError if `optimizer` cannot become a low-bit Adam at `level`."""
+def check_optimizer(optimizer: torch.optim.Optimizer, choice, *, backend: str, option: str = "opt_level") -> None:
+    """Raise ValueError if `optimizer` cannot become a low-bit Adam with the states `choice` names.
+
+    `option` is the FP8RecipeKwargs field that asked for low-bit states, for the message.
+    """
     if isinstance(optimizer, LowBitAdamW):
         return
+    shown = choice if isinstance(choice, str) else state_description(choice)
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(
-            f"FP8RecipeKwargs(backend={backend!r}, opt_level={level!r}) stores optimizer states in low precision "
+            f"FP8RecipeKwargs(backend={backend!r}, {option}={shown!r}) stores optimizer states in low precision "
             "through lowprec's low-bit Adam: pass torch.optim.Adam or torch.optim.AdamW (replaced by "
             f"LowBitAdam / LowBitAdamW) or lowprec.optim.LowBitAdamW; got {type(optimizer).__name__}"
         )
     if optimizer.defaults.get("amsgrad"):
-        raise ValueError(f"opt_level={level!r}: low-bit Adam has no AMSGrad variant (MS-AMP neither); use amsgrad=False")
+        raise ValueError(f"{option}={shown!r}: low-bit Adam has no AMSGrad variant (MS-AMP neither); use amsgrad=False")
 
 
-def low_bit_optimizer(optimizer: torch.optim.Optimizer, level: str, *, backend: str) -> LowBitAdamW:
-    """The LowBitAdam(W) that replaces `optimizer` at `level`; a LowBitAdamW is returned as is.
+def low_bit_optimizer(optimizer: torch.optim.Optimizer, choice, *, backend: str,
+                      option: str = "opt_level") -> LowBitAdamW:
+    """The LowBitAdam(W) that replaces `optimizer` with the states `choice` names (a level, a
+    preset or a dtype pair); a LowBitAdamW is returned as is.
 
     Hyper-parameters and extra group keys (a scheduler's `initial_lr`) are kept; torch's
     implementation switches (foreach, fused, capturable, ...) are dropped.
     """
     if isinstance(optimizer, LowBitAdamW):
         return optimizer  # the user chose its state dtypes
-    check_optimizer(optimizer, level, backend=backend)
+    check_optimizer(optimizer, choice, backend=backend, option=option)
     defaults = optimizer.defaults
     decoupled = isinstance(optimizer, torch.optim.AdamW) or defaults.get("decoupled_weight_decay", False)
-    m_dtype, v_dtype = LEVEL_STATE_DTYPES[level]
+    m_dtype, v_dtype = state_pair(choice)
     switches = set(defaults) - {"lr", "betas", "eps", "weight_decay", "maximize"}
     groups = [{k: v for k, v in group.items() if k not in switches} for group in optimizer.param_groups]
     cls = LowBitAdamW if decoupled else LowBitAdam
@@ -64,5 +91,16 @@ def low_bit_optimizer(optimizer: torch.optim.Optimizer, level: str, *, backend: 
               maximize=defaults.get("maximize", False))
     if optimizer.state:
         log.warning("lowprec: the optimizer passed to prepare() had state; %s starts from fresh moments", cls.__name__)
-    log.info("lowprec: %s -> %s (%s states %s)", type(optimizer).__name__, cls.__name__, level, state_description(level))
+    log.info("lowprec: %s -> %s (states %s)", type(optimizer).__name__, cls.__name__, state_description(choice))
     return new
+
+
+def built_states(optimizer: torch.optim.Optimizer, param_dtype: str) -> str:
+    """What `optimizer` stores its moments in, as the plan writes it ('FP8 E4M3+FP16', 'FP32+FP32').
+
+    A LowBitAdam(W) says per group; torch's own optimizers keep states in the parameters' dtype.
+    """
+    if not isinstance(optimizer, LowBitAdamW):
+        return f"{param_dtype}+{param_dtype}"
+    kinds = {state_description((g["exp_avg_dtype"], g["exp_avg_sq_dtype"])) for g in optimizer.param_groups}
+    return " / ".join(sorted(kinds))

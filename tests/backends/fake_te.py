@@ -10,6 +10,8 @@ A test double, not an emulator:
   NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE.
 - `common.recipe` has TE's recipe classes with only the fields lowprec sets, so a misnamed argument
   is a TypeError here as it is in TE.
+- `is_fp8_block_scaling_available` answers what `block_scaling` says; `optimizers.FusedAdam` takes TE's
+  arguments and records the master weights it is given, and cannot step.
 
 `install(monkeypatch)` puts the modules in `sys.modules` for one test; monkeypatch takes them out. The
 `fake_te` and `te_missing` fixtures are defined here and imported by the test modules that use them
@@ -189,6 +191,38 @@ class RMSNorm(_Norm):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.gamma()
 
 
+block_scaling = types.SimpleNamespace(available=True, reason="")
+
+
+def is_fp8_block_scaling_available(return_reason: bool = False):
+    """TE's answer for this process's GPU; tests set `block_scaling` to choose it."""
+    return (block_scaling.available, block_scaling.reason) if return_reason else block_scaling.available
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """TE's FusedAdam constructor and master-weight API (TE 2.x names); `step` is TE's CUDA kernel, not here."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                 weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False,
+                 master_weight_dtype=torch.float32, exp_avg_dtype=torch.float32, exp_avg_sq_dtype=torch.float32,
+                 use_decoupled_grad=False, store_param_remainders=False):
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
+        super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                                      weight_decay=weight_decay))
+        self.adam_w_mode = 1 if adam_w_mode else 0
+        self.master_weights, self.master_weight_dtype = master_weights, master_weight_dtype
+        self.scaled_state: dict[tuple[int, str], torch.Tensor] = {}  # (id(param), state name) -> value
+
+    def initialize_state(self, param, store_param_remainders):
+        self.state[param]["initialized"] = True
+
+    def set_scaled_state(self, param, state_name, unscaled_state):
+        if not self.state[param].get("initialized"):
+            raise RuntimeError("set_scaled_state before initialize_state")
+        self.scaled_state[(id(param), state_name)] = unscaled_state.clone()
+
+
 # TE's classes live in TE's modules: lowprec recognises TE modules by that, and pickle finds classes by it.
 for _cls in (Linear, LayerNorm, RMSNorm):
     _cls.__module__ = "transformer_engine.pytorch"
@@ -225,14 +259,17 @@ def install(monkeypatch) -> types.ModuleType:
     """Make `import transformer_engine[.pytorch|.common.recipe]` return this double for one test."""
     autocast_calls.clear()
     _state.enabled, _state.recipe = False, None
+    block_scaling.available, block_scaling.reason = True, ""
     recipe = _module("transformer_engine.common.recipe", Format=Format, DelayedScaling=DelayedScaling,
                      Float8CurrentScaling=Float8CurrentScaling, Float8BlockScaling=Float8BlockScaling,
                      MXFP8BlockScaling=MXFP8BlockScaling)
     common = _module("transformer_engine.common", package=True, recipe=recipe)
-    pytorch = _module("transformer_engine.pytorch", Linear=Linear, LayerNorm=LayerNorm, RMSNorm=RMSNorm,
-                      autocast=autocast)
+    optimizers = _module("transformer_engine.pytorch.optimizers", FusedAdam=FusedAdam)
+    pytorch = _module("transformer_engine.pytorch", package=True, Linear=Linear, LayerNorm=LayerNorm, RMSNorm=RMSNorm,
+                      autocast=autocast, is_fp8_block_scaling_available=is_fp8_block_scaling_available,
+                      optimizers=optimizers)
     root = _module("transformer_engine", package=True, common=common, pytorch=pytorch)
-    for module in (root, common, recipe, pytorch):
+    for module in (root, common, recipe, pytorch, optimizers):
         monkeypatch.setitem(sys.modules, module.__name__, module)
     return pytorch
 

@@ -37,7 +37,9 @@ def _launch(tmp_path_factory, mode: str) -> dict:
 
     out = tmp_path_factory.mktemp(f"msamp_{mode}") / "result.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
+    # CUDA_VISIBLE_DEVICES="": the ranks are CPU processes on a CUDA host too (tests/conftest.py cpu_host)
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1",
+               CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            SCRIPT, mode, str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)

@@ -9,6 +9,7 @@ tests/gpu/test_te_gpu.py.
 from __future__ import annotations
 
 import copy
+import threading
 
 import fake_te as fake
 import pytest
@@ -501,12 +502,28 @@ def test_skip_slow_shapes_after_the_shape_rule():
     with torch.device("meta"):
         model = nn.ModuleDict({"small": nn.Linear(4096, 1024), "wide": nn.Linear(4096, 4096),
                                "deep": nn.Linear(8192, 1024), "odd": nn.Linear(100, 64)})
-    plan, _ = te_plan(model, "current", skip_slow_shapes=True)
+    plan, _ = te_plan(model, "current", skip_slow_shapes=True)  # planned for an H100
     d = by_name(plan)
-    assert d["small"].reason == ("FP8 slower than BF16 on H100 for K=4096 <= 4096 and N=1024 <= 1024 "
+    assert d["small"].reason == ("FP8 slower than BF16 on Hopper (sm_90) for K=4096 <= 4096 and N=1024 <= 1024 "
                                  "(skip_slow_shapes=True)")
     assert d["wide"].convert and d["deep"].convert
     assert d["odd"].reason.startswith("in_features=100 not divisible by 16")
+    assert d["odd"].option == "backend 'te' cannot pad them (only backend='torchao' has pad_inner_dim=True); resize them to fit"
+
+
+@pytest.mark.parametrize("recipe,device,slow", [
+    ("delayed", H100, True), ("block", H100, True),  # per-tensor thresholds: a lower bound for block scaling
+    ("current", L40S, False), ("current", B200, False), ("mxfp8", B200, False),
+])
+def test_slow_shapes_only_where_measured(recipe, device, slow):
+    with torch.device("meta"):
+        model = nn.ModuleDict({"small": nn.Linear(4096, 1024)})
+    plan, _ = te_plan(model, recipe, device=device, skip_slow_shapes=True)
+    assert by_name(plan)["small"].convert is not slow
+    unmeasured = [n for n in plan.notes if n.startswith("skip_slow_shapes: no measured thresholds")]
+    assert bool(unmeasured) is not slow
+    if not slow:
+        assert device.describe().split("(")[-1].rstrip(")") in unmeasured[0]  # names the architecture
 
 
 def test_include_patterns():
@@ -646,3 +663,107 @@ def test_already_converted_norms_keep_their_kind(fake_te):
                            "ln": fake_te.LayerNorm(64, device="cpu")})
     plan, _ = te_plan(model, "current")
     assert {d.fqn: d.kind for d in plan.modules} == {"proj": "linear", "norm": "rmsnorm", "ln": "layernorm"}
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_block_scaling_is_checked_with_te_on_a_gpu(fake_te, monkeypatch, available):
+    # TE knows what its block-scaling kernels need (CUDA and cuBLAS versions) beyond sm_90.
+    fake.block_scaling.available, fake.block_scaling.reason = available, "needs CUDA 12.9 or newer"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    if available:
+        assert te_backend("block").recipe_name == "block"
+        return
+    with pytest.raises(BackendUnavailableError) as err:
+        te_backend("block")
+    assert str(err.value) == "FP8RecipeKwargs(backend='te', recipe='block') cannot run here: needs CUDA 12.9 or newer"
+    assert te_backend("current").recipe_name == "current"  # only block scaling asks
+
+
+def test_block_scaling_planned_without_a_gpu_does_not_ask_te(fake_te):
+    fake.block_scaling.available = False  # would refuse, were it asked
+    assert te_backend("block").recipe_name == "block"
+
+
+class LockedRMSNorm(nn.Module):
+    """Computes an RMSNorm but holds a lock, which deepcopy refuses: on the meta device it cannot be probed."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+def test_rmsnorm_that_cannot_be_probed_on_meta_stays_high_precision():
+    on_cpu = LockedRMSNorm(64)
+    with torch.device("meta"):
+        on_meta = LockedRMSNorm(64)
+    plan, backend = te_plan(nn.ModuleDict({"loaded": on_cpu, "on_meta": on_meta}), "current")
+    d = by_name(plan)
+    assert d["loaded"].convert and backend.rms_variant(on_cpu) == "standard"
+    assert not d["on_meta"].convert and backend.rms_variant(on_meta) is None
+    assert d["on_meta"].reason.startswith("LockedRMSNorm does not compute x * rsqrt(mean(x^2) + eps) * w")
+
+
+# ---- fp8_weights: Adam/AdamW -> TE FusedAdam with FP32 masters (stand-in TE) ---------------------------------
+def fp8_weights_setup():
+    backend = te_backend("current", fp8_weights=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
+    return backend, model, build_plan(model, backend.recipe, context=backend.context, backend=backend)
+
+
+@pytest.mark.parametrize("cls,kwargs,adam_w_mode", [(torch.optim.AdamW, {}, 1), (torch.optim.Adam, {}, 0),
+                                                    (torch.optim.Adam, dict(decoupled_weight_decay=True), 1)],
+                         ids=["adamw", "adam", "adam-decoupled"])
+def test_fp8_weights_moves_adam_to_fused_adam_with_its_settings(fake_te, cls, kwargs, adam_w_mode):
+    backend, model, plan = fp8_weights_setup()
+    decay, no_decay = [model[0].weight], [model[0].bias, *model[1].parameters()]
+    optimizer = cls([{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-4}], lr=3e-3,
+                    betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, foreach=False, **kwargs)
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # puts initial_lr in every group
+    new = backend.wrap_optimizer(optimizer, plan)
+    assert type(new) is fake_te.optimizers.FusedAdam
+    assert (new.adam_w_mode, new.master_weights, new.master_weight_dtype) == (adam_w_mode, True, torch.float32)
+    assert [g["params"] for g in new.param_groups] == [decay, no_decay]
+    settings = [{k: v for k, v in g.items() if k not in ("params", "bias_correction")} for g in new.param_groups]
+    # per-group values and a scheduler's keys carried over; torch's switches (foreach, ...) left to FusedAdam
+    assert settings == [dict(lr=3e-3, initial_lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
+                        dict(lr=1e-4, initial_lr=1e-4, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0)]
+
+
+@pytest.mark.parametrize("kwargs, named", [(dict(amsgrad=True), "amsgrad"), (dict(maximize=True), "maximize")])
+def test_fp8_weights_refuses_adam_settings_fused_adam_lacks(fake_te, kwargs, named):
+    backend, model, plan = fp8_weights_setup()
+    with pytest.raises(ValueError, match=f"FusedAdam, which has no {named}; set {named}=False or fp8_weights=False"):
+        backend.wrap_optimizer(torch.optim.AdamW(model.parameters(), **kwargs), plan)
+
+
+def test_fp8_weights_seeds_fp32_masters_from_the_weights_before_quantisation(fake_te):
+    backend, model, plan = fp8_weights_setup()
+    # What convert() records for each FP8-only weight it builds; it builds them on the GPU only.
+    original = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    backend._hp_weights[id(model[0].weight)] = original
+    new = backend.wrap_optimizer(torch.optim.AdamW(model.parameters()), plan)
+    assert list(new.scaled_state) == [(id(model[0].weight), "master_param")]
+    assert torch.equal(new.scaled_state[(id(model[0].weight), "master_param")], original)
+    assert backend._hp_weights == {}
+
+
+def test_fp8_weights_missing_from_the_optimizer_warn(fake_te):
+    backend, model, plan = fp8_weights_setup()
+    frozen = nn.Linear(64, 64).weight
+    backend._hp_weights[id(frozen)] = torch.zeros(64, 64)
+    with pytest.warns(UserWarning, match="some FP8-only weights were not in the optimizer passed to prepare"):
+        new = backend.wrap_optimizer(torch.optim.AdamW(model.parameters()), plan)
+    assert new.scaled_state == {} and backend._hp_weights == {}
+
+
+def test_without_fp8_weights_the_optimizer_is_kept(fake_te):
+    backend = te_backend("current")
+    model = nn.Sequential(nn.Linear(64, 64))
+    optimizer = torch.optim.AdamW(model.parameters())
+    plan = build_plan(model, backend.recipe, context=backend.context, backend=backend)
+    assert backend.wrap_optimizer(optimizer, plan) is optimizer

@@ -86,6 +86,83 @@ def test_tuples_in_extra_variables_come_back_as_tuples():
     assert decoded["extra_fp8_variables"] == extra
 
 
+def container_types(value):
+    """The container type at every level: `==` alone would hide where a tuple became a list or a tagged dict."""
+    if isinstance(value, dict):
+        return ("dict", {k: container_types(v) for k, v in value.items()})
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, [container_types(v) for v in value])
+    return type(value).__name__
+
+
+def test_tuples_nested_in_dicts_come_back_as_tuples():
+    # issue 16: tuples inside a dict came back as lists (encoder) or as {'__tuple__': [...]} (decoder)
+    extra = {
+        "layout": {"fwd": (3, 1), "bwd": {"shape": (2, 1), "ids": [(0, 1), (1, 2)]}},
+        "pairs": [(1, 2), (3, (4, 5))],
+        "groups": ({"name": "qkv", "dims": (64, 64)}, [({"k": (1,)},)]),
+        "empty": {"t": (), "l": [], "d": {}},
+    }
+    decoded = decode_state(encode_state({"recipe": None, "extra_fp8_variables": extra}))["extra_fp8_variables"]
+    assert decoded == extra
+    assert container_types(decoded) == container_types(extra)
+
+
+def test_nested_tuples_reach_the_modules_fp8_meta(fake_te):
+    trained = converted_linear(0)
+    fake.fill_delayed_state(trained, fake.DelayedScaling(amax_history_len=4))
+    trained.fp8_meta["layout"] = ({"fwd": (3, 1)}, [(0, 1)])  # TE saves top-level tuples and lists only
+    fresh = converted_linear(1)
+    fresh.load_state_dict(trained.state_dict(), strict=True)
+    assert fresh.fp8_meta["layout"] == ({"fwd": (3, 1)}, [(0, 1)])
+    assert container_types(fresh.fp8_meta["layout"]) == container_types(trained.fp8_meta["layout"])
+
+
+@pytest.mark.parametrize(
+    "extra,where,why",
+    [
+        ({"dtype": (1, torch.float32)}, "fp8_meta['dtype'][1]", "dtype is not one of bool, int, float, str, None"),
+        ({"ids": [{"k": object()}]}, "fp8_meta['ids'][0]['k']", "object is not one of"),
+        ({"by_gemm": ({0: 1.0},)}, "fp8_meta['by_gemm'][0]", "keys must be strings, and not '__tuple__' alone; got 0"),
+        ({"tagged": [{"__tuple__": [1]}]}, "fp8_meta['tagged'][0]", "got '__tuple__'"),
+    ],
+    ids=["dtype", "object", "int-key", "tag-key"],
+)
+def test_encode_names_a_value_it_cannot_store(extra, where, why):
+    with pytest.raises(TypeError) as err:
+        encode_state({"recipe": None, "extra_fp8_variables": extra})
+    assert str(err.value).startswith(f"cannot store {where} in a pickle-free TE checkpoint: ")
+    assert why in str(err.value)
+
+
+def payload_layout() -> tuple[torch.Tensor, int]:
+    payload = encode_state(delayed_state())
+    header_end = len(MAGIC) + 8 + int.from_bytes(bytes(payload[len(MAGIC):len(MAGIC) + 8].tolist()), "little")
+    return payload, header_end
+
+
+@pytest.mark.parametrize("cut,what", [
+    ("header_size_only", "its JSON header"), ("inside_header", "its JSON header"),
+    ("first_tensor", "tensor 'scale_fwd'"), ("last_byte", "tensor 'amax_history_bwd'"),
+])
+def test_decode_of_a_truncated_entry_says_so(cut, what):
+    payload, header_end = payload_layout()
+    end = {"header_size_only": len(MAGIC) + 8, "inside_header": header_end - 10, "first_tensor": header_end + 5,
+           "last_byte": payload.numel() - 1}[cut]
+    with pytest.raises(ValueError) as err:
+        decode_state(payload[:end])
+    assert str(err.value).startswith(f"lowprec TE extra state is truncated: {what} ends at byte ")
+    assert str(err.value).endswith(f"the entry has {end}")
+
+
+def test_decode_of_an_entry_with_trailing_bytes_says_so():
+    payload, _ = payload_layout()
+    longer = torch.cat([payload, torch.zeros(4, dtype=torch.uint8)])
+    with pytest.raises(ValueError, match=rf"corrupt: its header describes {payload.numel()} bytes, the entry has "
+                                         rf"{payload.numel() + 4}"):
+        decode_state(longer)
+
+
 def test_states_without_recipe_or_tensors():
     decoded = decode_state(encode_state({"recipe": None, "scale_fwd": torch.tensor([2.5]), "extra_fp8_variables": {}}))
     assert torch.equal(decoded["scale_fwd"], torch.tensor([2.5])) and decoded["recipe"] is None

@@ -195,8 +195,10 @@ def test_fsdp2_fp8_all_gather_two_processes(tmp_path):
     assert result["last_loss"] < result["first_loss"]
 
 
-def test_accelerate_parameter_lookup_sees_fp8_weight_subclass(fresh_accelerate_state):
+def test_accelerate_parameter_lookup_sees_fp8_weight_subclass(fresh_accelerate_state, monkeypatch):
     """Accelerate's FSDP2 optimizer remap keys on data_ptr(); the FP8 all-gather weight reports 0."""
+    import accelerate
+
     from lowprec import Accelerator
 
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="torchao")])
@@ -205,13 +207,21 @@ def test_accelerate_parameter_lookup_sees_fp8_weight_subclass(fresh_accelerate_s
     backend = create_backend(recipe, context)
     model = mlp()
     model = backend.convert(model, build_plan(model, recipe, context=context, backend=backend))
-    accelerator._lowprec.append((model, backend, None))
-    pointers = accelerator._get_named_parameters(model, drop_refs=True)
-    weights = [v for k, v in pointers.items() if k.endswith("weight")]
-    assert len(weights) == 3 and 0 not in weights and len(set(weights)) == 3
-    from accelerate.utils.dataclasses import FP8BackendType
 
-    assert accelerator.fp8_backend == FP8BackendType.NO  # only inside the lookup
+    def weight_pointers():
+        pointers = accelerator._get_named_parameters(model, drop_refs=True)
+        return [v for k, v in pointers.items() if k.endswith("weight")]
+
+    assert weight_pointers() == [0, 0, 0]  # no torchao model prepared yet: Accelerate is not told of the subclass
+    accelerator._lowprec.append((model, backend, None))
+    weights = weight_pointers()
+    assert len(weights) == 3 and 0 not in weights and len(set(weights)) == 3
+    # Outside the lookup Accelerate must still see no FP8 backend: its torchao conversion would run in prepare().
+    monkeypatch.setattr(accelerate.Accelerator, "_prepare_ao",
+                        lambda self, *args: pytest.fail("Accelerate's own torchao conversion ran"))
+    other = accelerator.prepare(mlp(1))
+    built = [type(m).__name__ == "Float8Linear" for m in other if not isinstance(m, nn.GELU)]
+    assert built == [d.convert for d in accelerator.precision_plan.modules] == [False, True, False]
 
 
 def test_fsdp2_optimizer_entries_expose_real_data_pointers():

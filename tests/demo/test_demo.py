@@ -27,6 +27,7 @@ def test_corpus_split_is_deterministic_and_disjoint():
 def test_demo_end_to_end(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env["TORCHAO_FORCE_SKIP_LOADING_SO_FILES"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU demo (emulated FP8) on a CUDA host too (tests/conftest.py cpu_host)
     proc = subprocess.run(
         [sys.executable, "-m", "lowprec.cli", "demo", "--steps", "12", "--out", str(tmp_path), "--no-progress"],
         env=env, capture_output=True, text=True, timeout=900,
@@ -56,6 +57,11 @@ def test_demo_run_with_gradient_accumulation(tmp_path):
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     assert result["steps"] == 4 and result["tokens_per_step"] == 2 * 4 * 128
+    # the library's defaults, not a quietly tuned subset: skip_slow_shapes stays on, and on the CPU
+    # (nothing measured) it skips nothing, which the printed plan says
+    assert result["plan"]["options"]["skip_slow_shapes"] is True
+    assert "skip_slow_shapes: no measured thresholds for CPU (emulated)" in result["plan_text"]
+    assert "modules: 13 of 15 Linear layers in FP8" in result["plan_text"]
     assert json.loads((tmp_path / "r.json").read_text())["grad_accum"] == 2
 
 

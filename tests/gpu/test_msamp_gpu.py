@@ -200,7 +200,8 @@ def test_training_on_gpu_is_real_fp8_and_tracks_bf16(level, compiled):
 
 def test_checkpoint_round_trip_and_plain_export(tmp_path):
     accelerator = _accelerator("O2")
-    model, optimizer = accelerator.prepare(_mlp(), torch.optim.AdamW(_mlp().parameters(), lr=1e-3))
+    model = _mlp()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     x = torch.randn(64, 1024, device="cuda")
     for _ in range(3):
         accelerator.backward(model(x).float().square().mean())

@@ -92,9 +92,8 @@ def test_mxfp8_is_a_clear_error_on_hopper():
 
     if torch.cuda.get_device_capability() >= (10, 0):
         pytest.skip("Blackwell runs MXFP8")
-    accelerator = accelerator_for("mxfp8")
     with pytest.raises(BackendUnavailableError, match="mxfp8"):
-        accelerator.prepare(mlp())
+        accelerator_for("mxfp8")  # refused when the Accelerator is built
 
 
 def llama_training(accelerator, steps=20, size="small", seq=512, batch=8):
@@ -137,9 +136,22 @@ def test_llama_trains_with_te_modules(recipe, dynamo):
 
 
 def test_delayed_with_compile_is_a_clear_error():
-    accelerator = accelerator_for("delayed", dynamo=True)
     with pytest.raises(ValueError, match="recipe='current'"):
-        accelerator.prepare(mlp())
+        accelerator_for("delayed", dynamo=True)
+
+
+def test_auto_under_compile_trains_with_a_compilable_te_recipe():
+    # issue 16: auto picked TE's delayed recipe here and then failed under torch.compile
+    from accelerate.utils import TorchDynamoPlugin
+
+    reset()
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(skip_slow_shapes=False)],
+                              dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
+    model, optimizer, loader = llama_training(accelerator, steps=8)
+    plan = accelerator.precision_plan
+    assert (plan.backend, plan.recipe, plan.emulated) == ("te", "current", False)
+    losses = run_steps(accelerator, model, optimizer, loader)
+    assert all(v == v for v in losses) and losses[-1] < losses[0]
 
 
 def test_eval_precision_follows_the_recipe():
@@ -151,7 +163,28 @@ def test_eval_precision_follows_the_recipe():
             assert fp8_was_used(accelerator.unwrap_model(model), lambda: model(torch.randn(64, 1024, device="cuda"))) is flag
 
 
-def test_resume_is_exact_without_unsafe_pickle(tmp_path):
+@pytest.fixture
+def deterministic_kernels():
+    """Bit-exact reruns: deterministic algorithms and the math SDPA kernel.
+
+    The resume test once differed by 4e-5 in loss. scripts/gpu/diag_te_resume.py found why
+    (results/gpu/2026-11-23-h100-issue16/diag_te_resume.json): two resumes from one checkpoint
+    differ from each other as much as from the live run, with TE's saved state identical after
+    load; with these settings all three are equal. The nondeterminism was the kernels' (SDPA's
+    backward), not lost state.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with sdpa_kernel([SDPBackend.MATH]):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_resume_is_exact_without_unsafe_pickle(tmp_path, deterministic_kernels):
     assert os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE") != "1"
     accelerator = accelerator_for("delayed", amax_history_len=16)
     model, optimizer, loader = llama_training(accelerator, steps=12)
@@ -169,7 +202,7 @@ def test_resume_is_exact_without_unsafe_pickle(tmp_path):
     loaded_scales = [m.fp8_meta["scaling_fwd"].scale.clone() for m in inner.modules() if isinstance(m, te.Linear)]
     assert all(torch.equal(a, b) for a, b in zip(saved_scales, loaded_scales))
     resumed = run_steps(accelerator, model, optimizer, batches[6:])
-    torch.testing.assert_close(resumed, continued, rtol=1e-5, atol=1e-5)
+    assert resumed == continued  # bit-exact: nothing of the FP8 state is lost in the checkpoint
 
 
 def test_saved_model_loads_into_plain_transformers_model(tmp_path):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from ...optim.levels import LEVEL_STATE_DTYPES, low_bit_optimizer, state_bytes, state_description
+from ...optim.levels import LEVEL_STATE_DTYPES, low_bit_optimizer, state_bytes
 from ..base import Backend, BackendUnavailableError, RecipeInfo
 from ..torchao import _is_mha_projection
 from .comm import FP8GradReducer, clip_grad_norm_
@@ -87,12 +87,12 @@ class MSAMPBackend(Backend):
                                                    ("out_features", module.out_features)) if dim % 16]
         return f"{', '.join(bad)} not divisible by 16 (FP8 GEMM requirement)" if bad else None
 
-    def slow_shape(self, module: nn.Module) -> str | None:
-        # Per-tensor scaling like torchao's tensorwise recipe, so its H100 thresholds apply.
-        n, k = module.out_features, module.in_features
-        if k <= 4096 and n <= 1024:
-            return f"FP8 slower than BF16 on H100 for K={k} <= 4096 and N={n} <= 1024"
-        return None
+    @property
+    def speed_scaling(self) -> str:
+        from ...speed import PER_TENSOR
+
+        # Per-tensor scaled FP8 GEMMs, as torchao's tensorwise recipe measures them.
+        return PER_TENSOR
 
     def effective_options(self) -> dict[str, object]:
         out = super().effective_options()
@@ -121,7 +121,7 @@ class MSAMPBackend(Backend):
 
     # ----- optimizer ------------------------------------------------------------------------------
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, plan: PrecisionPlan) -> torch.optim.Optimizer:
-        new = low_bit_optimizer(optimizer, self.level, backend=self.name)
+        new = low_bit_optimizer(optimizer, self.optimizer_states, backend=self.name, option=self._states_option)
         new.attach_fp8_grads(self.layers)
         new.add_fp8_pre_step(self._reduce_if_pending)
         return new
@@ -198,8 +198,7 @@ class MSAMPBackend(Backend):
             TensorPrecision("master_weight", "N/A"),
             TensorPrecision("weight_grad", f"FP8 E4M3 (Linear), {hp} (rest)",
                             "current per-tensor power-of-2 scale; micro-batches dequantise + add + requantise"),
-            TensorPrecision("optimizer_states", state_description(self.level),
-                            "" if self.level == "O1" else "per-tensor power-of-2 scales from the updated moments"),
+            self.optimizer_state_precision(hp),
         ]
 
     def model_state_bytes(self, plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
@@ -209,7 +208,7 @@ class MSAMPBackend(Backend):
             "weight": share * self.weight_dtype.itemsize + (1 - share) * size,
             "weight_grad": share * 1 + (1 - share) * size,
             "master_weight": 0.0,
-            "optimizer_states": float(state_bytes(self.level)),
+            "optimizer_states": float(state_bytes(self.optimizer_states)),
         }
 
     def notes(self, plan: PrecisionPlan) -> list[str]:

@@ -1,0 +1,108 @@
+"""Where FP8 GEMMs pay, per GPU generation: the weight shapes at which FP8 is measured slower than BF16.
+
+`skip_slow_shapes` keeps a Linear layer in high precision only where a measurement on the device's
+generation, for the backend's kind of scaling, says FP8 loses there. A device with no measurement
+gets no slow shapes (and the plan says so): numbers taken on one generation say little about another
+(Ada's FP8 tensor cores are relatively slower than Hopper's, Blackwell's relatively faster), and an
+emulated run has no FP8 speed to win at all.
+
+New measurements (per generation and scaling) add rows to `MEASURED`; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import DeviceInfo
+
+# The scaling kinds thresholds are measured for. A backend names the one its GEMMs use.
+PER_TENSOR = "per-tensor"
+PER_ROW = "per-row"
+MXFP8 = "MXFP8 1x32-block"
+
+
+@dataclass(frozen=True)
+class SlowRegion:
+    """Weight shapes where FP8 is slower: every bound holds. `bounds` are (dimension, maximum) pairs
+    over N (out_features) and K (in_features), in the order the reason names them."""
+
+    bounds: tuple[tuple[str, int], ...]
+
+    def describe(self, n: int, k: int) -> str | None:
+        """'K=256 <= 4096 and N=256 <= 1024' when (N, K) lies inside, else None."""
+        dims = {"N": n, "K": k}
+        if all(dims[d] <= bound for d, bound in self.bounds):
+            return " and ".join(f"{d}={dims[d]} <= {bound}" for d, bound in self.bounds)
+        return None
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Where FP8 loses to BF16 on one generation for one scaling kind, and where the numbers come from."""
+
+    regions: tuple[SlowRegion, ...]
+    source: str
+
+
+def _region(*bounds: tuple[str, int]) -> SlowRegion:
+    return SlowRegion(tuple(bounds))
+
+
+# (architecture, scaling) -> measurement. The architecture is the compute capability as CUDA names
+# it ("sm_90": H100 and H200), so two chips of one generation with different FP8 throughput
+# (sm_100 vs sm_120) get rows of their own.
+MEASURED: dict[tuple[str, str], Measurement] = {
+    ("sm_90", PER_TENSOR): Measurement(
+        (_region(("K", 4096), ("N", 1024)),),
+        "torchao float8 microbenchmarks on H100 (torchao.float8._auto_filter_for_recipe, 'tensorwise')",
+    ),
+    ("sm_90", PER_ROW): Measurement(
+        (_region(("N", 2048)), _region(("K", 1024)), _region(("N", 4096), ("K", 2048))),
+        "torchao float8 microbenchmarks on H100 (torchao.float8._auto_filter_for_recipe, 'rowwise')",
+    ),
+}
+
+_GENERATIONS = {(7, 0): "Volta", (7, 5): "Turing", (8, 9): "Ada", 8: "Ampere", 9: "Hopper", 10: "Blackwell",
+                11: "Blackwell", 12: "Blackwell"}
+
+
+def architecture(device: DeviceInfo) -> str | None:
+    """'sm_90' for a CUDA device of capability 9.0; None for a CPU or unknown device."""
+    if device.type != "cuda" or device.capability is None:
+        return None
+    major, minor = device.capability
+    return f"sm_{major}{minor}"
+
+
+def generation(device: DeviceInfo) -> str:
+    """How messages name the device's generation: 'Hopper (sm_90)', 'Ada (sm_89)', 'CPU'."""
+    arch = architecture(device)
+    if arch is None:
+        return device.name
+    name = _GENERATIONS.get(device.capability) or _GENERATIONS.get(device.capability[0])
+    return f"{name} ({arch})" if name else arch
+
+
+def measurement(device: DeviceInfo, scaling: str) -> Measurement | None:
+    arch = architecture(device)
+    return MEASURED.get((arch, scaling)) if arch is not None else None
+
+
+def slow_reason(device: DeviceInfo, scaling: str, n: int, k: int) -> str | None:
+    """Why FP8 is slower than BF16 for a weight of shape (N, K) on `device`, or None (also when unmeasured)."""
+    found = measurement(device, scaling)
+    if found is None:
+        return None
+    for region in found.regions:
+        where = region.describe(n, k)
+        if where is not None:
+            return f"FP8 slower than BF16 on {generation(device)} for {where}"
+    return None
+
+
+def unmeasured_note(device: DeviceInfo, scaling: str) -> str | None:
+    """The plan's note when `skip_slow_shapes` has nothing to go on for `device`, else None."""
+    if measurement(device, scaling) is not None:
+        return None
+    where = f"{generation(device)} (emulated)" if not device.fp8_gemm else f"{generation(device)} with {scaling} scaling"
+    return f"skip_slow_shapes: no measured thresholds for {where}; every eligible Linear is converted"
