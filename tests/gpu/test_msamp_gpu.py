@@ -60,15 +60,20 @@ def test_triton_cast_of_strided_input_and_nan():
 
 
 # ---- fused low-bit Adam -----------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", ["LowBitAdamW", "LowBitAdam"])  # decoupled decay, and L2 (pass 1 reads p)
 @pytest.mark.parametrize("states", [("fp32", "fp32"), ("e4m3", "fp16"), ("fp16", "fp16"), ("bf16", "e5m2")])
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_fused_adam_matches_reference(states, param_dtype):
+def test_fused_adam_matches_reference(states, param_dtype, cls):
+    import lowprec.optim
+
+    optimizer_cls = getattr(lowprec.optim, cls)
     torch.manual_seed(0)
-    params = [torch.randn(1000, 130, device="cuda").to(param_dtype), torch.randn(77, device="cuda").to(param_dtype)]
+    # 300k elements: ~150 blocks, so the per-block amax partials are reduced for real
+    params = [torch.randn(1000, 300, device="cuda").to(param_dtype), torch.randn(77, device="cuda").to(param_dtype)]
     fused = [p.clone().requires_grad_() for p in params]
     plain = [p.clone().requires_grad_() for p in params]
     kw = dict(lr=1e-3, weight_decay=1e-2, exp_avg_dtype=states[0], exp_avg_sq_dtype=states[1])
-    opt_f, opt_r = LowBitAdamW(fused, fused=True, **kw), LowBitAdamW(plain, fused=False, **kw)
+    opt_f, opt_r = optimizer_cls(fused, fused=True, **kw), optimizer_cls(plain, fused=False, **kw)
     for step in range(6):
         grads = [torch.randn_like(p, dtype=torch.float32) * 10 ** (step % 3 - 1) for p in params]
         for ps, opt in ((fused, opt_f), (plain, opt_r)):
@@ -77,9 +82,10 @@ def test_fused_adam_matches_reference(states, param_dtype):
             opt.step()
     tol = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[param_dtype]
     for a, b in zip(fused, plain):
-        if "e5m2" in states or "e4m3" in states:
-            # FMA vs separate multiply-add can flip an FP8 state by one code (12-25% of one element's
-            # step with 2-3 mantissa bits): rare, and bounded by one learning-rate step.
+        if {"e5m2", "e4m3", "fp16"} & set(states):
+            # FMA vs separate multiply-add can flip a scaled state by one code (12-25% of one element's
+            # step with FP8's 2-3 mantissa bits, 0.05% with FP16's 10): rare (5 in 300k elements with
+            # FP16 states on an H100), and bounded by one learning-rate step.
             off = (a.float() - b.float()).abs() > tol
             assert off.float().mean() < 1e-3 and (a.float() - b.float()).abs().max() < kw["lr"] + tol
         else:
