@@ -14,6 +14,7 @@ from accelerate.utils import KwargsHandler
 from torch import nn
 
 from .env import read_fp8_env
+from .optim.levels import LEVEL_STATES, parse_states
 
 log = logging.getLogger(__name__)
 
@@ -21,11 +22,6 @@ FP8_FORMATS = ("HYBRID", "E4M3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 OPT_LEVELS = ("O1", "O2", "O3")
 WEIGHT_DTYPES = ("fp16", "bf16")
-# optimizer_states: a preset, or a pair "<exp_avg>+<exp_avg_sq>" of these names
-STATE_PRESETS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "fp16": ("fp16", "fp16"),
-                 "fp8": ("e4m3", "fp16")}
-STATE_NAMES = ("fp32", "bf16", "fp16", "e4m3", "e5m2")
-LEVEL_STATES = {"O1": "fp32", "O2": "fp8", "O3": "fp8"}  # the optimizer-state part of each MS-AMP level
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
@@ -89,30 +85,14 @@ def _parse_patterns(name: str, value: Any) -> tuple[str, ...]:
 
 
 def _parse_states(value: Any) -> str:
-    """'fp8', ('e4m3', 'fp16'), 'e4m3,fp16', 'e4m3+fp16', torch dtypes -> a preset name or 'm+v'."""
-    aliases = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
-               "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "fp8_e4m3": "e4m3", "fp8_e5m2": "e5m2"}
-    accepted = (f"one of {', '.join(repr(p) for p in STATE_PRESETS)}, or a pair (exp_avg, exp_avg_sq) of "
-                f"{', '.join(repr(n) for n in STATE_NAMES)} such as ('e4m3', 'fp16') or 'e4m3+fp16'")
+    """'fp8', ('e4m3', 'fp16'), 'e4m3,fp16', torch dtypes, or the yaml list `accelerate launch`
+    exports as its Python repr -> a preset name or 'm+v'."""
     if isinstance(value, str) and value.strip()[:1] in "[(":
-        try:  # accelerate launch exports a yaml list as its Python repr
+        try:
             value = ast.literal_eval(value.strip())
         except (ValueError, SyntaxError):
-            raise ValueError(f"FP8RecipeKwargs.optimizer_states={value!r} is not {accepted}") from None
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in STATE_PRESETS:
-            return text
-        parts = [p for p in text.replace(",", "+").split("+")]
-    elif isinstance(value, Sequence) and len(value) == 2:
-        parts = [str(p).replace("torch.", "").strip().lower() for p in value]
-    else:
-        raise ValueError(f"FP8RecipeKwargs.optimizer_states={value!r} is not {accepted}")
-    names = tuple(aliases.get(p.strip(), p.strip()) for p in parts)
-    if len(names) != 2 or any(n not in STATE_NAMES for n in names):
-        raise ValueError(f"FP8RecipeKwargs.optimizer_states={value!r} is not {accepted}")
-    preset = next((k for k, pair in STATE_PRESETS.items() if pair == names), None)
-    return preset or "+".join(names)
+            pass  # parse_states names what it accepts
+    return parse_states("FP8RecipeKwargs.optimizer_states", value)
 
 
 @dataclass

@@ -295,7 +295,7 @@ class Backend(ABC):
     @property
     def optimizer_states(self) -> str | None:
         """The optimizer-state storage in force ('fp8', 'e4m3+e4m3', ...), or None: the optimizer's own."""
-        from ..recipe import LEVEL_STATES
+        from ..optim.levels import LEVEL_STATES
 
         if self.recipe.optimizer_states is not None:
             return self.recipe.optimizer_states

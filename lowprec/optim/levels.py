@@ -10,22 +10,43 @@ from .low_bit_adam import LowBitAdam, LowBitAdamW, state_dtype
 
 log = logging.getLogger(__name__)
 
-# (exp_avg, exp_avg_sq) storage per level, as msamp.initialize sets it.
-LEVEL_STATE_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
-    "O1": (torch.float32, torch.float32),
-    "O2": (torch.float8_e4m3fn, torch.float16),
-}
 STATE_NAMES = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "FP16",
                torch.float8_e4m3fn: "FP8 E4M3", torch.float8_e5m2: "FP8 E5M2"}
-
-
-# FP8RecipeKwargs.optimizer_states presets -> (exp_avg, exp_avg_sq) storage; "fp8" is MS-AMP O2's pair.
+# How FP8RecipeKwargs.optimizer_states spells each storage dtype.
+SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+               torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+# optimizer_states presets -> (exp_avg, exp_avg_sq) storage; "fp8" is MS-AMP O2's pair.
 STATE_PRESETS: dict[str, tuple[torch.dtype, torch.dtype]] = {
     "fp32": (torch.float32, torch.float32),
     "bf16": (torch.bfloat16, torch.bfloat16),
     "fp16": (torch.float16, torch.float16),
     "fp8": (torch.float8_e4m3fn, torch.float16),
 }
+# The optimizer-state part of each MS-AMP level, as msamp.initialize sets it (O3 keeps O2's states).
+LEVEL_STATES = {"O1": "fp32", "O2": "fp8", "O3": "fp8"}
+LEVEL_STATE_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
+    level: STATE_PRESETS[LEVEL_STATES[level]] for level in ("O1", "O2")
+}
+
+
+def parse_states(option: str, value) -> str:
+    """A preset name ('fp8') or 'm+v' ('e4m3+e4m3') from a preset, a pair of names or dtypes, or
+    'e4m3,fp16' / 'e4m3+fp16'. Raises ValueError naming `option` and what it accepts."""
+    accepted = (f"one of {', '.join(repr(p) for p in STATE_PRESETS)}, or a pair (exp_avg, exp_avg_sq) of "
+                f"{', '.join(repr(n) for n in SHORT_NAMES.values())} such as ('e4m3', 'fp16') or 'e4m3+fp16'")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in STATE_PRESETS:
+            return text
+        value = text.replace(",", "+").split("+")
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{option}={value!r} is not {accepted}")
+    try:
+        pair = tuple(state_dtype(option, v.strip() if isinstance(v, str) else v) for v in value)
+    except ValueError:
+        raise ValueError(f"{option}={value!r} is not {accepted}") from None
+    preset = next((name for name, dtypes in STATE_PRESETS.items() if dtypes == pair), None)
+    return preset or "+".join(SHORT_NAMES[d] for d in pair)
 
 
 def state_pair(choice) -> tuple[torch.dtype, torch.dtype]:
