@@ -280,12 +280,7 @@ def warn_unapplied_launcher_defaults(recipe: FP8RecipeKwargs, backend) -> None:
     pending = getattr(recipe, "_launcher_defaults", {})
     if not pending:
         return
-    in_force = dict(backend.effective_options())
-    in_force["opt_level"] = backend.opt_level
-    if backend.pads_inner_dim:
-        in_force["pad_inner_dim"] = bool(recipe.pad_inner_dim)
-    if hasattr(backend, "fsdp_fp8_all_gather") and backend.context.engine == "fsdp2":
-        in_force["enable_fsdp_float8_all_gather"] = backend.fsdp_fp8_all_gather
+    in_force = backend.effective_options()  # an option absent there does not apply to this backend
     differing = []
     for name, (var, raw) in pending.items():
         if name not in in_force:

@@ -355,7 +355,10 @@ class Backend(ABC):
             out["fp8_weights"] = bool(r.fp8_weights)
         out["skip_first_last"] = r.skip_first_last
         out["skip_slow_shapes"] = r.skip_slow_shapes
+        out["opt_level"] = self.opt_level
         out["optimizer_states"] = self.optimizer_states
+        if self.pads_inner_dim:
+            out["pad_inner_dim"] = bool(r.pad_inner_dim)
         return out
 
     def model_state_bytes(self, plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:

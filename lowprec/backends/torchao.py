@@ -92,6 +92,12 @@ class TorchAOBackend(Backend):
             and self.recipe.enable_fsdp_float8_all_gather is not False
         )
 
+    def effective_options(self) -> dict[str, object]:
+        out = super().effective_options()
+        if self.context.engine == "fsdp2":
+            out["enable_fsdp_float8_all_gather"] = self.fsdp_fp8_all_gather
+        return out
+
     def float8_config(self):
         float8 = require("torchao", feature="backend='torchao'")
         if self.recipe_name == "tensorwise" and self.fp8_format == "E4M3":

@@ -98,7 +98,6 @@ class MSAMPBackend(Backend):
         out = super().effective_options()
         r = self.recipe
         out["amax_history_len"] = r.amax_history_len if r.amax_history_len is not None else DEFAULT_WINDOW
-        out["opt_level"] = self.level
         out["weight_dtype"] = r.weight_dtype or "fp16"
         return out
 
