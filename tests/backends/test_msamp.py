@@ -660,3 +660,15 @@ def test_model_zero_grad_clears_the_fp8_weight_gradients(fresh_accelerate_state)
     assert inner[0].weight_grad() is not None
     model.zero_grad()
     assert inner[0].weight_grad() is None and inner[2].weight_grad() is None
+
+
+def test_plan_without_converted_layers_shows_no_fp8_weights():
+    # every Linear kept (here by exclude): the rows must not claim FP16 weights or FP8 weight gradients
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    recipe = FP8RecipeKwargs(backend="msamp", exclude=["0", "2"])
+    plan = build_plan(model, recipe, context=RunContext(device=device_info("cpu")))
+    rows = {t.kind: t.dtype for t in plan.tensors}
+    assert not plan.converted
+    assert (rows["gemm"], rows["weight"], rows["weight_grad"]) == ("FP32", "FP32", "FP32")
+    assert rows["optimizer_states"] == "FP8 E4M3+FP16"  # the level's low-bit Adam still runs
+    assert plan.bytes_per_param == {"weight": 4, "weight_grad": 4, "master_weight": 0, "optimizer_states": 3}

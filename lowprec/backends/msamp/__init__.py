@@ -187,6 +187,11 @@ class MSAMPBackend(Backend):
                    f"the last {opts['amax_history_len']} steps (current amax while warming up), weights from "
                    "their current amax")
         comm, _, _ = self.engine_rows(hp)
+        if not plan.converted:
+            # nothing becomes an FP8Linear: weights, their gradients and their reduction stay as they are
+            return [TensorPrecision("gemm", hp), comm, TensorPrecision("weight", hp),
+                    TensorPrecision("master_weight", "N/A"), TensorPrecision("weight_grad", hp),
+                    self.optimizer_state_precision(hp)]
         if self.context.engine == "ddp":
             comm = TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (Linear), {comm.dtype} (rest)",
                                    "weight grads: amax all-reduced (MAX), FP8 all_to_all, FP32 sum, FP8 all_gather")
