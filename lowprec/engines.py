@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 _SHORT = {torch.float32: "FP32", torch.bfloat16: "BF16", torch.float16: "FP16"}
+BYTES = {"FP32": 4, "BF16": 2, "FP16": 2}  # per element, by the names EnginePrecision uses
 
 
 def dtype_name(dtype: torch.dtype | str | None) -> str | None:

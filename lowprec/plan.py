@@ -166,9 +166,8 @@ class PrecisionPlan:
 
     def verify_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Check the optimizer built in prepare() stores its states as the plan says."""
-        from .optim.levels import built_states
-
         from .optim import LowBitAdamW
+        from .optim.levels import built_states
 
         base = getattr(optimizer, "optimizer", optimizer)
         built = built_states(base, self.param_dtype)
@@ -181,7 +180,7 @@ class PrecisionPlan:
         if built != planned:
             raise PlanMismatchError(
                 f"the optimizer does not match its precision plan: optimizer states planned {planned}, built {built} "
-                f"({type(getattr(optimizer, 'optimizer', optimizer)).__name__})"
+                f"({type(base).__name__})"
             )
 
     def _show_user_states(self, optimizer, built: str) -> None:

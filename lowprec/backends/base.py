@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from ..engines import EnginePrecision, default_engine_precision
+from ..engines import BYTES, EnginePrecision, default_engine_precision
 from ..hardware import DeviceInfo
 from ..utils.imports import availability
 
@@ -402,10 +402,9 @@ class Backend(ABC):
         ep = self.context.engine_precision
         out: dict[str, float] = {}
         if ep.weight is not None:
-            size = {"BF16": 2, "FP16": 2, "FP32": 4}.get(ep.weight, param_dtype.itemsize)
-            out["weight"] = out["weight_grad"] = float(size)
+            out["weight"] = out["weight_grad"] = float(BYTES.get(ep.weight, param_dtype.itemsize))
         if ep.master_weight is not None:
-            out["master_weight"] = float({"FP32": 4, "BF16": 2, "FP16": 2}.get(ep.master_weight, 4))
+            out["master_weight"] = float(BYTES.get(ep.master_weight, 4))
         return out
 
 
