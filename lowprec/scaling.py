@@ -60,8 +60,15 @@ def compute_scale(
     previous = torch.as_tensor(previous, dtype=torch.float32, device=amax.device)
     valid = torch.isfinite(amax) & (amax > 0)
     safe = torch.where(valid, amax, torch.ones_like(amax))
-    # fp_max / amax overflows FP32 to inf for tiny amax; log2(inf) = inf is then capped like any other.
-    exponent = (torch.floor(torch.log2(format_max(fp8_dtype) / safe)) - margin).clamp(max=_MAX_EXPONENT)
+    fp_max = format_max(fp8_dtype)
+    # log2 of the FP32 quotient is only an estimate: just above fp_max / 2**k it rounds up to k, and
+    # the scale would then push amax past fp_max. Multiplying by a power of two is exact, so the
+    # estimate is corrected by one either way to the true floor. The clamp keeps 2**e finite (the
+    # quotient is inf for a tiny amax); the cap after it is the one that matters.
+    exponent = torch.floor(torch.log2(fp_max / safe)).clamp(-_MAX_EXPONENT, _MAX_EXPONENT + 1)
+    exponent = exponent - (safe * torch.exp2(exponent) > fp_max).float()
+    exponent = exponent + (safe * torch.exp2(exponent + 1) <= fp_max).float()
+    exponent = (exponent - margin).clamp(max=_MAX_EXPONENT)
     return torch.where(valid, torch.exp2(exponent), previous)
 
 

@@ -93,7 +93,9 @@ def test_compute_scale_ms_amp_examples(amax, dtype, expected):
 def test_compute_scale_follows_the_power_of_two_rule_over_40_decades(dtype):
     amax = torch.logspace(-20, 20, 2001, dtype=torch.float64).float()
     # plus amaxes that sit exactly on power-of-two boundaries, where floor() matters most
-    amax = torch.cat([amax, FORMAT_MAX[dtype] / 2.0 ** torch.arange(-20, 40, dtype=torch.float32)])
+    # and one FP32 step either side of them, where log2 of the FP32 quotient rounds to the wrong side
+    boundaries = FORMAT_MAX[dtype] / 2.0 ** torch.arange(-20, 40, dtype=torch.float32)
+    amax = torch.cat([amax, boundaries, boundaries * (1 + 2**-23), boundaries * (1 - 2**-24)])
     scale = compute_scale(amax, dtype)
     expected = torch.tensor([pow2_scale(a, FORMAT_MAX[dtype]) for a in amax.double().tolist()], dtype=torch.float64)
     assert scale.shape == amax.shape

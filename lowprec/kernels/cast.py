@@ -46,7 +46,8 @@ def _build_kernel():
         absolute = tl.where(x == x, tl.abs(x), float("inf"))
         tl.atomic_max(amax_ptr, tl.max(tl.max(absolute, axis=1), axis=0))
         scale = tl.load(scale_ptr)
-        y = tl.minimum(tl.maximum(x * scale, -FP8_MAX), FP8_MAX)
+        # saturate like torch.clamp, which keeps a NaN (PTX min/max would turn it into the bound)
+        y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         q_type = tl.float8e4nv if FP8_E4M3 else tl.float8e5
         tl.store(q_ptr + rm[:, None] * N + rn[None, :], y.to(q_type), mask=mask)
         if WRITE_T:
@@ -54,7 +55,7 @@ def _build_kernel():
             # tl.trans: on Triton 3.6 / sm_90, tl.trans of this tile gave wrong values for FP32 inputs.
             mask_t = (rn[:, None] < N) & (rm[None, :] < M)
             xt = tl.load(x_ptr + rm[None, :] * stride_m + rn[:, None] * stride_n, mask=mask_t, other=0.0)
-            yt = tl.minimum(tl.maximum(xt.to(tl.float32) * scale, -FP8_MAX), FP8_MAX)
+            yt = tl.clamp(xt.to(tl.float32) * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
             tl.store(qt_ptr + rn[:, None] * M + rm[None, :], yt.to(q_type), mask=mask_t)
 
     return cast_transpose_kernel

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
+from ..kernels.adam import SCALED, AdamItem, bucket_key, fused_low_bit_adam_step
 from ..scaling import compute_scale, format_max, tensor_amax
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
-_SCALED = (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 _NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16, "e4m3": torch.float8_e4m3fn,
           "float8_e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "float8_e5m2": torch.float8_e5m2}
@@ -45,7 +45,7 @@ def state_dtype(name: str, value: Any) -> torch.dtype:
 
 def _encode(value: torch.Tensor, dtype: torch.dtype, previous_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP32 `value` -> (stored tensor, scale)."""
-    if dtype not in _SCALED:
+    if dtype not in SCALED:
         return value.to(dtype), previous_scale
     amax = tensor_amax(value)
     scale = compute_scale(amax, dtype, previous=previous_scale)
@@ -54,7 +54,7 @@ def _encode(value: torch.Tensor, dtype: torch.dtype, previous_scale: torch.Tenso
 
 
 def _decode(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return stored.float() / scale if stored.dtype in _SCALED else stored.float()
+    return stored.float() / scale if stored.dtype in SCALED else stored.float()
 
 
 class LowBitAdamW(torch.optim.Optimizer):
@@ -159,6 +159,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         fp8_present = self._fp8_grads_present()
         fp8_layers = self._fp8_layers
         for group in self.param_groups:
+            buckets: dict[tuple, list[AdamItem]] = {}  # one fused launch per bucket
             for p in group["params"]:
                 layer = fp8_layers.get(id(p))
                 if layer is not None:
@@ -174,13 +175,13 @@ class LowBitAdamW(torch.optim.Optimizer):
                 state = self._init_state(p, group)
                 state["step"] += 1
                 if self._use_fused(p, grad, group):
-                    from ..kernels.adam import fused_low_bit_adam_step
-
-                    fused_low_bit_adam_step(p, state, group, decoupled=self._decoupled, grad=grad,
-                                            grad_scale=grad_scale)
+                    item = AdamItem(p, grad, grad_scale, state)
+                    buckets.setdefault(bucket_key(item), []).append(item)
                 else:
                     dense = grad.float() if grad_scale is None else grad.float() / grad_scale
                     self._reference_step(p, dense, state, group)
+            for items in buckets.values():
+                fused_low_bit_adam_step(items, group, decoupled=self._decoupled)
         return loss
 
     def _use_fused(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> bool:

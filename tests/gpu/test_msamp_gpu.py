@@ -55,8 +55,9 @@ def test_triton_cast_of_strided_input_and_nan():
     assert torch.equal(q.float(), x.float().to(E4M3).float()) and torch.equal(qt.float(), q.t().float())
     x[3, 3] = float("nan")
     amax.zero_()
-    cast_transpose(x, torch.tensor(1.0, device="cuda"), E4M3, amax)
+    q, qt = cast_transpose(x, torch.tensor(1.0, device="cuda"), E4M3, amax)
     assert amax.item() == float("inf")  # never a finite scale from a NaN
+    assert torch.isnan(q[3, 3].float()) and torch.isnan(qt[3, 3].float())  # the NaN is kept, as torch's clamp does
 
 
 # ---- fused low-bit Adam -----------------------------------------------------------------------------
@@ -97,6 +98,53 @@ def test_fused_adam_matches_reference(states, param_dtype, cls):
             da = sa[key].float() / sa[f"{key}_scale"]
             db = sb[key].float() / sb[f"{key}_scale"]
             assert sqnr(db, da) > 25
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, E4M3, E5M2], ids=["fp16", "e4m3", "e5m2"])
+def test_kernel_scale_rule_is_compute_scale(dtype):
+    from lowprec.kernels.adam import pow2_scale
+    from lowprec.scaling import compute_scale, format_max
+
+    torch.manual_seed(0)
+    fp_max = format_max(dtype)
+    powers = torch.exp2(torch.arange(-60.0, 60.0))
+    amax = torch.cat([
+        torch.rand(100_000) * torch.exp2(torch.randint(-60, 60, (100_000,)).float()),
+        fp_max / powers, fp_max / powers * (1 + 2**-23), fp_max / powers * (1 - 2**-24),  # at the edges
+        torch.tensor([0.0, float("inf"), float("nan"), 1e-45, 1e-40, 3e38]),
+    ]).cuda()
+    previous = torch.full_like(amax, 0.25)
+    assert torch.equal(pow2_scale(amax, dtype, previous), compute_scale(amax, dtype, previous=previous))
+
+
+def test_fused_adam_buckets_mixed_dtypes_empty_tensors_and_nan_gradients():
+    torch.manual_seed(0)
+    shapes_dtypes = [((513, 257), torch.float32), ((0,), torch.float32), ((70_000,), torch.bfloat16),
+                     ((3,), torch.float16), ((200, 700), torch.bfloat16)]
+    base = [torch.randn(s, device="cuda").to(d) for s, d in shapes_dtypes]
+    base.append(torch.randn(30_000, device="cuda"))  # the fused copy starts 4 bytes into its storage
+    unaligned = torch.cat([base[-1][:1], base[-1]])[1:]
+    fused = [p.clone().requires_grad_() for p in base[:-1]] + [unaligned.requires_grad_()]
+    plain = [p.clone().requires_grad_() for p in base]
+    assert fused[-1].data_ptr() % 16
+    kw = dict(lr=1e-3, weight_decay=0.1, exp_avg_dtype="e4m3", exp_avg_sq_dtype="fp16")
+    opt_f, opt_r = LowBitAdamW(fused, fused=True, **kw), LowBitAdamW(plain, fused=False, **kw)
+    for step in range(4):
+        grads = [torch.randn_like(p, dtype=torch.float32) for p in base]
+        if step == 2:
+            grads[4][5, 5] = float("nan")  # this tensor's scales must stay as they were
+        for ps, opt in ((fused, opt_f), (plain, opt_r)):
+            for p, g in zip(ps, grads):
+                p.grad = g.to(p.dtype)
+            opt.step()
+    for a, b in zip(fused, plain):
+        sa, sb = opt_f.state[a], opt_r.state[b]
+        for key in ("exp_avg_scale", "exp_avg_sq_scale"):
+            assert torch.equal(sa[key], sb[key]), key
+        finite = torch.isfinite(b.float())
+        assert torch.equal(finite, torch.isfinite(a.float()))
+        if finite.any():
+            assert (a.float()[finite] - b.float()[finite]).abs().max() < kw["lr"] + 1.6e-2
 
 
 # ---- FP8Linear on tensor cores --------------------------------------------------------------------

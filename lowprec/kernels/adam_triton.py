@@ -1,0 +1,187 @@
+"""Triton kernels of the fused low-bit Adam step (see `lowprec.kernels.adam`, which launches them).
+
+Imported only on a CUDA host with Triton.
+"""
+
+import triton
+import triton.language as tl
+
+@triton.jit
+def pow2_scale_bits(amax, previous, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr):
+    # floor(log2(fp_max / amax)) from the exponents and mantissas of both numbers: exact, with
+    # no division (Triton's FP32 division is approximate). A zero, subnormal, inf or NaN amax
+    # keeps `previous`, as compute_scale does (a subnormal amax would be capped anyway).
+    bits = amax.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    mant = bits & 0x7FFFFF
+    e = MAX_EXP - exp - (mant > MAX_MANT).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -126), 126)
+    scale = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where((bits > 0) & (exp < 255), scale, previous)
+
+@triton.jit
+def inverse(scale):
+    # 1 / a power-of-two scale, exactly, from its bits (Triton's FP32 division is approximate);
+    # anything else (no lowprec scale is) is divided.
+    bits = scale.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF
+    exact = ((bits & 0x7FFFFF) == 0) & (exp > 0) & (exp < 254)
+    return tl.where(exact, ((254 - exp) << 23).to(tl.float32, bitcast=True), 1.0 / scale)
+
+@triton.jit
+def _load_item(ptrs, sizes, chunks, P_TY: tl.constexpr, G_TY: tl.constexpr, M_TY: tl.constexpr,
+               V_TY: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr, WIDE: tl.constexpr):
+    c = tl.program_id(0)
+    t = tl.load(chunks + 2 * c)
+    k = tl.load(chunks + 2 * c + 1)
+    n = tl.load(sizes + t)
+    base = ptrs + t * 7
+    p_ptr = tl.load(base).to(tl.pointer_type(P_TY))
+    g_ptr = tl.load(base + 1).to(tl.pointer_type(G_TY))
+    m_ptr = tl.load(base + 2).to(tl.pointer_type(M_TY))
+    v_ptr = tl.load(base + 3).to(tl.pointer_type(V_TY))
+    if ALIGNED:
+        # A pointer read from memory has unknown alignment, and Triton would then load element by
+        # element; the launcher checked that every tensor starts on 16 bytes, so vector loads are safe.
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+    if WIDE:  # a tensor of 2**31 elements or more
+        start = k.to(tl.int64) * CHUNK
+    else:  # 32-bit offsets: 64-bit ones cost registers, and this kernel is memory-bound
+        n = n.to(tl.int32)
+        start = k * CHUNK
+    end = tl.minimum(start + CHUNK, n)
+    return t, k, base, p_ptr, g_ptr, m_ptr, v_ptr, start, end
+
+@triton.jit
+def _moments(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, g_inv, m_inv, v_inv, beta1, beta2, weight_decay,
+             DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, UPDATE: tl.constexpr):
+    p = tl.zeros_like(offs).to(tl.float32)
+    if UPDATE or not DECOUPLED:
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * g_inv
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32) * m_inv
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32) * v_inv
+    if MAXIMIZE:
+        g = -g
+    if not DECOUPLED:
+        g = g + weight_decay * p
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    return p, m, v
+
+@triton.jit
+def amax_pass(ptrs, sizes, chunks, partials, beta1, beta2, weight_decay,
+              P_TY: tl.constexpr, G_TY: tl.constexpr, M_TY: tl.constexpr, V_TY: tl.constexpr,
+              G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+              DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+              ALIGNED: tl.constexpr, WIDE: tl.constexpr):
+    t, k, base, p_ptr, g_ptr, m_ptr, v_ptr, start, end = _load_item(ptrs, sizes, chunks, P_TY, G_TY, M_TY,
+                                                                     V_TY, CHUNK, ALIGNED, WIDE)
+    g_inv = 1.0
+    m_inv = 1.0
+    v_inv = 1.0
+    if G_SCALED:
+        g_inv = inverse(tl.load(tl.load(base + 4).to(tl.pointer_type(tl.float32))))
+    if M_SCALED:
+        m_inv = inverse(tl.load(tl.load(base + 5).to(tl.pointer_type(tl.float32))))
+    if V_SCALED:
+        v_inv = inverse(tl.load(tl.load(base + 6).to(tl.pointer_type(tl.float32))))
+    m_amax = tl.zeros([BLOCK], dtype=tl.float32)
+    v_amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(start, end, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < end
+        _, m, v = _moments(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, g_inv, m_inv, v_inv,
+                           beta1, beta2, weight_decay, DECOUPLED, MAXIMIZE, False)
+        # NaN -> inf before the max: an amax must never hide a NaN (pow2_scale keeps the old scale)
+        m_amax = tl.maximum(m_amax, tl.where(mask, tl.where(m == m, tl.abs(m), float("inf")), 0.0))
+        v_amax = tl.maximum(v_amax, tl.where(mask, tl.where(v == v, tl.abs(v), float("inf")), 0.0))
+    c = tl.program_id(0)
+    tl.store(partials + 2 * c, tl.max(m_amax, axis=0))
+    tl.store(partials + 2 * c + 1, tl.max(v_amax, axis=0))
+
+
+@triton.jit
+def reduce_pass(ptrs, starts, partials, scratch, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+                BLOCK: tl.constexpr):
+    # One program per tensor: the max of its chunks' partial amaxes, and its current scales copied
+    # aside (the update pass reads them after the first of its programs has overwritten them).
+    t = tl.program_id(0)
+    first = tl.load(starts + t)
+    last = tl.load(starts + t + 1)
+    m_amax = tl.zeros([BLOCK], dtype=tl.float32)
+    v_amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for off in range(first, last, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < last
+        m_amax = tl.maximum(m_amax, tl.load(partials + 2 * offs, mask=mask, other=0.0))
+        v_amax = tl.maximum(v_amax, tl.load(partials + 2 * offs + 1, mask=mask, other=0.0))
+    row = scratch + 4 * t
+    base = ptrs + t * 7
+    tl.store(row, tl.max(m_amax, axis=0))
+    tl.store(row + 1, tl.max(v_amax, axis=0))
+    if M_SCALED:
+        tl.store(row + 2, tl.load(tl.load(base + 5).to(tl.pointer_type(tl.float32))))
+    if V_SCALED:
+        tl.store(row + 3, tl.load(tl.load(base + 6).to(tl.pointer_type(tl.float32))))
+
+@triton.jit
+def update_pass(ptrs, sizes, chunks, scratch, hyper, lr, beta1, beta2, eps, weight_decay,
+                P_TY: tl.constexpr, G_TY: tl.constexpr, M_TY: tl.constexpr, V_TY: tl.constexpr,
+                G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+                M_MAX: tl.constexpr, M_MAX_EXP: tl.constexpr, M_MAX_MANT: tl.constexpr,
+                V_MAX: tl.constexpr, V_MAX_EXP: tl.constexpr, V_MAX_MANT: tl.constexpr,
+                DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+              ALIGNED: tl.constexpr, WIDE: tl.constexpr):
+    t, k, base, p_ptr, g_ptr, m_ptr, v_ptr, start, end = _load_item(ptrs, sizes, chunks, P_TY, G_TY, M_TY,
+                                                                     V_TY, CHUNK, ALIGNED, WIDE)
+    step_size = tl.load(hyper + 2 * t)
+    bias2_sqrt = tl.load(hyper + 2 * t + 1)
+    row = scratch + 4 * t
+    first = k == 0
+    g_inv = 1.0
+    m_inv = 1.0
+    v_inv = 1.0
+    m_new = 1.0
+    v_new = 1.0
+    if G_SCALED:
+        g_inv = inverse(tl.load(tl.load(base + 4).to(tl.pointer_type(tl.float32))))
+    if M_SCALED:
+        m_old = tl.load(row + 2)
+        m_inv = inverse(m_old)
+        m_new = pow2_scale_bits(tl.load(row), m_old, M_MAX_EXP, M_MAX_MANT)
+        tl.store(tl.load(base + 5).to(tl.pointer_type(tl.float32)), m_new, mask=first)
+    if V_SCALED:
+        v_old = tl.load(row + 3)
+        v_inv = inverse(v_old)
+        v_new = pow2_scale_bits(tl.load(row + 1), v_old, V_MAX_EXP, V_MAX_MANT)
+        tl.store(tl.load(base + 6).to(tl.pointer_type(tl.float32)), v_new, mask=first)
+    for off in range(start, end, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < end
+        p, m, v = _moments(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, g_inv, m_inv, v_inv,
+                           beta1, beta2, weight_decay, DECOUPLED, MAXIMIZE, True)
+        if DECOUPLED:
+            p = p * (1.0 - lr * weight_decay)
+        denom = tl.sqrt(v) / bias2_sqrt + eps
+        p = p - step_size * (m / denom)
+        tl.store(p_ptr + offs, p.to(P_TY), mask=mask)
+        # saturate like torch.clamp, which keeps a NaN (PTX min/max would replace it by the bound)
+        if M_SCALED:
+            m = tl.clamp(m * m_new, -M_MAX, M_MAX, propagate_nan=tl.PropagateNan.ALL)
+        if V_SCALED:
+            v = tl.clamp(v * v_new, -V_MAX, V_MAX, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(m_ptr + offs, m.to(M_TY), mask=mask)
+        tl.store(v_ptr + offs, v.to(V_TY), mask=mask)
+
+@triton.jit
+def scale_kernel(amax_ptr, previous_ptr, out_ptr, n, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    amax = tl.load(amax_ptr + offs, mask=mask, other=0.0)
+    previous = tl.load(previous_ptr + offs, mask=mask, other=1.0)
+    tl.store(out_ptr + offs, pow2_scale_bits(amax, previous, MAX_EXP, MAX_MANT), mask=mask)
