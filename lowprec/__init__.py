@@ -8,7 +8,8 @@
 from .accelerator import Accelerator
 from .backends import BackendUnavailableError, RunContext
 from .export import portable_state_dict
-from .plan import PlanMismatchError, PrecisionPlan, build_plan, plan_for
+from .plan import PlanMismatchError, PrecisionPlan
+from .planning import build_plan, plan_for
 from .recipe import FP8RecipeKwargs
 from .utils.imports import MissingDependencyError
 

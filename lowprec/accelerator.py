@@ -27,7 +27,8 @@ from .backends import Backend, RunContext, create_backend
 from .compat import is_fp8_handler, to_recipe
 from .engines import EnginePrecision, deepspeed_precision, fsdp_precision
 from .hardware import device_info
-from .plan import PrecisionPlan, build_plan
+from .plan import PrecisionPlan
+from .planning import build_plan
 from .recipe import FP8RecipeKwargs, warn_unapplied_launcher_defaults
 
 log = logging.getLogger(__name__)

@@ -56,7 +56,7 @@ def build_model_for_plan(model: str | None, config: str | None, overrides: dict)
 def cmd_plan(args: argparse.Namespace) -> int:
     from .backends import RunContext, create_backend
     from .hardware import assumed_device, device_info
-    from .plan import build_plan
+    from .planning import build_plan
     from .recipe import FP8RecipeKwargs
 
     recipe = FP8RecipeKwargs(
@@ -99,11 +99,8 @@ def cmd_env(args: argparse.Namespace) -> int:
         print(f"  {name:<20} {installed_version(name) or 'not installed'}")
     print("backends:")
     for cls in registered_backends():
-        if not getattr(cls, "implemented", True):
-            status = "not available in this version"
-        else:
-            ok, reason = cls.availability()
-            status = "available" if ok else reason
+        ok, reason = cls.availability()
+        status = "available" if ok else reason
         print(f"  {cls.name:<8} recipes {', '.join(cls.recipes)}: {status}")
     fp8_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("ACCELERATE_FP8_") or k == "ACCELERATE_MIXED_PRECISION"}
     if fp8_env:

@@ -1,4 +1,8 @@
-"""`PrecisionPlan`: a recipe applied to a model, as one row of the precision table."""
+"""`PrecisionPlan`: a recipe applied to a model, as one row of the precision table.
+
+The plan is data: `lowprec.planning.build_plan` asks a backend adapter to fill it in. This module
+imports no adapter, so the adapters can use its types.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +10,12 @@ import logging
 import re
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
-from .backends import RunContext, create_backend
-from .hardware import DeviceInfo, device_info
-from .selection import ModuleDecision, select_modules
-from .speed import unmeasured_note
-
-if TYPE_CHECKING:
-    from .backends.base import Backend
-    from .recipe import FP8RecipeKwargs
+from .selection import ModuleDecision
 
 log = logging.getLogger(__name__)
 
@@ -263,73 +260,3 @@ def _grouped(title: str, decisions: list[ModuleDecision]) -> list[str]:
         label = f"{name} x{count}" if count > 1 else name
         lines.append(f"    {label:<48} {dims:>12}  {'' if reason == 'FP8' else reason}".rstrip())
     return lines
-
-
-def _param_dtype(model: nn.Module) -> torch.dtype:
-    counts: dict[torch.dtype, int] = {}
-    for p in model.parameters():
-        if p.is_floating_point():
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    return max(counts, key=counts.get) if counts else torch.float32
-
-
-def build_plan(
-    model: nn.Module,
-    recipe: FP8RecipeKwargs,
-    *,
-    context: RunContext | None = None,
-    backend: Backend | None = None,
-) -> PrecisionPlan:
-    """Resolve `recipe` against `model` on `context` (default: this machine, one process).
-
-    Args:
-        model: the model as the user built it (meta-device models work: only shapes are read).
-        recipe: the FP8 handler.
-        context: device and distributed engine the plan is for.
-        backend: an already-created adapter for `recipe` (the Accelerator passes its own).
-
-    Returns:
-        The plan. Raises `BackendUnavailableError` if the backend cannot run here.
-    """
-    if context is None:
-        context = RunContext(device=device_info())
-    if backend is None:
-        backend = create_backend(recipe, context)
-    param_dtype = _param_dtype(model)
-    plan = PrecisionPlan(
-        backend=backend.name,
-        backend_display=backend.display_name,
-        recipe=backend.recipe_name,
-        fp8_format=backend.fp8_format,
-        opt_level=backend.opt_level,
-        emulated=backend.emulated,
-        execution=backend.execution_note,
-        device=context.device.describe(),
-        engine=context.engine,
-        world_size=context.world_size,
-        tensors=[],
-        modules=select_modules(model, backend.recipe, backend),
-        param_dtype=short_dtype(param_dtype),
-        bytes_per_param={},
-        total_params=sum(p.numel() for p in model.parameters()),
-        options=backend.effective_options(),
-    )
-    plan.tensors = backend.tensor_precisions(plan)
-    plan.bytes_per_param = backend.model_state_bytes(plan, param_dtype)
-    plan.notes = backend.notes(plan)
-    if backend.recipe.skip_slow_shapes and backend.speed_scaling is not None:
-        note = unmeasured_note(context.device, backend.speed_scaling)
-        if note is not None:
-            plan.notes.append(note)
-    if not plan.converted:
-        plan.notes.insert(0, "no module runs in FP8 with this recipe and model: training is high precision throughout")
-    return plan
-
-
-def plan_for(model: nn.Module, recipe: FP8RecipeKwargs, *, capability: str | None = None,
-             engine: str = "single", world_size: int = 1) -> PrecisionPlan:
-    """Plan for an assumed device (`capability` like '9.0', or None for this machine)."""
-    from .hardware import assumed_device
-
-    device: DeviceInfo = device_info() if capability is None else assumed_device(capability)
-    return build_plan(model, recipe, context=RunContext(device=device, engine=engine, world_size=world_size))

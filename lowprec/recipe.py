@@ -15,6 +15,7 @@ from torch import nn
 
 from .env import read_fp8_env
 from .optim.levels import LEVEL_STATES, parse_states
+from .specs import backend_spec, canonical_name, registered_specs
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +202,6 @@ class FP8RecipeKwargs(KwargsHandler):
 
     @staticmethod
     def _parse(name: str, value: Any) -> Any:
-        from .backends import canonical_name
-
         if name == "backend":
             return canonical_name(value)
         if name == "recipe":
@@ -235,21 +234,16 @@ class FP8RecipeKwargs(KwargsHandler):
         return _parse_bool(name, value)
 
     def _check_backend(self) -> None:
-        from .backends import backend_class, registered_backends
-
         if self.backend == "auto":
             if self.recipe is not None:
-                offering = [b.name for b in registered_backends() if self.recipe in b.recipes]
+                offering = [spec.name for spec in registered_specs() if self.recipe in spec.recipes]
                 if not offering:
-                    known = sorted({f"{b.name}:{r}" for b in registered_backends() for r in b.recipes})
+                    known = sorted({f"{spec.name}:{r}" for spec in registered_specs() for r in spec.recipes})
                     raise ValueError(
                         f"FP8RecipeKwargs.recipe={self.recipe!r} is not a recipe of any backend; known: {', '.join(known)}"
                     )
             return
-        cls = backend_class(self.backend)
-        if not getattr(cls, "implemented", True):
-            raise ValueError(cls.not_implemented_message())
-        cls.check_recipe(self)
+        backend_spec(self.backend).check_recipe(self)
 
     def replace(self, **changes: Any) -> FP8RecipeKwargs:
         """A copy with `changes` applied and validated again."""

@@ -117,7 +117,7 @@ def test_ao_module_filter_func_carried_over():
 def test_ao_module_filter_func_alone_decides_what_is_converted():
     from lowprec.backends import RunContext
     from lowprec.hardware import assumed_device
-    from lowprec.plan import build_plan
+    from lowprec.planning import build_plan
 
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
     r = to_recipe(AORecipeKwargs(module_filter_func=lambda module, fqn: fqn != "2"))

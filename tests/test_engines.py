@@ -10,7 +10,7 @@ from lowprec import FP8RecipeKwargs
 from lowprec.backends import RunContext
 from lowprec.engines import EnginePrecision, deepspeed_precision, dtype_name, fsdp_precision
 from lowprec.hardware import assumed_device
-from lowprec.plan import build_plan
+from lowprec.planning import build_plan
 
 pytest.importorskip("torchao")
 

@@ -1,7 +1,5 @@
-"""Backend registry: name -> adapter class, imported only when asked for.
-
-Adding a backend is one module under `lowprec/backends/` and one `register_backend` line here.
-"""
+"""The adapters, found through the declarations in `lowprec.specs` and imported only when asked for;
+`resolve_backend` / `create_backend` choose and build one for a recipe and a run context."""
 
 from __future__ import annotations
 
@@ -9,12 +7,14 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ..hardware import DeviceInfo
-from .base import Backend, BackendUnavailableError, RecipeInfo, RunContext
+from ..specs import AUTO_ORDER, RecipeInfo, backend_spec, canonical_name, register_backend, registered_specs
+from .base import Backend, BackendUnavailableError, RunContext
 
 if TYPE_CHECKING:
     from ..recipe import FP8RecipeKwargs
 
 __all__ = [
+    "AUTO_ORDER",
     "Backend",
     "BackendUnavailableError",
     "RecipeInfo",
@@ -27,52 +27,18 @@ __all__ = [
     "resolve_backend",
 ]
 
-_REGISTRY: dict[str, str] = {}
-_ALIASES: dict[str, str] = {}
-# "auto" tries these in order; the first that is available, supports the recipe and can run on the
-# device wins. TE first on FP8 GPUs: fused kernels without needing torch.compile.
-AUTO_ORDER = ("te", "torchao", "msamp")
-
-
-def register_backend(name: str, target: str, *, aliases: tuple[str, ...] = ()) -> None:
-    """Register `target` ("module:Class") under `name` (and case-insensitive `aliases`)."""
-    _REGISTRY[name] = target
-    for alias in (name, *aliases):
-        _ALIASES[alias.lower()] = name
-
-
-register_backend("torchao", "lowprec.backends.torchao:TorchAOBackend", aliases=("ao",))
-register_backend(
-    "te", "lowprec.backends.te:TEBackend", aliases=("transformer_engine", "transformer-engine", "transformerengine")
-)
-register_backend("msamp", "lowprec.backends.msamp:MSAMPBackend", aliases=("ms-amp", "ms_amp"))
-
-
-def canonical_name(name: str) -> str:
-    """'AO' -> 'torchao', 'TE' -> 'te', ...; 'auto' stays 'auto'. Raises ValueError otherwise."""
-    key = str(name).strip().lower()
-    if key == "auto":
-        return "auto"
-    if key not in _ALIASES:
-        raise ValueError(
-            f"FP8RecipeKwargs.backend={name!r} is not one of 'auto', {', '.join(repr(n) for n in _REGISTRY)} "
-            f"(aliases: {', '.join(sorted(a for a in _ALIASES if a not in _REGISTRY))})"
-        )
-    return _ALIASES[key]
-
 
 def backend_class(name: str) -> type[Backend]:
-    module_name, class_name = _REGISTRY[canonical_name(name)].split(":")
+    """The adapter class of backend `name` (imports its module, not its package)."""
+    module_name, class_name = backend_spec(name).adapter.split(":")
     return getattr(importlib.import_module(module_name), class_name)
 
 
 def registered_backends() -> list[type[Backend]]:
-    return [backend_class(name) for name in _REGISTRY]
+    return [backend_class(spec.name) for spec in registered_specs()]
 
 
 def _why_not(cls: type[Backend], recipe: FP8RecipeKwargs, context: RunContext) -> str | None:
-    if not getattr(cls, "implemented", True):
-        return "not available in this version of lowprec"
     ok, reason = cls.availability()
     if not ok:
         return reason
@@ -98,10 +64,7 @@ def resolve_backend(recipe: FP8RecipeKwargs, context: RunContext | DeviceInfo) -
     if isinstance(context, DeviceInfo):
         context = RunContext(device=context)
     if recipe.backend != "auto":
-        cls = backend_class(recipe.backend)
-        if not getattr(cls, "implemented", True):
-            raise BackendUnavailableError(cls.not_implemented_message())
-        return cls
+        return backend_class(recipe.backend)
     reasons = []
     for name in AUTO_ORDER:
         cls = backend_class(name)

@@ -4,15 +4,16 @@ A backend owns the three jobs of the precision table (DESIGN.md):
 1. layer replacement (`candidate_kind`, `constraint`, `convert`, `forward_context`),
 2. optimizer-state precision (`wrap_optimizer`),
 3. communication precision (`setup_communication`),
-plus lifecycle hooks (`post_optimizer_step`). Class attributes describe what it supports, so a recipe
-can be validated at construction without importing the backend's package.
+plus lifecycle hooks (`post_optimizer_step`). What it supports is declared in `lowprec.specs`, so a
+recipe is validated at construction without importing the adapter or the backend's package.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -21,6 +22,7 @@ from torch import nn
 
 from ..engines import BYTES, EnginePrecision, default_engine_precision
 from ..hardware import DeviceInfo
+from ..specs import BackendSpec, RecipeInfo
 from ..utils.imports import availability
 
 if TYPE_CHECKING:
@@ -30,19 +32,6 @@ if TYPE_CHECKING:
 
 class BackendUnavailableError(RuntimeError):
     """The selected backend cannot run here (package missing, not in this version, or hardware)."""
-
-
-@dataclass(frozen=True)
-class RecipeInfo:
-    """A scaling recipe a backend offers."""
-
-    name: str
-    summary: str
-    formats: tuple[str, ...]  # accepted `fp8_format` values; the first is the default
-    delayed: bool = False  # scales come from an amax history (margin / history / algo apply)
-    min_capability: tuple[int, int] = (8, 9)
-    max_capability: tuple[int, int] | None = None  # exclusive upper bound, if any
-    fsdp_fp8_all_gather: bool = False  # weights can be all-gathered in FP8 under FSDP2
 
 
 @dataclass(frozen=True)
@@ -70,114 +59,40 @@ class RunContext:
 class Backend(ABC):
     """Base class of backend adapters. Subclasses register themselves in `lowprec.backends`."""
 
+    spec: ClassVar[BackendSpec]  # the declaration in lowprec.specs; the attributes below come from it
     name: ClassVar[str]
     display_name: ClassVar[str]
-    package: ClassVar[str | None] = None  # key of utils.imports.OPTIONAL_PACKAGES
-    recipes: ClassVar[dict[str, RecipeInfo]]
+    package: ClassVar[str | None]
+    recipes: ClassVar[Mapping[str, RecipeInfo]]
     default_recipe: ClassVar[str]
-    supports_emulation: ClassVar[bool] = False
-    opt_levels: ClassVar[tuple[str | None, ...]] = (None,)
-    # Value of `use_autocast_during_eval` when the user leaves it unset, and whether the other
-    # value can be honoured at all.
-    eval_fp8_default: ClassVar[bool] = True
-    eval_fp8_configurable: ClassVar[bool] = False
-    pads_inner_dim: ClassVar[bool] = False
-    supports_fp8_weights: ClassVar[bool] = False
-    weight_dtypes: ClassVar[tuple[str, ...]] = ()  # storage choices for converted weights, if any
-    implemented: ClassVar[bool] = True
+    supports_emulation: ClassVar[bool]
+    opt_levels: ClassVar[tuple[str | None, ...]]
+    eval_fp8_default: ClassVar[bool]
+    eval_fp8_configurable: ClassVar[bool]
+    pads_inner_dim: ClassVar[bool]
+    supports_fp8_weights: ClassVar[bool]
+    weight_dtypes: ClassVar[tuple[str, ...]]
     # The FP8 module keeps the original Parameter objects (torchao); otherwise conversion makes new
     # ones, and a Linear whose weight is tied to another module must stay as it is.
     reuses_parameters: ClassVar[bool] = False
 
-    @classmethod
-    def not_implemented_message(cls) -> str:
-        return (
-            f"FP8RecipeKwargs.backend={cls.name!r} ({cls.display_name}) is not available in this version of "
-            "lowprec; use backend='torchao' (or 'auto')"
-        )
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        spec = cls.__dict__.get("spec")
+        if spec is not None:
+            for f in dataclasses.fields(spec):
+                if f.name not in ("adapter", "aliases"):
+                    setattr(cls, f.name, getattr(spec, f.name))
 
     # ----- static validation (no optional package imported) ---------------------------------
     @classmethod
     def recipe_info(cls, recipe: FP8RecipeKwargs) -> RecipeInfo:
-        return cls.recipes[recipe.recipe or cls.default_recipe]
+        return cls.spec.recipe_info(recipe)
 
     @classmethod
     def check_recipe(cls, recipe: FP8RecipeKwargs) -> None:
         """Raise ValueError for a combination of options this backend cannot honour."""
-        field = "FP8RecipeKwargs"
-        name = recipe.recipe or cls.default_recipe
-        if name not in cls.recipes:
-            raise ValueError(
-                f"{field}.recipe={recipe.recipe!r} is not a recipe of backend {cls.name!r}; "
-                f"it offers {', '.join(repr(r) for r in cls.recipes)}"
-            )
-        info = cls.recipes[name]
-        if recipe.fp8_format is not None and recipe.fp8_format not in info.formats:
-            raise ValueError(
-                f"{field}.fp8_format={recipe.fp8_format!r} cannot be used with {cls.name} recipe {name!r}, "
-                f"which supports {', '.join(repr(f) for f in info.formats)}"
-            )
-        if not info.delayed:
-            for option, value, noop in (
-                ("margin", recipe.margin, 0),
-                ("amax_history_len", recipe.amax_history_len, None),
-                ("amax_compute_algo", recipe.amax_compute_algo, None),
-            ):
-                if value is not None and value != noop:
-                    delayed = [f"{b}:{r}" for b, r in _delayed_recipes()]
-                    raise ValueError(
-                        f"{field}.{option}={value!r} applies to delayed (amax-history) scaling, but {cls.name} "
-                        f"recipe {name!r} scales from the current tensor. Delayed-scaling recipes: "
-                        f"{', '.join(delayed) or 'none in this version'}"
-                    )
-        if recipe.opt_level not in cls.opt_levels:
-            levels = [lvl for lvl in cls.opt_levels if lvl is not None]
-            raise ValueError(
-                f"{field}.opt_level={recipe.opt_level!r} is not available with backend {cls.name!r} in this "
-                f"version of lowprec (it supports {', '.join(repr(lv) for lv in levels) or 'no MS-AMP level'}). "
-                "A level fixes a whole row (weight, weight-gradient, gradient-communication and optimizer-state "
-                "precision) and is accepted only where every part is honoured"
-                + ("" if levels else "; the knob this backend offers today is optimizer_states ('fp32', 'bf16', "
-                   "'fp16', or 'fp8' = MS-AMP O1/O2's E4M3+FP16 states), and backend='msamp' runs levels "
-                   "O1/O2 whole")
-            )
-        if recipe.use_autocast_during_eval is not None and not cls.eval_fp8_configurable:
-            if recipe.use_autocast_during_eval != cls.eval_fp8_default:
-                raise ValueError(
-                    f"{field}.use_autocast_during_eval={recipe.use_autocast_during_eval} cannot be honoured by "
-                    f"backend {cls.name!r}: its FP8 modules always run in "
-                    f"{'FP8' if cls.eval_fp8_default else 'high precision'} during eval"
-                )
-        if recipe.pad_inner_dim and not cls.pads_inner_dim:
-            raise ValueError(
-                f"{field}.pad_inner_dim=True cannot be honoured by backend {cls.name!r}; modules whose "
-                "dimensions do not fit its FP8 GEMMs are kept in high precision instead (see the plan)"
-            )
-        if recipe.enable_fsdp_float8_all_gather and not info.fsdp_fp8_all_gather:
-            raise ValueError(
-                f"{field}.enable_fsdp_float8_all_gather=True cannot be honoured by {cls.name} recipe {name!r}: "
-                "its weights are all-gathered in high precision"
-            )
-        if recipe.fp8_weights and not cls.supports_fp8_weights:
-            raise ValueError(
-                f"{field}.fp8_weights=True cannot be honoured by backend {cls.name!r}: it keeps weights in high "
-                "precision (backend='te' offers FP8-only weights)"
-            )
-        if recipe.weight_dtype is not None and recipe.weight_dtype not in cls.weight_dtypes:
-            raise ValueError(
-                f"{field}.weight_dtype={recipe.weight_dtype!r} cannot be honoured by backend {cls.name!r}: "
-                + (f"it stores weights in {', '.join(map(repr, cls.weight_dtypes))}" if cls.weight_dtypes
-                   else "it keeps the model's own weight dtype (weight_dtype applies to backend='msamp')")
-            )
-        if recipe.fp8_weights and (recipe.opt_level is not None or recipe.optimizer_states is not None):
-            chosen = (f"opt_level={recipe.opt_level!r}" if recipe.opt_level is not None
-                      else f"optimizer_states={recipe.optimizer_states!r}")
-            raise ValueError(
-                f"{field}.fp8_weights=True and {chosen} both choose the optimizer "
-                "(TE FusedAdam with FP32 masters vs lowprec's low-bit Adam); set one of them"
-            )
-        if recipe.emulate and not cls.supports_emulation:
-            raise ValueError(f"{field}.emulate=True cannot be honoured: backend {cls.name!r} has no emulation mode")
+        cls.spec.check_recipe(recipe)
 
     @classmethod
     def default_recipe_for(cls, context: RunContext) -> str:
@@ -407,14 +322,3 @@ class Backend(ABC):
             out["master_weight"] = float(BYTES.get(ep.master_weight, 4))
         return out
 
-
-def _delayed_recipes() -> list[tuple[str, str]]:
-    from . import registered_backends
-
-    return [
-        (b.name, r.name)
-        for b in registered_backends()
-        if getattr(b, "implemented", True)
-        for r in b.recipes.values()
-        if r.delayed
-    ]

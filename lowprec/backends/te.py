@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..specs import backend_spec
 from ..utils.imports import require
-from .base import Backend, BackendUnavailableError, RecipeInfo, RunContext
+from .base import Backend, BackendUnavailableError, RunContext
 from .torchao import _is_mha_projection
 
 if TYPE_CHECKING:
@@ -34,25 +35,7 @@ def _te_class_module(module: nn.Module) -> bool:
 
 
 class TEBackend(Backend):
-    name = "te"
-    display_name = "NVIDIA TransformerEngine"
-    package = "transformer_engine"
-    default_recipe = "delayed"
-    recipes = {
-        "delayed": RecipeInfo(
-            "delayed", "per-tensor scales from an amax history (TE DelayedScaling)", ("HYBRID", "E4M3"), delayed=True
-        ),
-        "current": RecipeInfo("current", "per-tensor scales from the current tensor (Float8CurrentScaling)",
-                              ("HYBRID", "E4M3")),
-        "block": RecipeInfo("block", "1x128 activation/gradient and 128x128 weight blocks (Float8BlockScaling)",
-                            ("E4M3",), min_capability=(9, 0)),
-        "mxfp8": RecipeInfo("mxfp8", "MXFP8: 1x32 blocks with E8M0 scales (Blackwell)", ("E4M3", "HYBRID"),
-                            min_capability=(10, 0), max_capability=(12, 0)),
-    }
-    supports_emulation = False
-    eval_fp8_default = False  # TE's and Accelerate's default: evaluate in high precision
-    eval_fp8_configurable = True
-    supports_fp8_weights = True
+    spec = backend_spec("te")
 
     def __init__(self, recipe, context):
         super().__init__(recipe, context)

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..specs import backend_spec
 from ..utils.imports import require
-from .base import Backend, RecipeInfo
+from .base import Backend
 
 if TYPE_CHECKING:
     from ..plan import PrecisionPlan, TensorPrecision
@@ -26,33 +27,7 @@ def _is_mha_projection(module: nn.Module) -> bool:
 
 
 class TorchAOBackend(Backend):
-    name = "torchao"
-    display_name = "TorchAO float8"
-    package = "torchao"
-    default_recipe = "tensorwise"
-    recipes = {
-        "tensorwise": RecipeInfo(
-            "tensorwise",
-            "dynamic per-tensor scales, cuBLAS FP8 GEMMs",
-            ("HYBRID", "E4M3"),
-            fsdp_fp8_all_gather=True,
-        ),
-        "rowwise": RecipeInfo(
-            "rowwise",
-            "dynamic per-row power-of-2 scales, E4M3 everywhere, CUTLASS rowwise GEMMs",
-            ("E4M3",),
-            min_capability=(9, 0),
-        ),
-        "rowwise_with_gw_hp": RecipeInfo(
-            "rowwise_with_gw_hp",
-            "rowwise FP8 for output and input-gradient GEMMs, weight gradient in high precision",
-            ("E4M3",),
-            min_capability=(9, 0),
-        ),
-    }
-    supports_emulation = True
-    eval_fp8_default = True  # Float8Linear has no high-precision eval mode
-    pads_inner_dim = True
+    spec = backend_spec("torchao")
 
     reuses_parameters = True
 

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from ...optim.levels import LEVEL_STATE_DTYPES, low_bit_optimizer, state_bytes
-from ..base import Backend, BackendUnavailableError, RecipeInfo
+from ...specs import backend_spec
+from ..base import Backend, BackendUnavailableError
 from ..torchao import _is_mha_projection
 from .comm import FP8GradReducer, clip_grad_norm_
 from .linear import META_PREFIX, WEIGHT_DTYPES, FP8Linear, update_delayed_scales
@@ -36,24 +37,7 @@ DEFAULT_WINDOW = 16  # MS-AMP's DEFAULT_WINDOW_SIZE for input and output-gradien
 
 
 class MSAMPBackend(Backend):
-    name = "msamp"
-    display_name = "MS-AMP levels (native)"
-    package = None  # plain PyTorch (+ Triton on GPUs, which PyTorch ships)
-    default_recipe = "delayed"
-    recipes = {
-        "delayed": RecipeInfo(
-            "delayed",
-            "E4M3 inputs and E5M2 output grads scaled from a 16-step amax window, weights and weight grads "
-            "from their current amax, FP8 weight gradients",
-            ("HYBRID", "E4M3"),
-            delayed=True,
-        ),
-    }
-    supports_emulation = True
-    opt_levels: ClassVar[tuple[str | None, ...]] = (None, "O1", "O2")
-    eval_fp8_default = True  # MS-AMP's FP8Linear has no high-precision eval mode
-    eval_fp8_configurable = True
-    weight_dtypes: ClassVar[tuple[str, ...]] = tuple(WEIGHT_DTYPES)
+    spec = backend_spec("msamp")
     ENGINES: ClassVar[tuple[str, ...]] = ("single", "ddp")
 
     def __init__(self, recipe, context):

@@ -1,0 +1,246 @@
+"""What each backend offers, as data: names, recipes, and the knob values it honours.
+
+The front end (`FP8RecipeKwargs`, the environment and config readers) validates a recipe against
+these declarations without importing any adapter, so the import order runs one way: specs and the
+front end at the bottom, the precision plan above them, the adapters in `lowprec.backends` above
+that, and the Accelerator on top. An adapter class names its spec (`Backend.spec`) and takes its
+class attributes from it, so each fact is written once, here.
+
+Adding a backend: declare its `BackendSpec` below (or call `register_backend` from a plug-in) and
+write the adapter class its `adapter` names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .recipe import FP8RecipeKwargs
+
+
+@dataclass(frozen=True)
+class RecipeInfo:
+    """A scaling recipe a backend offers."""
+
+    name: str
+    summary: str
+    formats: tuple[str, ...]  # accepted `fp8_format` values; the first is the default
+    delayed: bool = False  # scales come from an amax history (margin / history / algo apply)
+    min_capability: tuple[int, int] = (8, 9)
+    max_capability: tuple[int, int] | None = None  # exclusive upper bound, if any
+    fsdp_fp8_all_gather: bool = False  # weights can be all-gathered in FP8 under FSDP2
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One backend's declaration: what it is called, what it offers, which options it honours."""
+
+    name: str
+    display_name: str
+    adapter: str  # "module:Class" of the adapter, imported only when the backend is used
+    recipes: Mapping[str, RecipeInfo]
+    default_recipe: str
+    aliases: tuple[str, ...] = ()
+    package: str | None = None  # key of utils.imports.OPTIONAL_PACKAGES
+    supports_emulation: bool = False
+    opt_levels: tuple[str | None, ...] = (None,)
+    # Value of `use_autocast_during_eval` when the user leaves it unset, and whether the other
+    # value can be honoured at all.
+    eval_fp8_default: bool = True
+    eval_fp8_configurable: bool = False
+    pads_inner_dim: bool = False
+    supports_fp8_weights: bool = False
+    weight_dtypes: tuple[str, ...] = ()  # storage choices for converted weights, if any
+
+    def __post_init__(self):
+        if self.default_recipe not in self.recipes:
+            raise ValueError(f"BackendSpec {self.name!r}: default_recipe {self.default_recipe!r} is not in its recipes")
+
+    def recipe_info(self, recipe: FP8RecipeKwargs) -> RecipeInfo:
+        return self.recipes[recipe.recipe or self.default_recipe]
+
+    def check_recipe(self, recipe: FP8RecipeKwargs) -> None:
+        """Raise ValueError for a combination of options this backend cannot honour."""
+        field = "FP8RecipeKwargs"
+        name = recipe.recipe or self.default_recipe
+        if name not in self.recipes:
+            raise ValueError(
+                f"{field}.recipe={recipe.recipe!r} is not a recipe of backend {self.name!r}; "
+                f"it offers {', '.join(repr(r) for r in self.recipes)}"
+            )
+        info = self.recipes[name]
+        if recipe.fp8_format is not None and recipe.fp8_format not in info.formats:
+            raise ValueError(
+                f"{field}.fp8_format={recipe.fp8_format!r} cannot be used with {self.name} recipe {name!r}, "
+                f"which supports {', '.join(repr(f) for f in info.formats)}"
+            )
+        if not info.delayed:
+            for option, value, noop in (
+                ("margin", recipe.margin, 0),
+                ("amax_history_len", recipe.amax_history_len, None),
+                ("amax_compute_algo", recipe.amax_compute_algo, None),
+            ):
+                if value is not None and value != noop:
+                    delayed = [f"{b}:{r}" for b, r in _delayed_recipes()]
+                    raise ValueError(
+                        f"{field}.{option}={value!r} applies to delayed (amax-history) scaling, but {self.name} "
+                        f"recipe {name!r} scales from the current tensor. Delayed-scaling recipes: "
+                        f"{', '.join(delayed) or 'none in this version'}"
+                    )
+        if recipe.opt_level not in self.opt_levels:
+            levels = [lvl for lvl in self.opt_levels if lvl is not None]
+            raise ValueError(
+                f"{field}.opt_level={recipe.opt_level!r} is not available with backend {self.name!r} in this "
+                f"version of lowprec (it supports {', '.join(repr(lv) for lv in levels) or 'no MS-AMP level'}). "
+                "A level fixes a whole row (weight, weight-gradient, gradient-communication and optimizer-state "
+                "precision) and is accepted only where every part is honoured"
+                + ("" if levels else "; the knob this backend offers today is optimizer_states ('fp32', 'bf16', "
+                   "'fp16', or 'fp8' = MS-AMP O1/O2's E4M3+FP16 states), and backend='msamp' runs levels "
+                   "O1/O2 whole")
+            )
+        if recipe.use_autocast_during_eval is not None and not self.eval_fp8_configurable:
+            if recipe.use_autocast_during_eval != self.eval_fp8_default:
+                raise ValueError(
+                    f"{field}.use_autocast_during_eval={recipe.use_autocast_during_eval} cannot be honoured by "
+                    f"backend {self.name!r}: its FP8 modules always run in "
+                    f"{'FP8' if self.eval_fp8_default else 'high precision'} during eval"
+                )
+        if recipe.pad_inner_dim and not self.pads_inner_dim:
+            raise ValueError(
+                f"{field}.pad_inner_dim=True cannot be honoured by backend {self.name!r}; modules whose "
+                "dimensions do not fit its FP8 GEMMs are kept in high precision instead (see the plan)"
+            )
+        if recipe.enable_fsdp_float8_all_gather and not info.fsdp_fp8_all_gather:
+            raise ValueError(
+                f"{field}.enable_fsdp_float8_all_gather=True cannot be honoured by {self.name} recipe {name!r}: "
+                "its weights are all-gathered in high precision"
+            )
+        if recipe.fp8_weights and not self.supports_fp8_weights:
+            raise ValueError(
+                f"{field}.fp8_weights=True cannot be honoured by backend {self.name!r}: it keeps weights in high "
+                "precision (backend='te' offers FP8-only weights)"
+            )
+        if recipe.weight_dtype is not None and recipe.weight_dtype not in self.weight_dtypes:
+            raise ValueError(
+                f"{field}.weight_dtype={recipe.weight_dtype!r} cannot be honoured by backend {self.name!r}: "
+                + (f"it stores weights in {', '.join(map(repr, self.weight_dtypes))}" if self.weight_dtypes
+                   else "it keeps the model's own weight dtype (weight_dtype applies to backend='msamp')")
+            )
+        if recipe.fp8_weights and (recipe.opt_level is not None or recipe.optimizer_states is not None):
+            chosen = (f"opt_level={recipe.opt_level!r}" if recipe.opt_level is not None
+                      else f"optimizer_states={recipe.optimizer_states!r}")
+            raise ValueError(
+                f"{field}.fp8_weights=True and {chosen} both choose the optimizer "
+                "(TE FusedAdam with FP32 masters vs lowprec's low-bit Adam); set one of them"
+            )
+        if recipe.emulate and not self.supports_emulation:
+            raise ValueError(f"{field}.emulate=True cannot be honoured: backend {self.name!r} has no emulation mode")
+
+
+_SPECS: dict[str, BackendSpec] = {}
+_ALIASES: dict[str, str] = {}
+# "auto" tries these in order; the first that is available, supports the recipe and can run on the
+# device wins. TE first on FP8 GPUs: fused kernels without needing torch.compile.
+AUTO_ORDER = ("te", "torchao", "msamp")
+
+
+def register_backend(spec: BackendSpec) -> None:
+    """Make `spec` known under its name and (case-insensitive) aliases."""
+    _SPECS[spec.name] = spec
+    for alias in (spec.name, *spec.aliases):
+        _ALIASES[alias.lower()] = spec.name
+
+
+def canonical_name(name: str) -> str:
+    """'AO' -> 'torchao', 'TE' -> 'te', ...; 'auto' stays 'auto'. Raises ValueError otherwise."""
+    key = str(name).strip().lower()
+    if key == "auto":
+        return "auto"
+    if key not in _ALIASES:
+        raise ValueError(
+            f"FP8RecipeKwargs.backend={name!r} is not one of 'auto', {', '.join(repr(n) for n in _SPECS)} "
+            f"(aliases: {', '.join(sorted(a for a in _ALIASES if a not in _SPECS))})"
+        )
+    return _ALIASES[key]
+
+
+def backend_spec(name: str) -> BackendSpec:
+    return _SPECS[canonical_name(name)]
+
+
+def registered_specs() -> list[BackendSpec]:
+    return list(_SPECS.values())
+
+
+def _delayed_recipes() -> list[tuple[str, str]]:
+    return [(s.name, r.name) for s in _SPECS.values() for r in s.recipes.values() if r.delayed]
+
+
+register_backend(BackendSpec(
+    name="torchao",
+    display_name="TorchAO float8",
+    adapter="lowprec.backends.torchao:TorchAOBackend",
+    aliases=("ao",),
+    package="torchao",
+    default_recipe="tensorwise",
+    recipes={
+        "tensorwise": RecipeInfo("tensorwise", "dynamic per-tensor scales, cuBLAS FP8 GEMMs", ("HYBRID", "E4M3"),
+                                 fsdp_fp8_all_gather=True),
+        "rowwise": RecipeInfo("rowwise", "dynamic per-row power-of-2 scales, E4M3 everywhere, CUTLASS rowwise GEMMs",
+                              ("E4M3",), min_capability=(9, 0)),
+        "rowwise_with_gw_hp": RecipeInfo(
+            "rowwise_with_gw_hp", "rowwise FP8 for output and input-gradient GEMMs, weight gradient in high precision",
+            ("E4M3",), min_capability=(9, 0)),
+    },
+    supports_emulation=True,
+    eval_fp8_default=True,  # Float8Linear has no high-precision eval mode
+    pads_inner_dim=True,
+))
+
+register_backend(BackendSpec(
+    name="te",
+    display_name="NVIDIA TransformerEngine",
+    adapter="lowprec.backends.te:TEBackend",
+    aliases=("transformer_engine", "transformer-engine", "transformerengine"),
+    package="transformer_engine",
+    default_recipe="delayed",
+    recipes={
+        "delayed": RecipeInfo("delayed", "per-tensor scales from an amax history (TE DelayedScaling)",
+                              ("HYBRID", "E4M3"), delayed=True),
+        "current": RecipeInfo("current", "per-tensor scales from the current tensor (Float8CurrentScaling)",
+                              ("HYBRID", "E4M3")),
+        "block": RecipeInfo("block", "1x128 activation/gradient and 128x128 weight blocks (Float8BlockScaling)",
+                            ("E4M3",), min_capability=(9, 0)),
+        "mxfp8": RecipeInfo("mxfp8", "MXFP8: 1x32 blocks with E8M0 scales (Blackwell)", ("E4M3", "HYBRID"),
+                            min_capability=(10, 0), max_capability=(12, 0)),
+    },
+    supports_emulation=False,
+    eval_fp8_default=False,  # TE's and Accelerate's default: evaluate in high precision
+    eval_fp8_configurable=True,
+    supports_fp8_weights=True,
+))
+
+register_backend(BackendSpec(
+    name="msamp",
+    display_name="MS-AMP levels (native)",
+    adapter="lowprec.backends.msamp:MSAMPBackend",
+    aliases=("ms-amp", "ms_amp"),
+    package=None,  # plain PyTorch (+ Triton on GPUs, which PyTorch ships)
+    default_recipe="delayed",
+    recipes={
+        "delayed": RecipeInfo(
+            "delayed",
+            "E4M3 inputs and E5M2 output grads scaled from a 16-step amax window, weights and weight grads "
+            "from their current amax, FP8 weight gradients",
+            ("HYBRID", "E4M3"),
+            delayed=True,
+        ),
+    },
+    supports_emulation=True,
+    opt_levels=(None, "O1", "O2"),
+    eval_fp8_default=True,  # MS-AMP's FP8Linear has no high-precision eval mode
+    eval_fp8_configurable=True,
+    weight_dtypes=("fp16", "bf16"),
+))

@@ -1,0 +1,118 @@
+"""The package's imports run one way: facts and the front end at the bottom, the plan above them,
+the backend adapters above that, the Accelerator on top (issue: no import circle).
+
+Every `import` in every module counts, including those inside functions (a lazy import is still
+a dependency); only imports under `if TYPE_CHECKING:` are left out, since they never run.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import lowprec
+
+PACKAGE = Path(lowprec.__file__).parent
+
+# Lowest first. A module may import from its own layer and the layers below it.
+LAYERS: list[tuple[str, ...]] = [
+    # facts and tools that know nothing of backends
+    ("utils", "hardware", "env", "scaling", "kernels", "engines", "speed", "optim", "specs"),
+    # the front end: what the user asks for, validated against the backends' declarations
+    ("recipe", "compat"),
+    # the plan: data the adapters fill in
+    ("selection", "plan", "convert"),
+    # the adapters
+    ("backends",),
+    # what drives the adapters
+    ("planning", "accelerator", "export", "cli", "demo", "__init__", "__main__"),
+]
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _top(module_path: Path) -> str:
+    """The layer key of a file: its first path part under lowprec/ ('backends', 'plan', ...)."""
+    rel = module_path.relative_to(PACKAGE)
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _imported_tops(path: Path) -> set[str]:
+    """First path parts under lowprec/ of everything `path` imports at run time."""
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    package_parts = path.relative_to(PACKAGE).parts[:-1]
+    tops = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = list(package_parts[: len(package_parts) - node.level + 1])
+                parts = base + (node.module.split(".") if node.module else [])
+                if not parts:  # `from . import x` at the top level
+                    parts = [alias.name for alias in node.names]
+                    tops.update(parts)
+                    continue
+                tops.add(parts[0])
+            elif node.module and node.module.split(".")[0] == "lowprec":
+                parts = node.module.split(".")[1:] or [alias.name for alias in node.names]
+                tops.add(parts[0])
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "lowprec" and len(parts) > 1:
+                    tops.add(parts[1])
+    return tops
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    assert {_top(p) for p in SOURCES} <= set(LAYER_OF), "add new modules to LAYERS"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_down(path):
+    own = LAYER_OF[_top(path)]
+    upward = {top for top in _imported_tops(path) if top in LAYER_OF and LAYER_OF[top] > own}
+    assert not upward, f"{path.relative_to(PACKAGE)} (layer {own}) imports from higher layers: {sorted(upward)}"
+
+
+def test_the_checker_sees_lazy_relative_imports(tmp_path):
+    # the rule would be empty if lazy or relative imports were missed
+    assert "backends" in _imported_tops(PACKAGE / "planning.py")
+    assert "specs" in _imported_tops(PACKAGE / "recipe.py")
+    assert "backends" not in _imported_tops(PACKAGE / "recipe.py")
+    assert "optim" in _imported_tops(PACKAGE / "plan.py")  # imported inside a method
+
+
+def test_importing_lowprec_imports_no_backend_package_or_adapter():
+    code = (
+        "import sys, lowprec\n"
+        "loaded = [m for m in ('torchao', 'transformer_engine', 'deepspeed', 'lowprec.backends.te', "
+        "'lowprec.backends.torchao', 'lowprec.backends.msamp', 'triton') if m in sys.modules]\n"
+        "print(','.join(loaded))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_validating_a_recipe_imports_no_adapter():
+    adapters = ("lowprec.backends.te", "lowprec.backends.torchao", "lowprec.backends.msamp")
+    code = (
+        "import sys\n"
+        "from lowprec import FP8RecipeKwargs\n"
+        "FP8RecipeKwargs(backend='te', recipe='current'); FP8RecipeKwargs(backend='msamp', opt_level='O2')\n"
+        "FP8RecipeKwargs(backend='torchao', recipe='rowwise', optimizer_states='fp8')\n"
+        f"print(','.join(m for m in {adapters!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
