@@ -256,7 +256,9 @@ class Accelerator(_Accelerator):
         before = dict(model.named_parameters())
         with torch.no_grad():
             new = backend.convert(model, plan)
+            backend.apply_storage(new)
         plan.verify(new, backend.is_converted)
+        backend.verify_storage(new)
         after = dict(new.named_parameters())
         for name, p in before.items():
             if name in after and after[name] is not p:

@@ -60,6 +60,7 @@ FIELD_KEYS: dict[str, tuple[str, ...]] = {
     "use_autocast_during_eval": ("USE_AUTOCAST_DURING_EVAL",),
     "fp8_weights": ("FP8_WEIGHTS",),
     "weight_dtype": ("WEIGHT_DTYPE",),
+    "weight_grad_dtype": ("WEIGHT_GRAD_DTYPE",),
     "emulate": ("EMULATE",),
 }
 # Accelerate-only keys: TE removed these options, so they are accepted only at their no-op values.

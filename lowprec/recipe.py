@@ -22,9 +22,13 @@ log = logging.getLogger(__name__)
 FP8_FORMATS = ("HYBRID", "E4M3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 OPT_LEVELS = ("O1", "O2", "O3")
-WEIGHT_DTYPES = ("fp16", "bf16")
+WEIGHT_DTYPES = ("fp32", "fp16", "bf16")
+WEIGHT_GRAD_DTYPES = ("fp32", "bf16", "fp8")
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+_DTYPE_ALIASES = {"float32": "fp32", "torch.float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
+                  "torch.float16": "fp16", "bfloat16": "bf16", "torch.bfloat16": "bf16", "e4m3": "fp8",
+                  "float8_e4m3fn": "fp8", "torch.float8_e4m3fn": "fp8"}
 
 
 def _parse_bool(name: str, value: Any) -> bool:
@@ -133,8 +137,12 @@ class FP8RecipeKwargs(KwargsHandler):
         use_autocast_during_eval: run FP8 in eval mode too. None: the backend's default.
         fp8_weights: te only: keep converted Linear weights in FP8 only (TE's quantized_model_init),
             with FP32 master weights in TE's FusedAdam, which replaces Adam/AdamW.
-        weight_dtype: msamp only: storage of converted Linear weights, "fp16" (MS-AMP's choice,
-            the default) or "bf16".
+        weight_dtype: storage of converted Linear weights, "fp32", "fp16" or "bf16", updated in place
+            with no FP32 master copy (Adam/AdamW becomes LowBitAdam(W), whose update math is FP32).
+            None: the level's ("fp16" for O1/O2), else the model's own (msamp: "fp16").
+        weight_grad_dtype: storage of converted Linear weight gradients, "fp32", "bf16" or "fp8"
+            (E4M3, per-tensor scale), kept outside `.grad` from the moment autograd produces them
+            (msamp: always "fp8"). None: the level's ("fp8" for O1/O2), else the weight's dtype.
         emulate: True forces emulation (FP8 numerics, high-precision matmuls); False forbids it
             (error without FP8 hardware); None emulates only where there is no FP8 hardware.
     """
@@ -158,6 +166,7 @@ class FP8RecipeKwargs(KwargsHandler):
     weight_dtype: str | None = None
     emulate: bool | None = None
     optimizer_states: str | tuple[str, str] | None = None
+    weight_grad_dtype: str | None = None
 
     def __post_init__(self):
         env = read_fp8_env()
@@ -213,10 +222,11 @@ class FP8RecipeKwargs(KwargsHandler):
         if name == "amax_compute_algo":
             return _parse_choice(name, value, AMAX_COMPUTE_ALGOS, upper=False)
         if name == "weight_dtype":
-            aliases = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16", "torch.float16": "fp16",
-                       "torch.bfloat16": "bf16"}
             text = str(value).strip().lower()
-            return _parse_choice(name, aliases.get(text, text), WEIGHT_DTYPES, upper=False)
+            return _parse_choice(name, _DTYPE_ALIASES.get(text, text), WEIGHT_DTYPES, upper=False)
+        if name == "weight_grad_dtype":
+            text = str(value).strip().lower()
+            return _parse_choice(name, _DTYPE_ALIASES.get(text, text), WEIGHT_GRAD_DTYPES, upper=False)
         if name == "optimizer_states":
             return _parse_states(value)
         if name == "opt_level":

@@ -52,7 +52,9 @@ class BackendSpec:
     eval_fp8_configurable: bool = False
     pads_inner_dim: bool = False
     supports_fp8_weights: bool = False
-    weight_dtypes: tuple[str, ...] = ()  # storage choices for converted weights, if any
+    weight_dtypes: tuple[str, ...] = ()  # storage choices for converted weights
+    weight_grad_dtypes: tuple[str, ...] = ()  # ... and for their gradients
+    default_opt_level: str | None = None  # the level in force when the recipe names none
 
     def __post_init__(self):
         if self.default_recipe not in self.recipes:
@@ -60,6 +62,19 @@ class BackendSpec:
 
     def recipe_info(self, recipe: FP8RecipeKwargs) -> RecipeInfo:
         return self.recipes[recipe.recipe or self.default_recipe]
+
+    def storage(self, recipe: FP8RecipeKwargs) -> dict[str, str | None]:
+        """The storage knobs in force: each explicit field, else its level's value, else None (the
+        model's and optimizer's own). Keys: opt_level, weight_dtype, weight_grad_dtype, optimizer_states."""
+        from .optim.levels import LEVEL_ROWS
+
+        level = recipe.opt_level or self.default_opt_level
+        row = LEVEL_ROWS.get(level, {}) if level else {}
+        out: dict[str, str | None] = {"opt_level": level}
+        for knob in ("weight_dtype", "weight_grad_dtype", "optimizer_states"):
+            value = getattr(recipe, knob)
+            out[knob] = value if value is not None else row.get(knob)
+        return out
 
     def check_recipe(self, recipe: FP8RecipeKwargs) -> None:
         """Raise ValueError for a combination of options this backend cannot honour."""
@@ -95,10 +110,8 @@ class BackendSpec:
                 f"{field}.opt_level={recipe.opt_level!r} is not available with backend {self.name!r} in this "
                 f"version of lowprec (it supports {', '.join(repr(lv) for lv in levels) or 'no MS-AMP level'}). "
                 "A level fixes a whole row (weight, weight-gradient, gradient-communication and optimizer-state "
-                "precision) and is accepted only where every part is honoured"
-                + ("" if levels else "; the knob this backend offers today is optimizer_states ('fp32', 'bf16', "
-                   "'fp16', or 'fp8' = MS-AMP O1/O2's E4M3+FP16 states), and backend='msamp' runs levels "
-                   "O1/O2 whole")
+                "precision) and is accepted only where every part is honoured; its parts are also knobs of their "
+                "own: weight_dtype, weight_grad_dtype, optimizer_states"
             )
         if recipe.use_autocast_during_eval is not None and not self.eval_fp8_configurable:
             if recipe.use_autocast_during_eval != self.eval_fp8_default:
@@ -122,11 +135,20 @@ class BackendSpec:
                 f"{field}.fp8_weights=True cannot be honoured by backend {self.name!r}: it keeps weights in high "
                 "precision (backend='te' offers FP8-only weights)"
             )
-        if recipe.weight_dtype is not None and recipe.weight_dtype not in self.weight_dtypes:
+        storage = self.storage(recipe)
+        for knob, accepted in (("weight_dtype", self.weight_dtypes), ("weight_grad_dtype", self.weight_grad_dtypes)):
+            value = storage[knob]
+            if value is not None and value not in accepted:
+                source = "" if getattr(recipe, knob) is not None else f" (from opt_level={storage['opt_level']!r})"
+                raise ValueError(
+                    f"{field}.{knob}={value!r}{source} cannot be honoured by backend {self.name!r}: "
+                    f"it accepts {', '.join(map(repr, accepted))}"
+                )
+        weight, grad = storage["weight_dtype"], storage["weight_grad_dtype"]
+        if grad == "fp32" and weight not in (None, "fp32"):
             raise ValueError(
-                f"{field}.weight_dtype={recipe.weight_dtype!r} cannot be honoured by backend {self.name!r}: "
-                + (f"it stores weights in {', '.join(map(repr, self.weight_dtypes))}" if self.weight_dtypes
-                   else "it keeps the model's own weight dtype (weight_dtype applies to backend='msamp')")
+                f"{field}.weight_grad_dtype='fp32' cannot be kept for {weight} weights (no FP32 master copy "
+                "exists to hold it); use weight_dtype='fp32', or weight_grad_dtype 'bf16' / 'fp8'"
             )
         if recipe.fp8_weights and (recipe.opt_level is not None or recipe.optimizer_states is not None):
             chosen = (f"opt_level={recipe.opt_level!r}" if recipe.opt_level is not None
@@ -134,6 +156,11 @@ class BackendSpec:
             raise ValueError(
                 f"{field}.fp8_weights=True and {chosen} both choose the optimizer "
                 "(TE FusedAdam with FP32 masters vs lowprec's low-bit Adam); set one of them"
+            )
+        if recipe.fp8_weights and (weight is not None or grad is not None):
+            raise ValueError(
+                f"{field}.fp8_weights=True keeps TE's FP8 weights with FP32 masters; it cannot be combined with "
+                f"weight_dtype={weight!r} / weight_grad_dtype={grad!r} (or a level that sets them); set one of them"
             )
         if recipe.emulate and not self.supports_emulation:
             raise ValueError(f"{field}.emulate=True cannot be honoured: backend {self.name!r} has no emulation mode")
@@ -197,6 +224,9 @@ register_backend(BackendSpec(
     supports_emulation=True,
     eval_fp8_default=True,  # Float8Linear has no high-precision eval mode
     pads_inner_dim=True,
+    opt_levels=(None, "O1", "O2"),
+    weight_dtypes=("fp32", "fp16", "bf16"),
+    weight_grad_dtypes=("fp32", "bf16", "fp8"),
 ))
 
 register_backend(BackendSpec(
@@ -220,6 +250,9 @@ register_backend(BackendSpec(
     eval_fp8_default=False,  # TE's and Accelerate's default: evaluate in high precision
     eval_fp8_configurable=True,
     supports_fp8_weights=True,
+    opt_levels=(None, "O1", "O2"),
+    weight_dtypes=("fp32", "fp16", "bf16"),
+    weight_grad_dtypes=("fp32", "bf16", "fp8"),
 ))
 
 register_backend(BackendSpec(
@@ -242,5 +275,7 @@ register_backend(BackendSpec(
     opt_levels=(None, "O1", "O2"),
     eval_fp8_default=True,  # MS-AMP's FP8Linear has no high-precision eval mode
     eval_fp8_configurable=True,
-    weight_dtypes=("fp16", "bf16"),
+    weight_dtypes=("fp32", "fp16", "bf16"),
+    weight_grad_dtypes=("fp8",),  # its FP8Linear writes FP8 weight gradients from its own backward
+    default_opt_level="O2",
 ))

@@ -38,8 +38,10 @@ BAD_VALUES = [
     ("use_autocast_during_eval", 0.0, ["'true'/'false'"]),
     ("emulate", "auto", ["'true'/'false'"]),
     ("fp8_weights", "sometimes", ["'true'/'false'"]),
-    ("weight_dtype", "fp8", ["'fp16'", "'bf16'"]),
-    ("weight_dtype", 16, ["'fp16'", "'bf16'"]),
+    ("weight_dtype", "fp8", ["'fp32'", "'fp16'", "'bf16'"]),
+    ("weight_dtype", 16, ["'fp32'", "'fp16'", "'bf16'"]),
+    ("weight_grad_dtype", "fp16", ["'fp32'", "'bf16'", "'fp8'"]),
+    ("weight_grad_dtype", "int8", ["'fp32'", "'bf16'", "'fp8'"]),
     ("module_filter_fn", "lm_head", ["fn(module, fqn)"]),
     ("optimizer_states", "fp4", ["'fp32'", "'fp8'", "'e4m3'", "('e4m3', 'fp16')"]),
     ("optimizer_states", ("e4m3",), ["'fp32'", "'fp8'"]),
@@ -98,10 +100,36 @@ def test_weight_dtype_spellings(value, canonical):
     assert FP8RecipeKwargs(backend="msamp", weight_dtype=value).weight_dtype == canonical
 
 
-@pytest.mark.parametrize("backend", ["torchao", "te"])
-def test_weight_dtype_only_for_msamp(backend):
-    with pytest.raises(ValueError, match=f"FP8RecipeKwargs.weight_dtype='bf16'.*{backend}"):
-        FP8RecipeKwargs(backend=backend, weight_dtype="bf16")
+@pytest.mark.parametrize("backend", ["torchao", "te", "msamp"])
+@pytest.mark.parametrize("weight", ["fp32", "fp16", "bf16"])
+def test_weight_dtype_for_every_backend(backend, weight):
+    assert FP8RecipeKwargs(backend=backend, weight_dtype=weight).weight_dtype == weight
+
+
+@pytest.mark.parametrize("value, canonical", [("fp8", "fp8"), ("e4m3", "fp8"), ("BF16", "bf16"),
+                                              ("torch.float32", "fp32")])
+def test_weight_grad_dtype_spellings(value, canonical):
+    assert FP8RecipeKwargs(backend="torchao", weight_grad_dtype=value).weight_grad_dtype == canonical
+
+
+@pytest.mark.parametrize("grad", ["fp32", "bf16"])
+def test_msamp_keeps_weight_gradients_in_fp8_only(grad):
+    with pytest.raises(ValueError, match=f"weight_grad_dtype='{grad}' cannot be honoured by backend 'msamp'.*'fp8'"):
+        FP8RecipeKwargs(backend="msamp", weight_grad_dtype=grad)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_fp32_gradients_of_fp16_weights_are_refused(level):
+    with pytest.raises(ValueError, match="weight_grad_dtype='fp32' cannot be kept for fp16 weights"):
+        FP8RecipeKwargs(backend="torchao", opt_level=level, weight_grad_dtype="fp32")
+    # with FP32 weights the level's other parts still apply
+    r = FP8RecipeKwargs(backend="torchao", opt_level=level, weight_dtype="fp32", weight_grad_dtype="fp32")
+    assert (r.opt_level, r.weight_dtype, r.weight_grad_dtype) == (level, "fp32", "fp32")
+
+
+def test_fp8_weights_and_weight_storage_knobs_are_one_choice():
+    with pytest.raises(ValueError, match="fp8_weights=True keeps TE's FP8 weights.*weight_dtype='bf16'"):
+        FP8RecipeKwargs(backend="te", fp8_weights=True, weight_dtype="bf16")
 
 
 # ---- recipes -----------------------------------------------------------------------------------
@@ -188,15 +216,26 @@ def test_opt_level_o1_o2_accepted_by_msamp_which_honours_the_whole_row(level):
     assert FP8RecipeKwargs(backend="msamp", opt_level=level).opt_level == level.upper()
 
 
-@pytest.mark.parametrize("backend", ["torchao", "te"])
-@pytest.mark.parametrize("level", ["O1", "o2", "O3"])
-def test_opt_level_on_a_backend_without_the_whole_row_names_the_knob_that_exists(backend, level):
-    # issue 12: never a silent partial level; te/torchao honour only the optimizer-state part today
+@pytest.mark.parametrize("backend", ["torchao", "te", "msamp"])
+@pytest.mark.parametrize("level", ["O1", "o2"])
+def test_levels_o1_o2_are_presets_of_the_storage_knobs_for_every_backend(backend, level):
+    from lowprec.specs import backend_spec
+
+    r = FP8RecipeKwargs(backend=backend, opt_level=level)
+    storage = backend_spec(backend).storage(r)
+    assert storage == {"opt_level": level.upper(), "weight_dtype": "fp16", "weight_grad_dtype": "fp8",
+                       "optimizer_states": "fp32" if level.upper() == "O1" else "fp8"}
+    # an explicit knob wins over the level's value
+    assert backend_spec(backend).storage(r.replace(weight_dtype="bf16"))["weight_dtype"] == "bf16"
+
+
+@pytest.mark.parametrize("backend", ["torchao", "te", "msamp"])
+def test_o3_names_the_levels_and_knobs_that_exist(backend):
     with pytest.raises(ValueError) as err:
-        FP8RecipeKwargs(backend=backend, opt_level=level)
+        FP8RecipeKwargs(backend=backend, opt_level="O3")
     message = str(err.value)
-    assert f"opt_level={level.upper()!r} is not available with backend {backend!r}" in message
-    assert "optimizer_states" in message and "backend='msamp'" in message
+    assert f"opt_level='O3' is not available with backend {backend!r}" in message and "'O1', 'O2'" in message
+    assert "weight_dtype, weight_grad_dtype, optimizer_states" in message
 
 
 @pytest.mark.parametrize("backend", ["torchao", "te", "msamp"])

@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from ..recipe import FP8RecipeKwargs
 
 
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 class BackendUnavailableError(RuntimeError):
     """The selected backend cannot run here (package missing, not in this version, or hardware)."""
 
@@ -75,6 +78,9 @@ class Backend(ABC):
     # The FP8 module keeps the original Parameter objects (torchao); otherwise conversion makes new
     # ones, and a Linear whose weight is tied to another module must stay as it is.
     reuses_parameters: ClassVar[bool] = False
+    # The adapter's own layer realises weight_dtype / weight_grad_dtype (msamp's FP8Linear);
+    # otherwise the base class casts converted weights and installs gradient stores.
+    native_storage: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -121,6 +127,119 @@ class Backend(ABC):
             raise ValueError(f"FP8RecipeKwargs(backend={self.name!r}, recipe={self.recipe_name!r}) {problem}")
         self.fp8_format = recipe.fp8_format or self.info.formats[0]
         self.emulated, self.execution_note = self._decide_execution()
+        self.grad_stores: list = []
+        self._original_weight_dtypes: dict[str, torch.dtype] = {}
+        if not self.native_storage:
+            self._check_storage_engine()
+
+    # ----- storage knobs: weight_dtype, weight_grad_dtype (see lowprec.optim.grad_store) ------------
+    @property
+    def storage(self) -> dict[str, str | None]:
+        """The storage knobs in force (explicit fields, else the level's row); see BackendSpec.storage."""
+        return self.spec.storage(self.recipe)
+
+    def weight_storage_dtype(self) -> torch.dtype | None:
+        """The dtype converted Linear weights are stored in, or None: the model's own."""
+        return _DTYPES.get(self.storage["weight_dtype"])
+
+    def grad_store_dtype(self, weight_dtype: torch.dtype | None) -> torch.dtype | None:
+        """The dtype a `GradStore` keeps converted weights' gradients in, or None: `.grad` as usual
+        (`weight_dtype`: the weights' storage, None when not known yet)."""
+        grad = self.storage["weight_grad_dtype"]
+        if grad == "fp8":
+            return torch.float8_e4m3fn
+        if grad == "bf16" and weight_dtype != torch.bfloat16:
+            return torch.bfloat16
+        return None
+
+    def _check_storage_engine(self) -> None:
+        engine = self.context.engine
+        if engine == "single":
+            return
+        storage = self.storage
+        wanted = [f"{knob}={storage[knob]!r}" for knob in ("weight_dtype", "weight_grad_dtype")
+                  if storage[knob] not in (None, "fp32")]
+        if storage["opt_level"] is not None:
+            wanted.insert(0, f"opt_level={storage['opt_level']!r}")
+        if wanted:
+            raise BackendUnavailableError(
+                f"FP8RecipeKwargs(backend={self.name!r}, {', '.join(wanted)}) runs on one process in this version "
+                f"of lowprec, not under {engine}: low-precision weight gradients need FP8 gradient communication, "
+                "which is not there yet. Under DDP use backend='msamp' (it reduces FP8 weight gradients), or keep "
+                "these knobs unset (optimizer_states works everywhere)"
+            )
+
+    def apply_storage(self, root: nn.Module) -> None:
+        """Store converted weights in `weight_dtype` and keep their gradients in stores, as planned."""
+        if self.native_storage:
+            return
+        from ..optim.grad_store import clear_in_zero_grad, install_grad_stores
+
+        converted = [(name, m) for name, m in root.named_modules() if self.converted_kind(m) == "linear"
+                     and isinstance(getattr(m, "weight", None), nn.Parameter)]
+        dtype = self.weight_storage_dtype()
+        if dtype is not None:
+            for name, module in converted:
+                weight = module.weight
+                if weight.dtype != dtype:
+                    self._original_weight_dtypes[(name + "." if name else "") + "weight"] = weight.dtype
+                    weight.data = weight.data.to(dtype)  # the same Parameter: the optimizer keeps it
+        by_dtype: dict[torch.dtype, list[nn.Module]] = {}
+        for _, module in converted:
+            store_dtype = self.grad_store_dtype(module.weight.dtype)
+            if store_dtype is not None:
+                by_dtype.setdefault(store_dtype, []).append(module)
+        for store_dtype, modules in by_dtype.items():
+            self.grad_stores += install_grad_stores(modules, store_dtype)
+        clear_in_zero_grad(root, self.grad_stores)
+
+    def verify_storage(self, model: nn.Module) -> None:
+        """Raise `PlanMismatchError` where a converted weight or its gradient is not stored as planned."""
+        from ..plan import PlanMismatchError
+
+        planned = self.weight_storage_dtype()
+        stored = {id(store.weight) for store in self.grad_stores}
+        wrong = []
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if self.converted_kind(module) != "linear" or not isinstance(weight, nn.Parameter):
+                continue
+            if planned is not None and weight.dtype != planned:
+                wrong.append(f"{name}.weight: planned {planned}, built {weight.dtype}")
+            if not self.native_storage and (self.grad_store_dtype(weight.dtype) is not None) != (id(weight) in stored):
+                wrong.append(f"{name}.weight: gradient store planned {self.grad_store_dtype(weight.dtype)}, "
+                             f"built {'one' if id(weight) in stored else 'none'}")
+        if wrong:
+            raise PlanMismatchError("the converted model does not store weights as its plan says:\n  "
+                                    + "\n  ".join(wrong))
+
+    def storage_rows(self, rows: list[TensorPrecision], plan: PrecisionPlan) -> list[TensorPrecision]:
+        """`rows` with the weight and weight-gradient entries the storage knobs change."""
+        from ..plan import TensorPrecision, short_dtype
+
+        if self.native_storage or not plan.converted:
+            return rows
+        hp = plan.param_dtype
+        weight = self.weight_storage_dtype()
+        weight_name = short_dtype(weight) if weight is not None else hp
+        store = self.grad_store_dtype(weight if weight is not None else _DTYPES.get(hp.lower()))
+        why = f"level {self.storage['opt_level']}" if self.storage["opt_level"] else "set by FP8RecipeKwargs"
+        out = []
+        for row in rows:
+            if row.kind == "weight" and weight is not None:
+                row = TensorPrecision("weight", f"{weight_name} (FP8 Linear), {row.dtype} (rest)",
+                                      f"{why}: updated in place by LowBitAdam(W) in FP32 math, no master copy")
+            elif row.kind == "weight_grad" and (store is not None or weight is not None):
+                kept = {torch.float8_e4m3fn: "FP8 E4M3", torch.bfloat16: "BF16"}.get(store, weight_name)
+                if store is None:
+                    note = f"{why}: in .grad, in the weights' dtype"
+                else:
+                    note = f"{why}: taken from .grad by a post-accumulate-grad hook"
+                    if store == torch.float8_e4m3fn:
+                        note += "; per-tensor power-of-2 scale, micro-batches dequantise + add + requantise"
+                row = TensorPrecision("weight_grad", f"{kept} (FP8 Linear), {row.dtype} (rest)", note)
+            out.append(row)
+        return out
 
     def _decide_execution(self) -> tuple[bool, str]:
         """Hardware FP8 or emulation, with the reason. Raises if neither is possible."""
@@ -195,30 +314,44 @@ class Backend(ABC):
             check_optimizer(optimizer, self.optimizer_states, backend=self.name, option=self._states_option)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, plan: PrecisionPlan) -> torch.optim.Optimizer:
-        """Optimizer-state precision: low-bit states replace Adam/AdamW with lowprec's low-bit Adam."""
+        """Optimizer-state precision: low-bit states replace Adam/AdamW with lowprec's low-bit Adam,
+        which also reads the weight gradients kept in stores."""
         if self.optimizer_states is None:
             return optimizer
         from ..optim.levels import low_bit_optimizer
 
-        return low_bit_optimizer(optimizer, self.optimizer_states, backend=self.name, option=self._states_option)
+        new = low_bit_optimizer(optimizer, self.optimizer_states, backend=self.name, option=self._states_option)
+        if self.grad_stores:
+            new.attach_fp8_grads(self.grad_stores)
+        return new
 
     @property
     def opt_level(self) -> str | None:
         """The memory level in force (a backend may have a default when the recipe names none)."""
-        return self.recipe.opt_level
+        return self.storage["opt_level"]
 
     @property
     def optimizer_states(self) -> str | None:
-        """The optimizer-state storage in force ('fp8', 'e4m3+e4m3', ...), or None: the optimizer's own."""
-        from ..optim.levels import LEVEL_STATES
+        """The optimizer-state storage in force ('fp8', 'e4m3+e4m3', ...), or None: the optimizer's own.
 
-        if self.recipe.optimizer_states is not None:
-            return self.recipe.optimizer_states
-        return LEVEL_STATES[self.opt_level] if self.opt_level is not None else None
+        Weights below FP32 or gradients in stores need lowprec's low-bit Adam (FP32 update math, reads
+        the stores), with FP32 states unless asked otherwise."""
+        states = self.storage["optimizer_states"]
+        if states is None and not self.native_storage and self._needs_low_bit_adam():
+            return "fp32"
+        return states
+
+    def _needs_low_bit_adam(self) -> bool:
+        storage = self.storage
+        return storage["weight_dtype"] in ("fp16", "bf16") or storage["weight_grad_dtype"] in ("fp8", "bf16")
 
     @property
     def _states_option(self) -> str:
-        return "optimizer_states" if self.recipe.optimizer_states is not None else "opt_level"
+        if self.recipe.optimizer_states is not None:
+            return "optimizer_states"
+        if self.storage["opt_level"] is not None:
+            return "opt_level"
+        return "weight_dtype" if self.storage["weight_dtype"] in ("fp16", "bf16") else "weight_grad_dtype"
 
     def optimizer_state_precision(self, param_dtype: str) -> TensorPrecision:
         """The optimizer-state column: the low-bit states in force, or the parameters' dtype."""
@@ -241,7 +374,11 @@ class Backend(ABC):
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip gradients the backend keeps outside `.grad`; None leaves clipping to Accelerate."""
-        return None
+        if not self.grad_stores:
+            return None
+        from ..optim.grad_store import clip_grad_norm_
+
+        return clip_grad_norm_(parameters, self.grad_stores, max_norm, norm_type)
 
     def forward_context(self, model: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:
         """A factory for the context every forward must run in (TE autocast), or None."""
@@ -253,7 +390,14 @@ class Backend(ABC):
 
     def portable_state_dict(self, state_dict: dict) -> dict:
         """The state dict as the original (unconverted) model would have it."""
-        return state_dict
+        return self.restore_weight_dtypes(state_dict)
+
+    def restore_weight_dtypes(self, state_dict: dict) -> dict:
+        """Weights stored in `weight_dtype` back in the dtype the model was built with."""
+        dtypes = self._original_weight_dtypes
+        if not dtypes:
+            return state_dict
+        return {k: v.to(dtypes[k]) if k in dtypes and isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
 
     def effective_options(self) -> dict[str, object]:
         """The recipe options as this backend applies them (defaults filled in), for the plan."""
@@ -284,6 +428,14 @@ class Backend(ABC):
         states = 2 * size if self.optimizer_states is None else state_bytes(self.optimizer_states)
         out = {"weight": size, "weight_grad": size, "master_weight": 0, "optimizer_states": states}
         out.update(self.engine_state_bytes(param_dtype))
+        weight = self.weight_storage_dtype()
+        store = self.grad_store_dtype(weight if weight is not None else param_dtype)
+        if not self.native_storage and (weight is not None or store is not None):
+            share = plan.fp8_param_share  # the converted Linear weights' share of all parameters
+            w_size = weight.itemsize if weight is not None else size
+            g_size = store.itemsize if store is not None else w_size
+            out["weight"] = share * w_size + (1 - share) * out["weight"]
+            out["weight_grad"] = share * g_size + (1 - share) * out["weight_grad"]
         return out
 
     def notes(self, plan: PrecisionPlan) -> list[str]:

@@ -253,7 +253,7 @@ class TEBackend(Backend):
     def portable_state_dict(self, state_dict: dict) -> dict:
         from .te_modules import portable_state_dict
 
-        return portable_state_dict(state_dict)
+        return portable_state_dict(self.restore_weight_dtypes(state_dict))
 
     # ----- plan ---------------------------------------------------------------------------------
     def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
@@ -275,14 +275,14 @@ class TEBackend(Backend):
             weight = TensorPrecision("weight", f"FP8 E4M3 (Linear), {hp} (rest)",
                                      "quantised at init and after each step by FusedAdam")
             master = TensorPrecision("master_weight", "FP32 (TE FusedAdam)")
-        return [
+        return self.storage_rows([
             TensorPrecision("gemm", gemm, scaling),
             comm,
             weight,
             master,
             TensorPrecision("weight_grad", self.context.engine_precision.weight or hp),
             self.optimizer_state_precision(hp),
-        ]
+        ], plan)
 
     def model_state_bytes(self, plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
         out = super().model_state_bytes(plan, param_dtype)

@@ -118,12 +118,12 @@ class TorchAOBackend(Backend):
         else:
             gemm = "FP8 E4M3 (wgrad BF16)"
             scaling = "dynamic per-row, power-of-2 scales; weight-gradient GEMM in high precision"
-        return [
+        return self.storage_rows([
             TensorPrecision("gemm", gemm, scaling),
             *self.engine_rows(hp, fp8_gather=self.fsdp_fp8_all_gather),
             TensorPrecision("weight_grad", self.context.engine_precision.weight or hp),
             self.optimizer_state_precision(hp),
-        ]
+        ], plan)
 
     def notes(self, plan: PrecisionPlan) -> list[str]:
         notes = []

@@ -22,8 +22,15 @@ STATE_PRESETS: dict[str, tuple[torch.dtype, torch.dtype]] = {
     "fp16": (torch.float16, torch.float16),
     "fp8": (torch.float8_e4m3fn, torch.float16),
 }
-# The optimizer-state part of each MS-AMP level, as msamp.initialize sets it (O3 keeps O2's states).
-LEVEL_STATES = {"O1": "fp32", "O2": "fp8", "O3": "fp8"}
+# Each MS-AMP level as values of FP8RecipeKwargs' storage knobs (the table in DESIGN.md): FP16
+# weights with no master copy, FP8 weight gradients, and the states msamp.initialize sets (O3
+# keeps O2's states; its FP8 weights and sharded masters are not knobs yet).
+LEVEL_ROWS: dict[str, dict[str, str]] = {
+    "O1": {"weight_dtype": "fp16", "weight_grad_dtype": "fp8", "optimizer_states": "fp32"},
+    "O2": {"weight_dtype": "fp16", "weight_grad_dtype": "fp8", "optimizer_states": "fp8"},
+    "O3": {"weight_dtype": "fp16", "weight_grad_dtype": "fp8", "optimizer_states": "fp8"},
+}
+LEVEL_STATES = {level: row["optimizer_states"] for level, row in LEVEL_ROWS.items()}
 LEVEL_STATE_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
     level: STATE_PRESETS[LEVEL_STATES[level]] for level in ("O1", "O2")
 }

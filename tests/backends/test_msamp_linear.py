@@ -102,7 +102,7 @@ def test_from_float_keeps_frozen_parameters_frozen():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(weight_dtype=torch.float32), "weight_dtype"),
+    (dict(weight_dtype=torch.float64), "weight_dtype"),
     (dict(fp8_format="E5M2"), "fp8_format"),
     (dict(amax_compute_algo="mean"), "amax_compute_algo"),
     (dict(amax_history_len=0), "amax_history_len"),

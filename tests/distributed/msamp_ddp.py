@@ -151,7 +151,7 @@ RANDOM_SHAPES = [(32, 16), (48, 32), (16, 64), (3, 5)]
 
 def scenario_random(rank: int, method: str) -> dict:
     """Gradients of different magnitudes per layer and per rank (so local scales differ across ranks)."""
-    from lowprec.backends.msamp.comm import clip_grad_norm_, fp8_grad_norms
+    from lowprec.optim.grad_store import clip_grad_norm_, fp8_grad_norms
 
     layers = _layers(RANDOM_SHAPES)
     for i, layer in enumerate(layers):
@@ -324,7 +324,7 @@ def grad_state(model: nn.Module) -> tuple[str, str]:
 
 
 def total_grad_norm(model: nn.Module) -> float:
-    from lowprec.backends.msamp.comm import fp8_grad_norms
+    from lowprec.optim.grad_store import fp8_grad_norms
 
     parts = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
     fp8 = fp8_grad_norms(fp8_layers(model), 2.0)

@@ -10,7 +10,6 @@ The three jobs of the adapter:
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
@@ -18,11 +17,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from ...optim.grad_store import clear_in_zero_grad, clip_grad_norm_
 from ...optim.levels import LEVEL_STATE_DTYPES, low_bit_optimizer, state_bytes
 from ...specs import backend_spec
 from ..base import Backend, BackendUnavailableError
 from ..torchao import _is_mha_projection
-from .comm import FP8GradReducer, clip_grad_norm_
+from .comm import FP8GradReducer
 from .linear import META_PREFIX, WEIGHT_DTYPES, FP8Linear, update_delayed_scales
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ DEFAULT_WINDOW = 16  # MS-AMP's DEFAULT_WINDOW_SIZE for input and output-gradien
 
 class MSAMPBackend(Backend):
     spec = backend_spec("msamp")
+    native_storage = True
     ENGINES: ClassVar[tuple[str, ...]] = ("single", "ddp")
 
     def __init__(self, recipe, context):
@@ -48,7 +49,7 @@ class MSAMPBackend(Backend):
                 "supported in this version of lowprec. Use backend='te' or backend='torchao' with FSDP2 / DeepSpeed"
             )
         self.level: str = recipe.opt_level or DEFAULT_LEVEL
-        self.weight_dtype = WEIGHT_DTYPES[recipe.weight_dtype or "fp16"]
+        self.weight_dtype = WEIGHT_DTYPES[self.storage["weight_dtype"] or "fp16"]
         self.layers: list[FP8Linear] = []
         self.reducer: FP8GradReducer | None = None
         self._original_dtypes: dict[str, torch.dtype] = {}
@@ -82,7 +83,7 @@ class MSAMPBackend(Backend):
         out = super().effective_options()
         r = self.recipe
         out["amax_history_len"] = r.amax_history_len if r.amax_history_len is not None else DEFAULT_WINDOW
-        out["weight_dtype"] = r.weight_dtype or "fp16"
+        out["weight_dtype"] = self.storage["weight_dtype"] or "fp16"
         return out
 
     # ----- layer replacement ----------------------------------------------------------------------
@@ -99,7 +100,7 @@ class MSAMPBackend(Backend):
         root = swap_planned_modules(model, plan, lambda module, _: FP8Linear.from_float(module, **options))
         self.layers = list({id(m): m for m in root.modules() if isinstance(m, FP8Linear)}.values())
         _ignore_in_ddp(root)
-        _clear_fp8_grads_in_zero_grad(root, self.layers)
+        clear_in_zero_grad(root, self.layers)
         return root
 
     # ----- optimizer ------------------------------------------------------------------------------
@@ -113,8 +114,7 @@ class MSAMPBackend(Backend):
     def setup_communication(self, model: nn.Module, plan: PrecisionPlan) -> None:
         import torch.distributed as dist
 
-        if getattr(model.zero_grad, "func", None) is not _zero_grad:
-            _clear_fp8_grads_in_zero_grad(model, self.layers)  # the DDP / compile wrapper
+        clear_in_zero_grad(model, self.layers)  # the DDP / compile wrapper
         if self.context.engine == "ddp" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.reducer = FP8GradReducer(self.layers)
             # DDP ignores these weights (see _ignore_in_ddp), so its initial broadcast skips them.
@@ -165,7 +165,7 @@ class MSAMPBackend(Backend):
 
         hp = plan.param_dtype
         opts = self.effective_options()
-        wdt = "FP16" if self.weight_dtype == torch.float16 else "BF16"
+        wdt = {torch.float32: "FP32", torch.float16: "FP16", torch.bfloat16: "BF16"}[self.weight_dtype]
         gemm = {"HYBRID": "FP8 E4M3/E5M2", "E4M3": "FP8 E4M3"}[self.fp8_format]
         scaling = (f"power-of-2 per-tensor: inputs and output grads from the {opts['amax_compute_algo']} amax of "
                    f"the last {opts['amax_history_len']} steps (current amax while warming up), weights from "
@@ -222,17 +222,3 @@ def _ignore_in_ddp(root: nn.Module) -> None:
             names += [dot + name for name, _ in module.named_buffers(recurse=False)]
     existing = list(getattr(root, "_ddp_params_and_buffers_to_ignore", []))
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, existing + names)
-
-
-def _clear_fp8_grads_in_zero_grad(model: nn.Module, layers: list[FP8Linear]) -> None:
-    """`model.zero_grad()` also clears the FP8 weight gradients, which are not `.grad` (as in MS-AMP).
-
-    A partial of module-level code (not a closure), so the model still pickles and deep-copies.
-    """
-    if layers:
-        model.zero_grad = functools.partial(_zero_grad, model.zero_grad, list(layers))
-
-
-def _zero_grad(original, layers: list[FP8Linear], set_to_none: bool = True) -> None:
-    original(set_to_none)
-    torch._foreach_zero_([layer.fp8_grad_valid for layer in layers])

@@ -36,7 +36,7 @@ from ...scaling import compute_scale, dequantize, format_max, tensor_amax
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
-WEIGHT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+WEIGHT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # Names of the layer's scaling buffers; checkpoints drop them when exported for a plain model.
 META_PREFIX = "fp8_meta_"
 _INPUT, _GRAD = 0, 1  # rows of the amax history
@@ -167,7 +167,7 @@ class FP8Linear(nn.Module):
 
     Args:
         in_features, out_features, bias: as `nn.Linear`.
-        weight_dtype: storage of the weight, torch.float16 (MS-AMP) or torch.bfloat16.
+        weight_dtype: storage of the weight, torch.float16 (MS-AMP), torch.bfloat16 or torch.float32.
         fp8_format: "HYBRID" (E5M2 output gradients) or "E4M3".
         amax_history_len: window of the delayed input / output-gradient scales (MS-AMP: 16).
         amax_compute_algo: "max" over the window or "most_recent".
@@ -182,7 +182,8 @@ class FP8Linear(nn.Module):
                  device=None, bias_dtype: torch.dtype | None = None):
         super().__init__()
         if weight_dtype not in WEIGHT_DTYPES.values():
-            raise ValueError(f"FP8Linear.weight_dtype={weight_dtype} is not one of torch.float16, torch.bfloat16")
+            raise ValueError(f"FP8Linear.weight_dtype={weight_dtype} is not one of torch.float16, torch.bfloat16, "
+                             "torch.float32")
         if fp8_format not in ("HYBRID", "E4M3"):
             raise ValueError(f"FP8Linear.fp8_format={fp8_format!r} is not one of 'HYBRID', 'E4M3'")
         if amax_compute_algo not in ("max", "most_recent"):

@@ -1,0 +1,180 @@
+"""Weight gradients kept outside `.grad`, in FP8 E4M3 with a per-tensor scale or in BF16.
+
+MS-AMP's O1/O2 keep each Linear's weight gradient in FP8. The msamp backend's `FP8Linear` writes
+it from its own backward; for any other layer (a TransformerEngine or torchao Linear) a
+`GradStore` takes the gradient from a post-accumulate-grad hook the moment autograd produces it,
+adds it to what earlier micro-batches left, requantises, and frees `.grad`, so the high-precision
+gradient never outlives the layer's backward.
+
+A store has the attributes `LowBitAdamW.attach_fp8_grads`, `clip_grad_norm_` and the FP8 gradient
+reducer read: `weight`, `fp8_grad_data`, `fp8_grad_scale` (value = data / scale),
+`fp8_grad_amax`, `fp8_grad_valid` (0 until a gradient arrives in this step). Its tensors are
+non-persistent buffers of the layer, so they follow `model.to(device)` and stay out of checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from ..scaling import compute_scale, format_max, tensor_amax
+
+STORE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
+_PREFIX = "_lowprec_grad_"
+
+
+class GradStore:
+    """The gradient of `module.weight`, held in `dtype` (FP8 E4M3 or BF16) instead of `.grad`."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype):
+        if dtype not in STORE_DTYPES.values():
+            raise ValueError(f"GradStore dtype={dtype} is not one of {list(STORE_DTYPES.values())}")
+        weight = module.weight
+        self.module = module
+        self.dtype = dtype
+        device = weight.device
+        module.register_buffer(_PREFIX + "data", torch.zeros(weight.shape, dtype=dtype, device=device), persistent=False)
+        module.register_buffer(_PREFIX + "scale", torch.ones((), device=device), persistent=False)
+        module.register_buffer(_PREFIX + "amax", torch.zeros((), device=device), persistent=False)
+        module.register_buffer(_PREFIX + "valid", torch.zeros((), device=device), persistent=False)
+        self._handle = weight.register_post_accumulate_grad_hook(self._take)
+
+    # the attributes the optimizer, the clipper and the reducer read
+    @property
+    def weight(self) -> nn.Parameter:
+        return self.module.weight
+
+    @property
+    def fp8_grad_data(self) -> torch.Tensor:
+        return getattr(self.module, _PREFIX + "data")
+
+    @property
+    def fp8_grad_scale(self) -> torch.Tensor:
+        return getattr(self.module, _PREFIX + "scale")
+
+    @property
+    def fp8_grad_amax(self) -> torch.Tensor:
+        return getattr(self.module, _PREFIX + "amax")
+
+    @property
+    def fp8_grad_valid(self) -> torch.Tensor:
+        return getattr(self.module, _PREFIX + "valid")
+
+    def _take(self, param: torch.Tensor) -> None:
+        grad, param.grad = param.grad, None
+        self.accumulate(grad)
+
+    @torch.no_grad()
+    def accumulate(self, grad: torch.Tensor) -> None:
+        """Add `grad` to the stored gradient (dequantise, add in FP32, requantise)."""
+        data, scale = self.fp8_grad_data, self.fp8_grad_scale
+        previous = torch.where(self.fp8_grad_valid > 0, data.float() / scale, torch.zeros((), device=data.device))
+        total = previous + grad.float()
+        amax = tensor_amax(total)
+        if self.dtype == torch.float8_e4m3fn:
+            new_scale = compute_scale(amax, self.dtype, previous=scale)
+            limit = format_max(self.dtype)
+            data.copy_((total * new_scale).clamp(-limit, limit).to(self.dtype))
+            scale.copy_(new_scale)
+        else:
+            data.copy_(total.to(self.dtype))
+            scale.fill_(1.0)  # clipping may have divided it
+        self.fp8_grad_amax.copy_(amax)
+        self.fp8_grad_valid.fill_(1.0)
+
+    def grad(self) -> torch.Tensor | None:
+        """The stored gradient dequantised to FP32, or None when none arrived since the last clear."""
+        if not self.fp8_grad_valid.item():
+            return None
+        return self.fp8_grad_data.float() / self.fp8_grad_scale
+
+    def remove(self) -> None:
+        """Stop taking gradients (they go to `.grad` again) and free the buffers."""
+        self._handle.remove()
+        for name in ("data", "scale", "amax", "valid"):
+            delattr(self.module, _PREFIX + name)
+
+
+def install_grad_stores(modules: list[nn.Module], dtype: torch.dtype) -> list[GradStore]:
+    """One store per module's `weight` (each weight once, so a shared weight gets one store)."""
+    stores, seen = [], set()
+    for module in modules:
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or not weight.requires_grad or id(weight) in seen:
+            continue
+        seen.add(id(weight))
+        stores.append(GradStore(module, dtype))
+    return stores
+
+
+def clear_grad_stores(stores) -> None:
+    """Mark every store empty (what `zero_grad` does to `.grad`)."""
+    if stores:
+        torch._foreach_zero_([store.fp8_grad_valid for store in stores])
+
+
+def clear_in_zero_grad(model: nn.Module, holders) -> None:
+    """`model.zero_grad()` also clears gradients kept outside `.grad` (as in MS-AMP).
+
+    `holders` are stores or msamp FP8Linear layers. A partial of module-level code (not a closure),
+    so the model still pickles and deep-copies.
+    """
+    if holders and getattr(model.zero_grad, "func", None) is not _zero_grad:
+        model.zero_grad = functools.partial(_zero_grad, model.zero_grad, list(holders))
+
+
+def _zero_grad(original, holders, set_to_none: bool = True) -> None:
+    original(set_to_none)
+    clear_grad_stores(holders)
+
+
+def fp8_grad_norms(stores, norm_type: float) -> torch.Tensor | None:
+    """Per-store `norm_type` norms of the true (dequantised) gradients, or None without stores."""
+    if not stores:
+        return None
+    norms = []
+    for store in stores:
+        grad = store.fp8_grad_data.float() / store.fp8_grad_scale
+        grad = torch.where(store.fp8_grad_valid > 0, grad, torch.zeros_like(grad))
+        norms.append(torch.linalg.vector_norm(grad, norm_type))
+    return torch.stack(norms)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, stores, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` over `parameters`' `.grad` plus the stored gradients of those
+    parameters.
+
+    The norm is of the true (dequantised) gradients. Clipping a stored gradient only divides its
+    scale (a metadata change, as in MS-AMP); the stored bytes are untouched.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    parameters = list(parameters)
+    wanted = {id(p) for p in parameters}
+    stores = [store for store in stores if id(store.weight) in wanted]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    parts = []
+    if grads:
+        parts.append(torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads]))
+    stored = fp8_grad_norms(stores, norm_type)
+    if stored is not None:
+        parts.append(stored)
+    if not parts:
+        return torch.tensor(0.0)
+    device = parts[0].device
+    norms = torch.cat([p.to(device) for p in parts])
+    total = norms.max() if norm_type == float("inf") else torch.linalg.vector_norm(norms, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    for store in stores:
+        store.fp8_grad_scale.div_(coef)
+        store.fp8_grad_amax.mul_(coef)
+    return total
