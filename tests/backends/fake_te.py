@@ -152,7 +152,10 @@ class Linear(_BaseModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.fp8 = _state.enabled
-        return F.linear(x, self.weight, self.bias)
+        # TE computes in the activation dtype whatever its parameters are stored in (FP16 weights
+        # of level O1/O2 included): it quantises or casts them first.
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), bias)
 
 
 class _Norm(_BaseModule):

@@ -108,6 +108,45 @@ def test_optimizer_built_before_prepare_steps_the_te_parameters(te_accelerator, 
     assert not torch.equal(inner[0].weight.detach(), before)
 
 
+@pytest.mark.parametrize("level, states", [("O1", (torch.float32, torch.float32)),
+                                           ("O2", (torch.float8_e4m3fn, torch.float16))])
+def test_levels_store_te_weights_in_fp16_and_their_gradients_in_fp8(te_accelerator, level, states):
+    from lowprec.optim import LowBitAdamW
+
+    accelerator = te_accelerator("current", opt_level=level)
+    model = small_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    inner = accelerator.unwrap_model(model)
+    linears = [m for m in inner.modules() if type(m).__name__ == "Linear" and m.__module__ != "torch.nn.modules.linear"]
+    assert linears and all(m.weight.dtype == torch.float16 for m in linears)
+    assert all(m.weight.dtype == torch.float32 for m in inner.modules() if type(m).__name__ == "LayerNorm")
+    base = optimizer.optimizer
+    assert type(base) is LowBitAdamW
+    x, y = torch.randn(16, 32), torch.randn(16, 10)
+    losses = []
+    for _ in range(30):
+        loss = (model(x).float() - y).square().mean()
+        accelerator.backward(loss)
+        assert all(m.weight.grad is None for m in linears)  # kept in FP8 outside .grad
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    state = base.state[linears[0].weight]
+    assert (state["exp_avg"].dtype, state["exp_avg_sq"].dtype) == states
+    plan = accelerator.precision_plan
+    assert plan.tensor("weight").dtype.startswith("FP16 (") and plan.tensor("weight_grad").dtype.startswith("FP8")
+    # the checkpoint loads into the plain model, weights back in FP32
+    for m in inner.modules():
+        if hasattr(m, "fp8_meta"):
+            m.fp8_meta["recipe"] = fake.Float8CurrentScaling()  # what TE records in a forward
+    plain = small_model(seed=1)
+    plain.load_state_dict(accelerator.get_state_dict(model))
+    assert torch.equal(plain[0].weight, linears[0].weight.float())
+
+
 def test_eval_in_fp8_when_asked(te_accelerator):
     accelerator = te_accelerator("current", use_autocast_during_eval=True)
     model = accelerator.prepare(small_model())
