@@ -2,7 +2,7 @@
 # GPU check of the MS-AMP levels (issue 4) on a Hopper host after `bash <bundle>/setup.sh` (TE not
 # needed: a bundle with only the torchao wheel and setup.sh is enough). Parts, each writing into OUTDIR:
 #   tests  - pytest -m gpu tests/gpu/test_msamp_gpu.py tests/gpu/test_torchao_gpu.py
-#   bench  - benchmarks/msamp.py: BF16, torchao tensorwise, msamp O1 and O2 on the d=4096 proxy, same process
+#   bench  - benchmarks/levels.py: BF16, torchao tensorwise, msamp O1 and O2 on the d=4096 proxy, same process
 #   demo   - lowprec demo --backend msamp (BF16 then FP8 O2 on the proxy, loss curves)
 #   comm   - benchmarks/fp8_comm.py on all GPUs of the host (all_to_all vs NCCL FP8 all_reduce)
 #   ddp    - tests/distributed/gpu_engines.py with msamp O1 and O2 under DDP (2 GPUs)
@@ -15,7 +15,7 @@ for part in "$@"; do
   case "$part" in
     tests) python3 -m pytest -m gpu tests/gpu/test_msamp_gpu.py tests/gpu/test_torchao_gpu.py -q -p no:cacheprovider -rA \
              2>&1 | tee "$out/pytest_gpu.txt" | tail -30 ;;
-    bench) python3 benchmarks/msamp.py --out "$out/msamp_bench.json" 2>&1 | tee "$out/msamp_bench.txt" \
+    bench) python3 benchmarks/levels.py --runs bf16 "torchao tensorwise" "msamp O1" "msamp O2" --out "$out/msamp_bench.json" 2>&1 | tee "$out/msamp_bench.txt" \
              | grep -v "^W1" | tail -12 ;;
     demo)  python3 -m lowprec.cli demo --backend msamp --opt-level O2 --out "$out/demo_msamp" --no-progress 2>&1 \
              | tee "$out/demo_msamp.txt" | tail -8 ;;

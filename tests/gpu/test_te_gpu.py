@@ -135,6 +135,19 @@ def test_llama_trains_with_te_modules(recipe, dynamo):
     assert all(v == v for v in losses) and sum(losses[-4:]) / 4 < losses[0] - 1.5, losses
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_levels_train_with_fp16_te_weights_and_fp8_gradients(level):
+    accelerator = accelerator_for("current", opt_level=level, skip_first_last=True, skip_slow_shapes=True)
+    model, optimizer, loader = llama_training(accelerator)
+    inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+    linears = [m for m in inner.modules() if type(m).__name__ == "Linear" and "te_modules" in type(m).__module__]
+    assert linears and all(m.weight.dtype == torch.float16 for m in linears)
+    assert type(optimizer.optimizer).__name__ == "LowBitAdamW"
+    losses = run_steps(accelerator, model, optimizer, loader)
+    assert all(m.weight.grad is None for m in linears)
+    assert all(v == v for v in losses) and sum(losses[-4:]) / 4 < losses[0] - 1.5, losses
+
+
 def test_delayed_with_compile_is_a_clear_error():
     with pytest.raises(ValueError, match="recipe='current'"):
         accelerator_for("delayed", dynamo=True)

@@ -76,7 +76,8 @@ def test_numerics_against_fp32_on_gpu(recipe, fmt, min_out, min_dx):
     assert min_dx < sqnr(x_ref.grad, x_fp8.grad) < 35
 
 
-def test_compiled_llama_training_on_gpu():
+@pytest.mark.parametrize("level", [None, "O2"])
+def test_compiled_llama_training_on_gpu(level):
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import TorchDynamoPlugin
 
@@ -85,7 +86,7 @@ def test_compiled_llama_training_on_gpu():
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="torchao")],
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="torchao", opt_level=level)],
                               dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
     torch.manual_seed(0)
     model = build_model(PRESETS["small"])
@@ -108,3 +109,7 @@ def test_compiled_llama_training_on_gpu():
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
     built = sorted(n for n, m in inner.named_modules() if type(m).__name__ == "Float8Linear")
     assert built == sorted(d.fqn for d in plan.converted)
+    if level is not None:  # FP16 weights updated in place, FP8 gradients kept outside .grad
+        weights = [m.weight for m in inner.modules() if type(m).__name__ == "Float8Linear"]
+        assert all(w.dtype == torch.float16 and w.grad is None for w in weights)
+        assert type(optimizer.optimizer).__name__ == "LowBitAdamW"

@@ -1,12 +1,13 @@
-"""MS-AMP levels O1/O2 against BF16 and torchao's tensorwise recipe: one process, same model and data.
+"""Memory levels O1/O2 per backend against BF16: one process, same model and data.
 
-    python benchmarks/msamp.py --out msamp.json [--size proxy] [--steps 30] [--warmup 10]
+    python benchmarks/levels.py --out levels.json [--size proxy] [--steps 30] [--warmup 12] [--runs ...]
 
 Every run goes through `lowprec.Accelerator` with the same training step (forward, backward,
 optimizer step, zero_grad) and `torch.compile` (inductor), which torchao needs for its speed:
-- "bf16":               Accelerator(mixed_precision="bf16"), torch AdamW(fused=True)
-- "torchao tensorwise": FP8RecipeKwargs(backend="torchao", recipe="tensorwise"), torch AdamW(fused=True)
-- "msamp O1" / "O2":    FP8RecipeKwargs(backend="msamp", opt_level=...), AdamW -> lowprec LowBitAdamW
+- "bf16":                Accelerator(mixed_precision="bf16"), torch AdamW(fused=True)
+- "torchao tensorwise":  FP8RecipeKwargs(backend="torchao", recipe="tensorwise"), torch AdamW(fused=True)
+- "te current":          FP8RecipeKwargs(backend="te", recipe="current") (compilable), torch AdamW(fused=True)
+- "<backend> O1" / "O2": FP8RecipeKwargs(backend=..., opt_level=...), AdamW -> lowprec LowBitAdamW
 
 All convert every Linear (skip_first_last / skip_slow_shapes off) so the FP8 GEMM work is the same.
 Reported per run: median step time after warm-up, tokens/s, peak CUDA memory, and the measured
@@ -31,6 +32,11 @@ RUNS = {
     "torchao tensorwise": dict(backend="torchao", recipe="tensorwise"),
     "msamp O1": dict(backend="msamp", opt_level="O1"),
     "msamp O2": dict(backend="msamp", opt_level="O2"),
+    "torchao O1": dict(backend="torchao", recipe="tensorwise", opt_level="O1"),
+    "torchao O2": dict(backend="torchao", recipe="tensorwise", opt_level="O2"),
+    "te current": dict(backend="te", recipe="current"),
+    "te O1": dict(backend="te", recipe="current", opt_level="O1"),
+    "te O2": dict(backend="te", recipe="current", opt_level="O2"),
 }
 
 
@@ -56,9 +62,13 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     from lowprec.backends.msamp.linear import FP8Linear
 
     inner_opt = getattr(optimizer, "optimizer", optimizer)
+    # gradients kept outside .grad: msamp's FP8Linear, and the GradStore buffers of te/torchao layers
     fp8_layers = {id(m.weight): m for m in model.modules() if isinstance(m, FP8Linear)}
-    # torchao's Float8Linear is an nn.Linear; msamp's FP8Linear is not
-    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, FP8Linear))}
+    fp8_layers.update({id(s.weight): s for s in inner_opt.fp8_layers()} if hasattr(inner_opt, "fp8_layers") else {})
+    # torchao's Float8Linear is an nn.Linear, TE's Linear is not; msamp's FP8Linear is not
+    linear_weights = {id(m.weight) for m in model.modules()
+                      if isinstance(m, (nn.Linear, FP8Linear))
+                      or (type(m).__module__.startswith("transformer_engine") and type(m).__name__ == "Linear")}
     total = {"params": 0, "weight": 0, "grad": 0, "optimizer_states": 0}
     linear = dict(total)
     seen = set()
@@ -162,6 +172,8 @@ def main() -> None:
             r = {"error": f"{type(exc).__name__}: {exc}"[:800], "traceback": traceback.format_exc()[-6000:]}
         results["runs"][label] = r
         print(label, json.dumps({k: v for k, v in r.items() if k not in ("losses", "traceback")}), flush=True)
+        with open(args.out, "w") as fh:  # after every run: a time limit keeps what finished
+            json.dump(results, fh, indent=1)
         gc.collect()
         torch.cuda.empty_cache()
         torch._dynamo.reset()
