@@ -147,6 +147,35 @@ def test_levels_store_te_weights_in_fp16_and_their_gradients_in_fp8(te_accelerat
     assert torch.equal(plain[0].weight, linears[0].weight.float())
 
 
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_levels_train_a_transformers_llama(te_accelerator, level):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    accelerator = te_accelerator("current", opt_level=level)
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    inner = accelerator.unwrap_model(model)
+    converted = accelerator.precision_plan.converted
+    assert {d.kind for d in converted} == {"linear", "rmsnorm"}
+    linears = [m for m in inner.modules() if type(m).__name__ == "Linear" and "te_modules" in type(m).__module__]
+    assert len(linears) == sum(d.kind == "linear" for d in converted)
+    assert all(m.weight.dtype == torch.float16 for m in linears)
+    assert all(m.weight.dtype == torch.float32 for m in inner.modules() if type(m).__name__ == "RMSNorm")
+    tokens = (torch.randint(0, 128, (8, 1)) + torch.arange(16)) % 128  # each token the previous plus one
+    losses = []
+    for _ in range(25):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
 def test_eval_in_fp8_when_asked(te_accelerator):
     accelerator = te_accelerator("current", use_autocast_during_eval=True)
     model = accelerator.prepare(small_model())
