@@ -5,7 +5,7 @@
 The gradients are those of the Llama proxy's Linear layers (d=4096, ffn 14336: per decoder layer
 q/k/v/o 4096x4096, gate/up 14336x4096, down 4096x14336), each rank holding a shared signal plus
 its own noise, stored as FP8Linear holds them (E4M3, per-tensor power-of-two scale). For each
-method of `lowprec.backends.msamp.comm.FP8GradReducer`:
+method of `lowprec.optim.grad_reduce.FP8GradReducer`:
 - error: the reduced gradient against the exact FP32 mean of the ranks' (dequantised) gradients,
   as SQNR (dB) and relative L2 error, over all layers;
 - time: median wall time of one `reduce()` (amax sync, requantisation, packing, communication),
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from lowprec.backends.msamp.comm import METHODS, FP8GradReducer
+from lowprec.optim.grad_reduce import METHODS, FP8GradReducer
 from lowprec.backends.msamp.linear import E4M3, FP8Linear
 from lowprec.scaling import compute_scale, format_max
 

@@ -293,6 +293,7 @@ class Accelerator(_Accelerator):
             return
         _, backend, plan = entry
         backend.setup_communication(prepared, plan)
+        backend.setup_grad_stores(prepared)
         context = backend.forward_context(inner)
         if context is not None:
             _wrap_forward(prepared, context)

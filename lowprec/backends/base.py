@@ -128,6 +128,7 @@ class Backend(ABC):
         self.fp8_format = recipe.fp8_format or self.info.formats[0]
         self.emulated, self.execution_note = self._decide_execution()
         self.grad_stores: list = []
+        self.store_reducer = None  # averages the stores' FP8 gradients under DDP
         self._original_weight_dtypes: dict[str, torch.dtype] = {}
         if not self.native_storage:
             self._check_storage_engine()
@@ -157,16 +158,27 @@ class Backend(ABC):
         if engine == "single":
             return
         storage = self.storage
+        weight, grad = storage["weight_dtype"], storage["weight_grad_dtype"]
+        if engine == "ddp":
+            # DDP averages .grad in the weights' dtype, and FP8GradReducer the FP8 stores; nothing
+            # averages a BF16 store yet.
+            if grad == "bf16" and weight != "bf16":
+                raise BackendUnavailableError(
+                    f"FP8RecipeKwargs(backend={self.name!r}, weight_grad_dtype='bf16') keeps the gradients of "
+                    f"{weight or 'the model'}'s weights in BF16 outside .grad, which nothing averages under DDP in "
+                    "this version of lowprec; use weight_grad_dtype='fp8' (averaged in FP8) or weight_dtype='bf16'"
+                )
+            return
         wanted = [f"{knob}={storage[knob]!r}" for knob in ("weight_dtype", "weight_grad_dtype")
                   if storage[knob] not in (None, "fp32")]
         if storage["opt_level"] is not None:
             wanted.insert(0, f"opt_level={storage['opt_level']!r}")
         if wanted:
             raise BackendUnavailableError(
-                f"FP8RecipeKwargs(backend={self.name!r}, {', '.join(wanted)}) runs on one process in this version "
-                f"of lowprec, not under {engine}: low-precision weight gradients need FP8 gradient communication, "
-                "which is not there yet. Under DDP use backend='msamp' (it reduces FP8 weight gradients), or keep "
-                "these knobs unset (optimizer_states works everywhere)"
+                f"FP8RecipeKwargs(backend={self.name!r}, {', '.join(wanted)}) runs on one process or under DDP in "
+                f"this version of lowprec, not under {engine}: its low-precision weights and gradients need "
+                "sharded FP8 gradient communication, which is not there yet. Keep these knobs unset there "
+                "(optimizer_states works everywhere)"
             )
 
     def apply_storage(self, root: nn.Module) -> None:
@@ -192,6 +204,34 @@ class Backend(ABC):
         for store_dtype, modules in by_dtype.items():
             self.grad_stores += install_grad_stores(modules, store_dtype)
         clear_in_zero_grad(root, self.grad_stores)
+        if self.context.engine == "ddp" and self.grad_stores:
+            from ..optim.grad_store import ignore_in_ddp
+
+            ignore_in_ddp(root, self.grad_stores)
+
+    def setup_grad_stores(self, model: nn.Module) -> None:
+        """After wrapping: `model.zero_grad()` of the wrapper clears the stores too, and under DDP the
+        stored FP8 gradients are averaged by `FP8GradReducer` (DDP ignores those weights, so their
+        initial values are broadcast from rank 0 here)."""
+        if not self.grad_stores:
+            return
+        import torch.distributed as dist
+
+        from ..optim.grad_store import clear_in_zero_grad
+
+        clear_in_zero_grad(model, self.grad_stores)
+        ddp = self.context.engine == "ddp" and dist.is_available() and dist.is_initialized()
+        if ddp and dist.get_world_size() > 1 and self.store_reducer is None:
+            from ..optim.grad_reduce import FP8GradReducer
+
+            self.store_reducer = FP8GradReducer(self.grad_stores)
+            with torch.no_grad():
+                for store in self.grad_stores:
+                    dist.broadcast(store.weight.data, src=0)
+
+    def _reduce_stores_if_pending(self) -> None:
+        if self.store_reducer is not None:
+            self.store_reducer.reduce_if_pending()
 
     def verify_storage(self, model: nn.Module) -> None:
         """Raise `PlanMismatchError` where a converted weight or its gradient is not stored as planned."""
@@ -226,7 +266,11 @@ class Backend(ABC):
         why = f"level {self.storage['opt_level']}" if self.storage["opt_level"] else "set by FP8RecipeKwargs"
         out = []
         for row in rows:
-            if row.kind == "weight" and weight is not None:
+            if row.kind == "grad_comm" and self.context.engine == "ddp" and store == torch.float8_e4m3fn:
+                row = TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (FP8 Linear), {row.dtype} (rest)",
+                                      "stored weight gradients: amax all-reduced (MAX), FP8 all_to_all, FP32 sum, "
+                                      "FP8 all_gather, once per optimizer step; the rest by DDP")
+            elif row.kind == "weight" and weight is not None:
                 row = TensorPrecision("weight", f"{weight_name} (FP8 Linear), {row.dtype} (rest)",
                                       f"{why}: updated in place by LowBitAdam(W) in FP32 math, no master copy")
             elif row.kind == "weight_grad" and (store is not None or weight is not None):
@@ -323,6 +367,7 @@ class Backend(ABC):
         new = low_bit_optimizer(optimizer, self.optimizer_states, backend=self.name, option=self._states_option)
         if self.grad_stores:
             new.attach_fp8_grads(self.grad_stores)
+            new.add_fp8_pre_step(self._reduce_stores_if_pending)
         return new
 
     @property
@@ -371,6 +416,13 @@ class Backend(ABC):
 
     def after_backward(self, sync_gradients: bool) -> None:
         """Called by `Accelerator.backward`; `sync_gradients` is False inside accumulation windows."""
+        if self.store_reducer is None:
+            return
+        # Every backward may add local gradient, also after a reduction (two backwards per step):
+        # reducing again averages (mean + local) into mean + mean of the locals.
+        self.store_reducer.mark_pending()
+        if sync_gradients:
+            self.store_reducer.reduce_if_pending()
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip gradients the backend keeps outside `.grad`; None leaves clipping to Accelerate."""
@@ -378,6 +430,7 @@ class Backend(ABC):
             return None
         from ..optim.grad_store import clip_grad_norm_
 
+        self._reduce_stores_if_pending()
         return clip_grad_norm_(parameters, self.grad_stores, max_norm, norm_type)
 
     def forward_context(self, model: nn.Module) -> Callable[[], contextlib.AbstractContextManager] | None:

@@ -109,6 +109,19 @@ def install_grad_stores(modules: list[nn.Module], dtype: torch.dtype) -> list[Gr
     return stores
 
 
+def ignore_in_ddp(root: nn.Module, stores) -> None:
+    """DDP must neither all-reduce the stored weights (they have no .grad) nor broadcast the stores'
+    buffers (each rank's are its own gradients); FP8GradReducer averages them instead."""
+    names = []
+    for prefix, module in root.named_modules():
+        if any(store.module is module for store in stores):
+            dot = prefix + "." if prefix else ""
+            names.append(dot + "weight")
+            names += [dot + name for name, _ in module.named_buffers(recurse=False) if name.startswith(_PREFIX)]
+    existing = list(getattr(root, "_ddp_params_and_buffers_to_ignore", []))
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, existing + names)
+
+
 def clear_grad_stores(stores) -> None:
     """Mark every store empty (what `zero_grad` does to `.grad`)."""
     if stores:

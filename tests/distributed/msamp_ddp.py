@@ -126,7 +126,7 @@ def emulated_nccl_fp8():
 
 
 def _reducer(layers, method: str):
-    from lowprec.backends.msamp.comm import FP8GradReducer
+    from lowprec.optim.grad_reduce import FP8GradReducer
 
     if method == "nccl_fp8":
         with emulated_nccl_fp8():
@@ -248,7 +248,7 @@ def scenario_nonfinite(rank: int, method: str) -> dict:
 
 def scenario_method_errors(rank: int) -> dict:
     """What the constructor says about a method gloo cannot run, and an unknown method."""
-    from lowprec.backends.msamp.comm import FP8GradReducer
+    from lowprec.optim.grad_reduce import FP8GradReducer
 
     out = {"backend": dist.get_backend()}
     for method in ("nccl_fp8", "ring"):

@@ -220,15 +220,30 @@ def test_adam_becomes_the_l2_variant():
     assert type(opt.optimizer) is LowBitAdam
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "deepspeed"])
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
 @pytest.mark.parametrize("knobs", [dict(opt_level="O1"), dict(weight_grad_dtype="fp8"), dict(weight_dtype="bf16")])
-def test_distributed_engines_are_refused_until_fp8_communication_exists(engine, knobs):
+def test_sharded_engines_are_refused_until_sharded_fp8_communication_exists(engine, knobs):
     recipe = FP8RecipeKwargs(backend="torchao", **knobs)
-    with pytest.raises(BackendUnavailableError, match=f"runs on one process.*not under {engine}.*FP8 gradient"):
+    with pytest.raises(BackendUnavailableError, match=f"one process or under DDP.*not under {engine}"):
         create_backend(recipe, RunContext(device=device_info("cpu"), engine=engine, world_size=2))
     # FP32 weights with FP32 gradients need no FP8 communication
     create_backend(FP8RecipeKwargs(backend="torchao", weight_dtype="fp32", weight_grad_dtype="fp32"),
                    RunContext(device=device_info("cpu"), engine=engine, world_size=2))
+
+
+@pytest.mark.parametrize("knobs", [dict(opt_level="O1"), dict(opt_level="O2"), dict(weight_grad_dtype="fp8"),
+                                   dict(weight_dtype="bf16"), dict(weight_dtype="bf16", weight_grad_dtype="bf16")])
+def test_ddp_takes_what_it_can_average(knobs):
+    # .grad in the weights' dtype (DDP), or FP8 stores (FP8GradReducer): tests/optim/test_grad_store_ddp.py
+    create_backend(FP8RecipeKwargs(backend="torchao", **knobs),
+                   RunContext(device=device_info("cpu"), engine="ddp", world_size=2))
+
+
+@pytest.mark.parametrize("knobs", [dict(weight_grad_dtype="bf16"), dict(weight_dtype="fp16", weight_grad_dtype="bf16")])
+def test_ddp_refuses_bf16_gradient_stores(knobs):
+    with pytest.raises(BackendUnavailableError, match="weight_grad_dtype='bf16'.*nothing averages under DDP"):
+        create_backend(FP8RecipeKwargs(backend="torchao", **knobs),
+                       RunContext(device=device_info("cpu"), engine="ddp", world_size=2))
 
 
 def test_verify_storage_catches_a_weight_not_stored_as_planned():

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
+from ...optim.grad_reduce import FP8GradReducer
 from ...optim.grad_store import clear_in_zero_grad, clip_grad_norm_
 from ...optim.levels import LEVEL_STATE_DTYPES, low_bit_optimizer, state_bytes
 from ...specs import backend_spec
 from ..base import Backend, BackendUnavailableError
 from ..torchao import _is_mha_projection
-from .comm import FP8GradReducer
 from .linear import META_PREFIX, WEIGHT_DTYPES, FP8Linear, update_delayed_scales
 
 if TYPE_CHECKING:

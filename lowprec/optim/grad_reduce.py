@@ -1,8 +1,9 @@
-"""Averaging `FP8Linear` weight gradients across data-parallel ranks in FP8, with a shared scale.
+"""Averaging FP8 weight gradients across data-parallel ranks in FP8, with a shared scale.
 
-DDP cannot do this job: the FP8 gradients are not autograd gradients (see `linear.py`), so DDP is
-told to ignore those weights and this reducer runs once per optimizer step, after the last
-backward of the accumulation window. Each step:
+The gradients are those kept outside `.grad`: msamp's `FP8Linear` writes them from its backward,
+a `GradStore` (te, torchao) takes them from `.grad`. DDP cannot average them, so it is told to
+ignore those weights and this reducer runs once per optimizer step, after the last backward of the
+accumulation window. Each step:
 
 1. one all-reduce (MAX) of every layer's gradient amax (with the validity flags and the local
    scales), so every rank picks the same per-tensor power-of-two scale (MS-AMP's `sync=True` cast);
@@ -24,16 +25,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...scaling import compute_scale, format_max
-from .linear import E4M3, FP8Linear
+from ..scaling import compute_scale, format_max
+
+E4M3 = torch.float8_e4m3fn
 
 METHODS = ("all_to_all", "nccl_fp8")
 
 
 class FP8GradReducer:
-    """Averages the FP8 weight gradients of `layers` across `group` (one call per optimizer step)."""
+    """Averages the FP8 weight gradients of `layers` across `group` (one call per optimizer step).
 
-    def __init__(self, layers: list[FP8Linear], group=None, method: str = "all_to_all"):
+    `layers` hold the gradients as `fp8_grad_data` (E4M3), `fp8_grad_scale`, `fp8_grad_amax` and
+    `fp8_grad_valid`: msamp `FP8Linear` modules or `lowprec.optim.grad_store.GradStore`s.
+    """
+
+    def __init__(self, layers, group=None, method: str = "all_to_all"):
         if method not in METHODS:
             raise ValueError(f"FP8 gradient reduction method={method!r} is not one of {', '.join(map(repr, METHODS))}")
         if method == "nccl_fp8" and dist.get_backend(group) != "nccl":

@@ -1,0 +1,84 @@
+"""FP8 weight-gradient stores (te/torchao levels) under DDP: two CPU processes (gloo).
+
+One torchrun launch of tests/distributed/stores_ddp.py with backend="torchao" (emulated) at O1, O2,
+weight_grad_dtype="fp8" alone, and O2 with two micro-batches per step. DDP ignores the stored weights
+and their buffers; `FP8GradReducer` averages the FP8 gradients once per optimizer step with a shared
+scale, so every rank holds the same bytes and steps to the same parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("torchao")
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "distributed", "stores_ddp.py")
+SCENARIOS = ["O1", "O2", "fp8_grads", "O2_accumulate"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from conftest import free_port
+
+    out = tmp_path_factory.mktemp("stores_ddp") / "result.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1",
+               CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           SCRIPT, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2
+    return result["scenarios"]
+
+
+def ranks(run, name):
+    scenario = run[name]
+    assert "error" not in scenario, scenario.get("error")
+    return scenario["ranks"]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_set_up_under_ddp_with_the_fp8_reducer(run, name):
+    for r in ranks(run, name):
+        assert r["engine"] == "ddp" and r["wrapped"] == "DistributedDataParallel"
+        assert r["stores"] == ["torch.float8_e4m3fn"] * 3 and r["reducer"] == "all_to_all"
+        assert r["optimizer"] == "LowBitAdamW"
+        # DDP neither reduces the stored weights nor broadcasts the stores' buffers
+        for layer in ("0", "2", "4"):
+            assert f"{layer}.weight" in r["ddp_ignores"] and f"{layer}._lowprec_grad_data" in r["ddp_ignores"]
+        assert not any(name.endswith(".bias") for name in r["ddp_ignores"])
+        assert r["grad_comm"].startswith("FP8 E4M3")
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_ranks_hold_identical_gradients_and_parameters_after_every_step(run, name):
+    a, b = ranks(run, name)
+    # each rank built its model from its own seed: prepare() broadcast rank 0's weights (DDP the rest,
+    # the backend the weights DDP ignores)
+    assert a["init_params"] == b["init_params"]
+    for sa, sb in zip(a["steps"], b["steps"]):
+        assert sa["stored_grads"] == sb["stored_grads"]  # after the FP8 reduction: the same bytes and scales
+        assert sa["dense_grads"] == sb["dense_grads"]  # DDP's all-reduce of the rest
+        assert sa["params"] == sb["params"]
+        assert sa["clip_norm"] == sb["clip_norm"]
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_loss_falls(run, name):
+    for r in ranks(run, name):
+        losses = [sum(s["losses"]) / len(s["losses"]) for s in r["steps"]]
+        assert sum(losses[-3:]) / 3 < 0.7 * sum(losses[:3]) / 3, losses
+
+
+def test_weights_are_fp16_under_the_levels(run):
+    for name in ("O1", "O2", "O2_accumulate"):
+        assert all(r["weight_dtypes"] == ["torch.float16"] for r in ranks(run, name))
+    assert all(r["weight_dtypes"] == ["torch.float32"] for r in ranks(run, "fp8_grads"))
