@@ -374,7 +374,7 @@ def train(level: str, *, steps: int = STEPS, accumulation: int = 1, seed_by_rank
     inner = accelerator.unwrap_model(model)
     layers = fp8_layers(inner)
     plan = accelerator.precision_plan
-    reducer = getattr(accelerator._lowprec[-1][1], "reducer", None)
+    reducer = accelerator._lowprec[-1][1].store_reducer
     params = list(inner.parameters())
 
     x, y = make_data(steps)

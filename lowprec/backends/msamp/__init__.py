@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from ...optim.grad_reduce import FP8GradReducer
-from ...optim.grad_store import clear_in_zero_grad, clip_grad_norm_
-from ...optim.levels import LEVEL_STATE_DTYPES, low_bit_optimizer, state_bytes
+from ...optim.grad_store import clear_in_zero_grad
+from ...optim.levels import LEVEL_STATE_DTYPES, state_bytes
 from ...specs import backend_spec
 from ..base import Backend, BackendUnavailableError
 from ..torchao import _is_mha_projection
@@ -28,7 +27,7 @@ from .linear import META_PREFIX, WEIGHT_DTYPES, FP8Linear, update_delayed_scales
 if TYPE_CHECKING:
     from ...plan import PrecisionPlan, TensorPrecision
 
-__all__ = ["LEVEL_STATE_DTYPES", "FP8GradReducer", "FP8Linear", "MSAMPBackend"]
+__all__ = ["LEVEL_STATE_DTYPES", "FP8Linear", "MSAMPBackend"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,6 @@ class MSAMPBackend(Backend):
         self.level: str = recipe.opt_level or DEFAULT_LEVEL
         self.weight_dtype = WEIGHT_DTYPES[self.storage["weight_dtype"] or "fp16"]
         self.layers: list[FP8Linear] = []
-        self.reducer: FP8GradReducer | None = None
         self._original_dtypes: dict[str, torch.dtype] = {}
 
     # ----- selection ----------------------------------------------------------------------------
@@ -99,51 +97,19 @@ class MSAMPBackend(Backend):
             self._original_dtypes[decision.fqn] = module.weight.dtype
         root = swap_planned_modules(model, plan, lambda module, _: FP8Linear.from_float(module, **options))
         self.layers = list({id(m): m for m in root.modules() if isinstance(m, FP8Linear)}.values())
+        # The layers hold their FP8 weight gradients as gradient stores do: the base adapter's
+        # optimizer swap, clipping, zero_grad and DDP reduction (FP8GradReducer) serve both.
+        self.grad_stores = self.layers
         _ignore_in_ddp(root)
         clear_in_zero_grad(root, self.layers)
         return root
 
-    # ----- optimizer ------------------------------------------------------------------------------
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, plan: PrecisionPlan) -> torch.optim.Optimizer:
-        new = low_bit_optimizer(optimizer, self.optimizer_states, backend=self.name, option=self._states_option)
-        new.attach_fp8_grads(self.layers)
-        new.add_fp8_pre_step(self._reduce_if_pending)
-        return new
-
-    # ----- communication and step hooks -------------------------------------------------------------
-    def setup_communication(self, model: nn.Module, plan: PrecisionPlan) -> None:
-        import torch.distributed as dist
-
-        clear_in_zero_grad(model, self.layers)  # the DDP / compile wrapper
-        if self.context.engine == "ddp" and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self.reducer = FP8GradReducer(self.layers)
-            # DDP ignores these weights (see _ignore_in_ddp), so its initial broadcast skips them.
-            with torch.no_grad():
-                for layer in self.layers:
-                    dist.broadcast(layer.weight.data, src=0)
-
-    def _reduce_if_pending(self) -> None:
-        if self.reducer is not None:
-            self.reducer.reduce_if_pending()
-
-    def after_backward(self, sync_gradients: bool) -> None:
-        if self.reducer is None:
-            return
-        # Every backward may add local gradient, also after a reduction (two backwards per step, a
-        # skipped step): reducing again averages (mean + local) into mean + mean of the locals.
-        self.reducer.mark_pending()
-        if sync_gradients:
-            self.reducer.reduce_if_pending()
-
-    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        self._reduce_if_pending()
-        return clip_grad_norm_(parameters, self.layers, max_norm, norm_type)
-
+    # ----- step hooks -------------------------------------------------------------------------------
     def post_optimizer_step(self, model: nn.Module) -> Callable[[], None] | None:
         def after_step():
             update_delayed_scales(self.layers)
-            if self.reducer is not None:
-                self.reducer.mark_pending()
+            if self.store_reducer is not None:
+                self.store_reducer.mark_pending()
 
         return after_step
 
