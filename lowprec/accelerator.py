@@ -294,6 +294,7 @@ class Accelerator(_Accelerator):
         _, backend, plan = entry
         backend.setup_communication(prepared, plan)
         backend.setup_grad_stores(prepared)
+        backend.setup_grad_comm(prepared)
         context = backend.forward_context(inner)
         if context is not None:
             _wrap_forward(prepared, context)

@@ -61,6 +61,7 @@ FIELD_KEYS: dict[str, tuple[str, ...]] = {
     "fp8_weights": ("FP8_WEIGHTS",),
     "weight_dtype": ("WEIGHT_DTYPE",),
     "weight_grad_dtype": ("WEIGHT_GRAD_DTYPE",),
+    "grad_comm_dtype": ("GRAD_COMM_DTYPE",),
     "emulate": ("EMULATE",),
 }
 # Accelerate-only keys: TE removed these options, so they are accepted only at their no-op values.

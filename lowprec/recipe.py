@@ -24,6 +24,7 @@ AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 OPT_LEVELS = ("O1", "O2", "O3")
 WEIGHT_DTYPES = ("fp32", "fp16", "bf16")
 WEIGHT_GRAD_DTYPES = ("fp32", "bf16", "fp8")
+GRAD_COMM_DTYPES = ("fp32", "bf16", "fp8")
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 _DTYPE_ALIASES = {"float32": "fp32", "torch.float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
@@ -143,6 +144,10 @@ class FP8RecipeKwargs(KwargsHandler):
         weight_grad_dtype: storage of converted Linear weight gradients, "fp32", "bf16" or "fp8"
             (E4M3, per-tensor scale), kept outside `.grad` from the moment autograd produces them
             (msamp: always "fp8"). None: the level's ("fp8" for O1/O2), else the weight's dtype.
+        grad_comm_dtype: precision DDP averages the `.grad` gradients in: "fp32", "bf16" or "fp8"
+            (E4M3, one scale per bucket shared by all ranks; a bucket with inf/NaN goes in FP32).
+            None: the gradients' dtype. Gradients kept outside `.grad` (FP8 weight gradients of the
+            levels) are always averaged in FP8. FSDP2 and DeepSpeed set theirs in their own config.
         emulate: True forces emulation (FP8 numerics, high-precision matmuls); False forbids it
             (error without FP8 hardware); None emulates only where there is no FP8 hardware.
     """
@@ -167,6 +172,7 @@ class FP8RecipeKwargs(KwargsHandler):
     emulate: bool | None = None
     optimizer_states: str | tuple[str, str] | None = None
     weight_grad_dtype: str | None = None
+    grad_comm_dtype: str | None = None
 
     def __post_init__(self):
         env = read_fp8_env()
@@ -224,6 +230,9 @@ class FP8RecipeKwargs(KwargsHandler):
         if name == "weight_dtype":
             text = str(value).strip().lower()
             return _parse_choice(name, _DTYPE_ALIASES.get(text, text), WEIGHT_DTYPES, upper=False)
+        if name == "grad_comm_dtype":
+            text = str(value).strip().lower()
+            return _parse_choice(name, _DTYPE_ALIASES.get(text, text), GRAD_COMM_DTYPES, upper=False)
         if name == "weight_grad_dtype":
             text = str(value).strip().lower()
             return _parse_choice(name, _DTYPE_ALIASES.get(text, text), WEIGHT_GRAD_DTYPES, upper=False)

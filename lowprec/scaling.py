@@ -94,6 +94,15 @@ def quantize(tensor: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) 
     return (tensor.float() * scale).clamp(-limit, limit).to(fp8_dtype)
 
 
+def inf_to_nan(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` with every inf replaced by NaN, for a gradient about to be stored in E4M3.
+
+    E4M3 has no infinity: the saturating cast would turn an overflowed gradient into a finite ±448,
+    and the overflow would be applied as a large step. As NaN it stays visible to the norm, the
+    clipping and the reduction, which skip or report it."""
+    return torch.where(torch.isinf(tensor), torch.full_like(tensor, float("nan")), tensor)
+
+
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (data.float() / scale).to(dtype)
 

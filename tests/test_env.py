@@ -61,6 +61,7 @@ EVERY_KEY = [
     ("ACCELERATE_FP8_FP8_WEIGHTS", "true", "fp8_weights", True),
     ("ACCELERATE_FP8_WEIGHT_DTYPE", "bfloat16", "weight_dtype", "bf16"),
     ("ACCELERATE_FP8_WEIGHT_GRAD_DTYPE", "e4m3", "weight_grad_dtype", "fp8"),
+    ("ACCELERATE_FP8_GRAD_COMM_DTYPE", "BF16", "grad_comm_dtype", "bf16"),
     ("ACCELERATE_FP8_OPTIMIZER_STATES", "FP8", "optimizer_states", "fp8"),
     ("ACCELERATE_FP8_OPTIMIZER_STATES", "['e4m3', 'e4m3']", "optimizer_states", "e4m3+e4m3"),
 ]
@@ -442,6 +443,7 @@ def test_accelerate_launch_config_file(tmp_path):
         "fp8_weights": None,
         "weight_dtype": None,
         "weight_grad_dtype": None,
+        "grad_comm_dtype": None,
         "emulate": True,
         "optimizer_states": None,
     }

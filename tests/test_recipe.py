@@ -42,6 +42,7 @@ BAD_VALUES = [
     ("weight_dtype", 16, ["'fp32'", "'fp16'", "'bf16'"]),
     ("weight_grad_dtype", "fp16", ["'fp32'", "'bf16'", "'fp8'"]),
     ("weight_grad_dtype", "int8", ["'fp32'", "'bf16'", "'fp8'"]),
+    ("grad_comm_dtype", "fp16", ["'fp32'", "'bf16'", "'fp8'"]),
     ("module_filter_fn", "lm_head", ["fn(module, fqn)"]),
     ("optimizer_states", "fp4", ["'fp32'", "'fp8'", "'e4m3'", "('e4m3', 'fp16')"]),
     ("optimizer_states", ("e4m3",), ["'fp32'", "'fp8'"]),

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_COMM_NAMES = {"fp32": "FP32", "bf16": "BF16", "fp8": "FP8 E4M3, shared scale"}
 
 
 class BackendUnavailableError(RuntimeError):
@@ -132,6 +133,15 @@ class Backend(ABC):
         self._original_weight_dtypes: dict[str, torch.dtype] = {}
         if not self.native_storage:
             self._check_storage_engine()
+        self.comm_state = None  # the FP8 DDP hook's state, once registered
+        if recipe.grad_comm_dtype is not None and context.engine in ("fsdp2", "fsdp1", "deepspeed"):
+            own = ("the FSDP plugin's mixed-precision policy (reduce_dtype, FP32 or BF16)" if context.engine != "deepspeed"
+                   else "DeepSpeed's communication_data_type (FP32, BF16 or FP16)")
+            raise BackendUnavailableError(
+                f"FP8RecipeKwargs.grad_comm_dtype={recipe.grad_comm_dtype!r} applies to DDP; under {context.engine} "
+                f"the gradient reduction precision is set by {own}, and FP8 reduction is not available there in "
+                "this version of lowprec"
+            )
 
     # ----- storage knobs: weight_dtype, weight_grad_dtype (see lowprec.optim.grad_store) ------------
     @property
@@ -228,6 +238,20 @@ class Backend(ABC):
             with torch.no_grad():
                 for store in self.grad_stores:
                     dist.broadcast(store.weight.data, src=0)
+
+    def setup_grad_comm(self, model: nn.Module) -> None:
+        """Under DDP, register the communication hook `grad_comm_dtype` asks for on the wrapper."""
+        choice = self.recipe.grad_comm_dtype
+        if choice is None or not isinstance(model, nn.parallel.DistributedDataParallel):
+            return
+        from ..optim.grad_reduce import FP8CommState, bf16_allreduce_hook, fp8_allreduce_hook, fp32_allreduce_hook
+
+        if choice == "fp8":
+            self.comm_state = FP8CommState(model.process_group)
+            model.register_comm_hook(self.comm_state, fp8_allreduce_hook)
+        else:
+            hook = bf16_allreduce_hook if choice == "bf16" else fp32_allreduce_hook
+            model.register_comm_hook(model.process_group, hook)
 
     def _reduce_stores_if_pending(self) -> None:
         if self.store_reducer is not None:
@@ -504,8 +528,13 @@ class Backend(ABC):
 
         ep = self.context.engine_precision
         why = f"from {ep.source}" if ep.source else ""
+        choice = self.recipe.grad_comm_dtype
         if self.context.engine == "single":
             comm = TensorPrecision("grad_comm", "N/A (one process)")
+        elif choice is not None and self.context.engine == "ddp":
+            comm = TensorPrecision("grad_comm", _COMM_NAMES[choice], f"grad_comm_dtype={choice!r}: DDP comm hook"
+                                   + ("; one power-of-2 scale per bucket from the all-reduced amax, a bucket with "
+                                      "inf/NaN in FP32" if choice == "fp8" else ""))
         else:
             comm = TensorPrecision("grad_comm", ep.grad_reduce or hp, why if ep.grad_reduce else "")
         weight = ep.weight or hp

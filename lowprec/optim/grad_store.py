@@ -19,7 +19,7 @@ import functools
 import torch
 from torch import nn
 
-from ..scaling import compute_scale, format_max, tensor_amax
+from ..scaling import compute_scale, format_max, inf_to_nan, tensor_amax
 
 STORE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 _PREFIX = "_lowprec_grad_"
@@ -76,7 +76,7 @@ class GradStore:
         if self.dtype == torch.float8_e4m3fn:
             new_scale = compute_scale(amax, self.dtype, previous=scale)
             limit = format_max(self.dtype)
-            data.copy_((total * new_scale).clamp(-limit, limit).to(self.dtype))
+            data.copy_((inf_to_nan(total) * new_scale).clamp(-limit, limit).to(self.dtype))
             scale.copy_(new_scale)
         else:
             data.copy_(total.to(self.dtype))

@@ -30,6 +30,10 @@ SCENARIOS = {
     "O2": dict(opt_level="O2"),
     "fp8_grads": dict(weight_grad_dtype="fp8"),
     "O2_accumulate": dict(opt_level="O2", accumulation=2),
+    "comm_fp8": dict(grad_comm_dtype="fp8"),
+    "comm_bf16": dict(grad_comm_dtype="bf16"),
+    "comm_fp32": dict(grad_comm_dtype="fp32"),
+    "O1_comm_fp8": dict(opt_level="O1", grad_comm_dtype="fp8"),
 }
 
 
@@ -78,6 +82,7 @@ def train(accumulation: int = 1, **knobs) -> dict:
         "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "init_params": digest(*inner.parameters()),
         "grad_comm": accelerator.precision_plan.tensor("grad_comm").dtype,
+        "comm_hook": None if backend.comm_state is None else type(backend.comm_state).__name__,
         "steps": [],
     }
     x, y = make_data()
@@ -100,7 +105,45 @@ def train(accumulation: int = 1, **knobs) -> dict:
                 optimizer.zero_grad()
         entry["params"] = digest(*inner.parameters())
         record["steps"].append(entry)
+    record["nonfinite_buckets"] = None if backend.comm_state is None else backend.comm_state.nonfinite_buckets
     return record
+
+
+class _Bucket:
+    def __init__(self, buffer: torch.Tensor):
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
+def hook_numerics() -> dict:
+    """fp8_allreduce_hook on hand-made buckets against the exact FP32 mean of the ranks' values."""
+    from lowprec.optim.grad_reduce import FP8CommState, fp8_allreduce_hook
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randn(10_001, generator=g) * torch.logspace(-3, 0, 10_001)  # four decades of magnitude
+    mine = shared + 0.1 * torch.randn(10_001, generator=torch.Generator().manual_seed(1 + rank))
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        state = FP8CommState()
+        local = mine.to(dtype)
+        exact = local.float().clone()
+        dist.all_reduce(exact)
+        exact /= dist.get_world_size()
+        result = fp8_allreduce_hook(state, _Bucket(local.clone())).wait()
+        err = (result.float() - exact).norm() / exact.norm()
+        out[str(dtype)] = {"dtype": str(result.dtype), "rel_l2": float(err), "digest": digest(result),
+                           "nonfinite_buckets": state.nonfinite_buckets}
+    state = FP8CommState()
+    bad = mine.clone()
+    if rank == 1:
+        bad[7] = float("inf")
+    result = fp8_allreduce_hook(state, _Bucket(bad)).wait()
+    out["inf"] = {"value_7": float(result[7]), "finite_elsewhere": bool(torch.isfinite(result[8:]).all()),
+                  "nonfinite_buckets": state.nonfinite_buckets}
+    return out
 
 
 def main(argv: list[str]) -> None:
@@ -119,9 +162,14 @@ def main(argv: list[str]) -> None:
             results[name] = {"ranks": ranks}
         except Exception:  # noqa: BLE001
             results[name] = {"error": traceback.format_exc()[-3000:]}
+    try:
+        numerics = [None] * dist.get_world_size()
+        dist.all_gather_object(numerics, hook_numerics())
+    except Exception:  # noqa: BLE001
+        numerics = {"error": traceback.format_exc()[-3000:]}
     if dist.get_rank() == 0:
         with open(out_path, "w") as fh:
-            json.dump({"world_size": dist.get_world_size(), "scenarios": results}, fh)
+            json.dump({"world_size": dist.get_world_size(), "scenarios": results, "hook": numerics}, fh)
     dist.barrier()
     dist.destroy_process_group()
 

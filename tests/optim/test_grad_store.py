@@ -79,6 +79,18 @@ def test_a_nan_gradient_never_becomes_the_scale():
     assert torch.equal(store.fp8_grad_scale, scale)
 
 
+def test_an_infinite_gradient_is_stored_as_nan_not_saturated():
+    # E4M3 has no infinity: a saturated 448 would pass for a finite gradient and be applied
+    layer, _ = pair()
+    store = GradStore(layer, E4M3)
+    grad = torch.ones_like(layer.weight)
+    grad[0, 0] = float("inf")
+    store.accumulate(grad)
+    stored = store.grad()
+    assert torch.isnan(stored[0, 0]) and torch.isfinite(stored[1:]).all()
+    assert not torch.isfinite(clip_grad_norm_(list(layer.parameters()), [store], 1.0))
+
+
 def test_zero_grad_and_the_optimizer_clear_stores():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
     stores = install_grad_stores(list(model), E4M3)

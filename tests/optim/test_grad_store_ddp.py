@@ -20,6 +20,7 @@ pytest.importorskip("torchao")
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "distributed", "stores_ddp.py")
 SCENARIOS = ["O1", "O2", "fp8_grads", "O2_accumulate"]
+COMM = ["comm_fp8", "comm_bf16", "comm_fp32", "O1_comm_fp8"]
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +37,11 @@ def run(tmp_path_factory):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["world_size"] == 2
-    return result["scenarios"]
+    return result
 
 
 def ranks(run, name):
-    scenario = run[name]
+    scenario = run["scenarios"][name]
     assert "error" not in scenario, scenario.get("error")
     return scenario["ranks"]
 
@@ -58,7 +59,7 @@ def test_set_up_under_ddp_with_the_fp8_reducer(run, name):
         assert r["grad_comm"].startswith("FP8 E4M3")
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", SCENARIOS + COMM)
 def test_ranks_hold_identical_gradients_and_parameters_after_every_step(run, name):
     a, b = ranks(run, name)
     # each rank built its model from its own seed: prepare() broadcast rank 0's weights (DDP the rest,
@@ -71,7 +72,7 @@ def test_ranks_hold_identical_gradients_and_parameters_after_every_step(run, nam
         assert sa["clip_norm"] == sb["clip_norm"]
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+@pytest.mark.parametrize("name", SCENARIOS + COMM)
 def test_loss_falls(run, name):
     for r in ranks(run, name):
         losses = [sum(s["losses"]) / len(s["losses"]) for s in r["steps"]]
@@ -82,3 +83,35 @@ def test_weights_are_fp16_under_the_levels(run):
     for name in ("O1", "O2", "O2_accumulate"):
         assert all(r["weight_dtypes"] == ["torch.float16"] for r in ranks(run, name))
     assert all(r["weight_dtypes"] == ["torch.float32"] for r in ranks(run, "fp8_grads"))
+
+
+@pytest.mark.parametrize("name, row, hook", [("comm_fp8", "FP8 E4M3, shared scale", "FP8CommState"),
+                                             ("comm_bf16", "BF16", None), ("comm_fp32", "FP32", None),
+                                             ("O1_comm_fp8", "FP8 E4M3, shared scale (FP8 Linear), FP8 E4M3, shared "
+                                              "scale (rest)", "FP8CommState")])
+def test_grad_comm_dtype_registers_its_hook_and_shows_in_the_plan(run, name, row, hook):
+    for r in ranks(run, name):
+        assert r["grad_comm"] == row and r["comm_hook"] == hook
+        assert r["nonfinite_buckets"] in (None, 0)
+        if name.startswith("comm_"):
+            assert r["stores"] == [] and r["optimizer"] == "AdamW"  # the knob alone changes nothing else
+
+
+def test_fp8_hook_error_against_the_exact_fp32_mean(run):
+    # Error bound: each rank's cast to E4M3 and the rounding of the mean each err by at most half an
+    # E4M3 step (2**-4 relative at the top of a binade); over values spread across four decades the
+    # relative L2 error of two such roundings stays below 2 * 2**-4 / sqrt(3) ~ 0.072. Values below
+    # E4M3's subnormal range at the shared scale flush to zero and add a little: bound 0.08.
+    hook = run["hook"]
+    assert isinstance(hook, list), hook
+    a, b = hook
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        assert a[dtype]["digest"] == b[dtype]["digest"]  # every rank holds the same mean
+        assert a[dtype]["dtype"] == dtype and a[dtype]["nonfinite_buckets"] == 0
+        assert 0.005 < a[dtype]["rel_l2"] < 0.08, a[dtype]["rel_l2"]  # FP8-level error, not FP32's
+
+
+def test_fp8_hook_sends_a_bucket_with_inf_in_fp32(run):
+    for r in run["hook"]:
+        assert r["inf"]["value_7"] == float("inf") and r["inf"]["finite_elsewhere"]
+        assert r["inf"]["nonfinite_buckets"] == 1

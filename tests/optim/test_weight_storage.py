@@ -254,3 +254,21 @@ def test_verify_storage_catches_a_weight_not_stored_as_planned():
     weight.data = weight.data.float()
     with pytest.raises(PlanMismatchError, match="planned torch.float16, built torch.float32"):
         backend.verify_storage(acc.unwrap_model(model))
+
+
+@pytest.mark.parametrize("engine, own", [("fsdp2", "reduce_dtype"), ("deepspeed", "communication_data_type")])
+def test_grad_comm_dtype_under_sharded_engines_names_their_own_setting(engine, own):
+    recipe = FP8RecipeKwargs(backend="torchao", grad_comm_dtype="fp8")
+    with pytest.raises(BackendUnavailableError, match=f"grad_comm_dtype='fp8' applies to DDP.*{own}"):
+        create_backend(recipe, RunContext(device=device_info("cpu"), engine=engine, world_size=2))
+
+
+@pytest.mark.parametrize("choice, row", [("fp8", "FP8 E4M3, shared scale"), ("bf16", "BF16"), ("fp32", "FP32")])
+def test_grad_comm_dtype_in_the_ddp_plan(choice, row):
+    from lowprec import plan_for
+
+    plan = plan_for(llama(), FP8RecipeKwargs(backend="torchao", grad_comm_dtype=choice, skip_first_last=False,
+                                             skip_slow_shapes=False), engine="ddp", world_size=2)
+    assert plan.tensor("grad_comm").dtype == row
+    single = plan_for(llama(), FP8RecipeKwargs(backend="torchao", grad_comm_dtype=choice))
+    assert single.tensor("grad_comm").dtype == "N/A (one process)"

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import triton_available
-from ...scaling import compute_scale, dequantize, format_max, tensor_amax
+from ...scaling import compute_scale, dequantize, format_max, inf_to_nan, tensor_amax
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -155,7 +155,7 @@ class _FP8LinearFunction(torch.autograd.Function):
             total = previous + wgrad
             amax_t = tensor_amax(total)
             s_t = compute_scale(amax_t, E4M3, 0, previous=grad_scale)
-            grad_data.copy_((total * s_t).clamp(-format_max(E4M3), format_max(E4M3)).to(E4M3))
+            grad_data.copy_((inf_to_nan(total) * s_t).clamp(-format_max(E4M3), format_max(E4M3)).to(E4M3))
             grad_scale.copy_(s_t)
             grad_amax.copy_(amax_t)
             grad_valid.fill_(1.0)
