@@ -64,6 +64,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         recipe=args.recipe,
         fp8_format=args.fp8_format,
         opt_level=args.opt_level,
+        weight_dtype=args.weight_dtype,
+        weight_grad_dtype=args.weight_grad_dtype,
+        optimizer_states=args.optimizer_states,
+        grad_comm_dtype=args.grad_comm_dtype,
         include=args.include,
         exclude=args.exclude,
         skip_first_last=args.skip_first_last,
@@ -128,7 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--backend", default=None, help="auto, torchao, te, msamp (default: ACCELERATE_FP8_BACKEND or auto)")
     plan.add_argument("--recipe", default=None)
     plan.add_argument("--fp8-format", default=None, choices=["HYBRID", "E4M3"])
-    plan.add_argument("--opt-level", default=None)
+    plan.add_argument("--opt-level", default=None, help="O1 or O2: a preset of the four storage options below")
+    plan.add_argument("--weight-dtype", default=None, help="converted Linear weights: fp32, fp16, bf16")
+    plan.add_argument("--weight-grad-dtype", default=None, help="their gradients: fp32, bf16, fp8")
+    plan.add_argument("--optimizer-states", default=None, help="fp32, bf16, fp16, fp8, or a pair such as e4m3+fp16")
+    plan.add_argument("--grad-comm-dtype", default=None, help="DDP gradient averaging: fp32, bf16, fp8")
     plan.add_argument("--model", default=None, help="built-in model: tiny, small, proxy (default proxy)")
     plan.add_argument("--config", default=None,
                       help="a transformers config: local config.json / folder, or a model type such as 'llama'")

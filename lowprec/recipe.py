@@ -14,7 +14,7 @@ from accelerate.utils import KwargsHandler
 from torch import nn
 
 from .env import read_fp8_env
-from .optim.levels import LEVEL_STATES, parse_states
+from .optim.levels import parse_states
 from .specs import backend_spec, canonical_name, registered_specs
 
 log = logging.getLogger(__name__)
@@ -194,12 +194,6 @@ class FP8RecipeKwargs(KwargsHandler):
             self.skip_first_last = True
         if self.skip_slow_shapes is None:
             self.skip_slow_shapes = True
-        if self.opt_level is not None and self.optimizer_states is not None:
-            if LEVEL_STATES[self.opt_level] != self.optimizer_states:
-                raise ValueError(
-                    f"FP8RecipeKwargs.opt_level={self.opt_level!r} stores optimizer states as "
-                    f"{LEVEL_STATES[self.opt_level]!r}, but optimizer_states={self.optimizer_states!r}; set one of them"
-                )
         if self.module_filter_fn is not None and not callable(self.module_filter_fn):
             raise ValueError(
                 f"FP8RecipeKwargs.module_filter_fn={self.module_filter_fn!r} must be callable as fn(module, fqn) -> bool"

@@ -83,3 +83,18 @@ def test_plan_tiny_on_cpu_converts_what_the_defaults_convert(capsys):
     out = capsys.readouterr().out
     assert "modules: 13 of 15 Linear layers in FP8" in out and "WARNING" not in out
     assert "skip_slow_shapes: no measured thresholds for CPU (emulated); every eligible Linear is converted" in out
+
+
+def test_plan_storage_options(capsys):
+    argv = ["plan", "--model", "proxy", "--capability", "9.0", "--backend", "torchao", "--engine", "ddp",
+            "--world-size", "2", "--opt-level", "O1", "--weight-dtype", "bf16", "--optimizer-states", "fp8",
+            "--grad-comm-dtype", "bf16", "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    rows = {t["kind"]: t["dtype"] for t in plan["tensors"]}
+    assert rows["weight"].startswith("BF16 (FP8 Linear)")
+    assert rows["weight_grad"].startswith("FP8 E4M3 (FP8 Linear)")
+    assert rows["optimizer_states"] == "FP8 E4M3+FP16"
+    assert rows["grad_comm"] == "FP8 E4M3, shared scale (FP8 Linear), BF16 (rest)"
+    assert main(["plan", "--backend", "msamp", "--weight-grad-dtype", "bf16"]) == 2
+    assert "weight_grad_dtype='bf16' cannot be honoured by backend 'msamp'" in capsys.readouterr().err

@@ -247,11 +247,12 @@ def test_optimizer_states_for_every_backend(backend, value, expected):
     assert FP8RecipeKwargs(backend=backend, optimizer_states=value).optimizer_states == expected
 
 
-def test_optimizer_states_that_contradict_the_level_is_an_error():
-    with pytest.raises(ValueError, match="opt_level='O1' stores optimizer states as 'fp32', but "
-                                         "optimizer_states='fp8'; set one of them"):
-        FP8RecipeKwargs(backend="msamp", opt_level="O1", optimizer_states="fp8")
-    assert FP8RecipeKwargs(backend="msamp", opt_level="O2", optimizer_states="fp8").optimizer_states == "fp8"
+def test_optimizer_states_overrides_its_level_like_every_storage_knob():
+    from lowprec.specs import backend_spec
+
+    r = FP8RecipeKwargs(backend="msamp", opt_level="O1", optimizer_states="fp8")
+    assert backend_spec("msamp").storage(r)["optimizer_states"] == "fp8"
+    assert backend_spec("msamp").storage(r.replace(optimizer_states=None))["optimizer_states"] == "fp32"
 
 
 def test_optimizer_states_and_fp8_weights_both_choose_the_optimizer():

@@ -287,7 +287,10 @@ class Backend(ABC):
         weight = self.weight_storage_dtype()
         weight_name = short_dtype(weight) if weight is not None else hp
         store = self.grad_store_dtype(weight if weight is not None else _DTYPES.get(hp.lower()))
-        why = f"level {self.storage['opt_level']}" if self.storage["opt_level"] else "set by FP8RecipeKwargs"
+        def why(knob: str) -> str:
+            value = getattr(self.recipe, knob)
+            return f"{knob}={value!r}" if value is not None else f"level {self.storage['opt_level']}"
+
         out = []
         for row in rows:
             if row.kind == "grad_comm" and self.context.engine == "ddp" and store == torch.float8_e4m3fn:
@@ -296,13 +299,14 @@ class Backend(ABC):
                                       "FP8 all_gather, once per optimizer step; the rest by DDP")
             elif row.kind == "weight" and weight is not None:
                 row = TensorPrecision("weight", f"{weight_name} (FP8 Linear), {row.dtype} (rest)",
-                                      f"{why}: updated in place by LowBitAdam(W) in FP32 math, no master copy")
+                                      f"{why('weight_dtype')}: updated in place by LowBitAdam(W) in FP32 math, "
+                                      "no master copy")
             elif row.kind == "weight_grad" and (store is not None or weight is not None):
                 kept = {torch.float8_e4m3fn: "FP8 E4M3", torch.bfloat16: "BF16"}.get(store, weight_name)
                 if store is None:
-                    note = f"{why}: in .grad, in the weights' dtype"
+                    note = f"{why('weight_dtype')}: in .grad, in the weights' dtype"
                 else:
-                    note = f"{why}: taken from .grad by a post-accumulate-grad hook"
+                    note = f"{why('weight_grad_dtype')}: taken from .grad by a post-accumulate-grad hook"
                     if store == torch.float8_e4m3fn:
                         note += "; per-tensor power-of-2 scale, micro-batches dequantise + add + requantise"
                 row = TensorPrecision("weight_grad", f"{kept} (FP8 Linear), {row.dtype} (rest)", note)

@@ -13,13 +13,13 @@ them to OUT.json for the pytest side. A scenario that raises is recorded as an e
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import sys
 import traceback
 
 import torch
 import torch.distributed as dist
+from msamp_ddp import digest  # beside this script: torchrun puts its folder on sys.path
 from torch import nn
 
 D_IN, D_HIDDEN, D_OUT = 32, 64, 16
@@ -35,15 +35,6 @@ SCENARIOS = {
     "comm_fp32": dict(grad_comm_dtype="fp32"),
     "O1_comm_fp8": dict(opt_level="O1", grad_comm_dtype="fp8"),
 }
-
-
-def digest(*tensors: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().cpu().contiguous()
-        h.update(str((t.dtype, tuple(t.shape))).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:24]
 
 
 def make_model() -> nn.Module:
