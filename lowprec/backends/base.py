@@ -242,8 +242,17 @@ class Backend(ABC):
     def setup_grad_comm(self, model: nn.Module) -> None:
         """Under DDP, register the communication hook `grad_comm_dtype` asks for on the wrapper."""
         choice = self.recipe.grad_comm_dtype
-        if choice is None or not isinstance(model, nn.parallel.DistributedDataParallel):
+        if choice is None or self.context.engine != "ddp":
             return
+        ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else getattr(model, "_orig_mod", None)
+        if not isinstance(ddp, nn.parallel.DistributedDataParallel):
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                raise RuntimeError(f"lowprec: grad_comm_dtype={choice!r} needs the DDP wrapper to hook, and "
+                                   f"prepare() returned {type(model).__name__}")
+            return  # one process: nothing is communicated
+        model = ddp
         from ..optim.grad_reduce import FP8CommState, bf16_allreduce_hook, fp8_allreduce_hook, fp32_allreduce_hook
 
         if choice == "fp8":

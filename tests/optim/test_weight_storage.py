@@ -272,3 +272,25 @@ def test_grad_comm_dtype_in_the_ddp_plan(choice, row):
     assert plan.tensor("grad_comm").dtype == row
     single = plan_for(llama(), FP8RecipeKwargs(backend="torchao", grad_comm_dtype=choice))
     assert single.tensor("grad_comm").dtype == "N/A (one process)"
+
+
+def test_grad_comm_hook_reaches_ddp_inside_a_compiled_wrapper(monkeypatch):
+    import torch.distributed as dist
+
+    backend = create_backend(FP8RecipeKwargs(backend="torchao", grad_comm_dtype="fp8"),
+                             RunContext(device=device_info("cpu"), engine="ddp", world_size=2))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+        hooks = []
+        monkeypatch.setattr(ddp, "register_comm_hook", lambda state, hook: hooks.append(hook.__name__))
+
+        class Compiled(nn.Module):  # what torch.compile returns around the DDP wrapper
+            def __init__(self, inner):
+                super().__init__()
+                self._orig_mod = inner
+
+        backend.setup_grad_comm(Compiled(ddp))
+        assert hooks == ["fp8_allreduce_hook"]
+    finally:
+        dist.destroy_process_group()
