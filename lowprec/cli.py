@@ -35,15 +35,19 @@ def build_model_for_plan(model: str | None, config: str | None, overrides: dict)
             raise SystemExit("lowprec plan: --set applies to --config models only")
         with torch.device("meta"):
             return build_model(PRESETS[name]), f"built-in Llama-style '{name}' ({PRESETS[name].note})"
+    if model is not None:
+        raise SystemExit(f"lowprec plan: --model {model!r} and --config {config!r} both choose the model; give one")
     transformers = require("transformers", feature="lowprec plan --config")
     if os.path.exists(config):
         cfg = transformers.AutoConfig.from_pretrained(config, local_files_only=True, **overrides)
     else:
         try:
             cfg = transformers.AutoConfig.for_model(config, **overrides)
-        except ValueError as exc:
+        except ValueError:
+            # transformers' message lists all of its several hundred model types: name a few instead
             raise SystemExit(f"lowprec plan: --config {config!r} is neither a local config file/folder nor a "
-                             f"transformers model type ({exc})") from None
+                             "transformers model type (such as 'llama', 'mistral', 'qwen2', 'gpt2'; the full list "
+                             "is transformers.CONFIG_MAPPING)") from None
     with torch.device("meta"):
         try:
             built = transformers.AutoModelForCausalLM.from_config(cfg)

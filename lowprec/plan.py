@@ -250,12 +250,15 @@ def _grouped(title: str, decisions: list[ModuleDecision]) -> list[str]:
     """Collapse repeated layers (model.layers.0.mlp.up, model.layers.1.mlp.up, ...) to one line."""
     if not decisions:
         return []
-    groups: "OrderedDict[tuple[str, tuple, str], int]" = OrderedDict()
+    groups: "OrderedDict[tuple[str, tuple, str], list[str]]" = OrderedDict()
     for d in decisions:
         key = (re.sub(r"\.\d+(?=\.|$)", ".*", d.fqn), d.shape, d.reason)
-        groups[key] = groups.get(key, 0) + 1
+        groups.setdefault(key, []).append(d.fqn)
     lines = [title]
-    for (name, shape, reason), count in groups.items():
+    for (pattern, shape, reason), names in groups.items():
+        # a lone member keeps its index: layer 0's q_proj kept and the other layers' in FP8 must not
+        # both read "model.layers.*.q_proj"
+        name, count = (names[0], 1) if len(names) == 1 else (pattern, len(names))
         dims = f"{shape[1]}->{shape[0]}" if len(shape) == 2 else "x".join(str(s) for s in shape)
         label = f"{name} x{count}" if count > 1 else name
         lines.append(f"    {label:<48} {dims:>12}  {'' if reason == 'FP8' else reason}".rstrip())

@@ -4,8 +4,11 @@
 #   bash scripts/run.sh demo [lowprec demo options]   # BF16 vs FP8 training through Accelerate
 #   bash scripts/run.sh test [pytest options]         # the CPU test suite (what CI runs)
 #
-# torch is installed first and pinned, so pip never swaps in a multi-GB CUDA build behind our back.
-# On a machine that already has a CUDA torch (a GPU host), set LOWPREC_USE_SYSTEM_TORCH=1 to keep it.
+# torch is installed first and pinned, so installing lowprec's other requirements never replaces it.
+# Which build `torch==2.13.0` is depends on the index: on a stock Linux machine PyPI's is the CUDA
+# build with its NVIDIA packages (several GB); LOWPREC_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# takes the CPU build instead. On a machine that already has a CUDA torch (a GPU host), set
+# LOWPREC_USE_SYSTEM_TORCH=1 to keep it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${LOWPREC_VENV:-.venv}
@@ -24,7 +27,7 @@ pip() { "$venv/bin/python" -m pip -q --disable-pip-version-check "$@"; }
 stamp="$venv/.lowprec-installed"
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   if [ "${LOWPREC_USE_SYSTEM_TORCH:-0}" != 1 ]; then
-    pip install "torch==$torch_version"
+    pip install "torch==$torch_version" ${LOWPREC_TORCH_INDEX:+--index-url "$LOWPREC_TORCH_INDEX"}
   fi
   pip install -e ".[torchao,test]"
   touch "$stamp"

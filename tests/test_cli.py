@@ -98,3 +98,23 @@ def test_plan_storage_options(capsys):
     assert rows["grad_comm"] == "FP8 E4M3, shared scale (FP8 Linear), BF16 (rest)"
     assert main(["plan", "--backend", "msamp", "--weight-grad-dtype", "bf16"]) == 2
     assert "weight_grad_dtype='bf16' cannot be honoured by backend 'msamp'" in capsys.readouterr().err
+
+
+def test_plan_model_and_config_together_is_an_error(capsys):
+    with pytest.raises(SystemExit, match="--model 'tiny' and --config 'llama' both choose the model"):
+        main(["plan", "--model", "tiny", "--config", "llama"])
+
+
+def test_plan_unknown_config_is_a_short_error():
+    with pytest.raises(SystemExit) as err:
+        main(["plan", "--config", "/no/such/config"])
+    message = str(err.value)
+    assert "neither a local config file/folder nor a transformers model type" in message and len(message) < 400
+
+
+def test_plan_keeps_the_index_of_a_lone_layer(capsys):
+    # skip_first_last keeps layer 0's q_proj; the other layer's q_proj is FP8: two different lines
+    assert main(["plan", "--model", "tiny", "--capability", "9.0", "--no-skip-slow-shapes"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.self_attn.q_proj" in out and "model.layers.1.self_attn.q_proj" in out
+    assert "model.layers.*.self_attn.q_proj" not in out
