@@ -217,7 +217,7 @@ class Backend(ABC):
         if self.context.engine == "ddp" and self.grad_stores:
             from ..optim.grad_store import ignore_in_ddp
 
-            ignore_in_ddp(root, self.grad_stores)
+            ignore_in_ddp(root, [store.module for store in self.grad_stores])
 
     def setup_grad_stores(self, model: nn.Module) -> None:
         """After wrapping: `model.zero_grad()` of the wrapper clears the stores too, and under DDP the

@@ -109,15 +109,17 @@ def install_grad_stores(modules: list[nn.Module], dtype: torch.dtype) -> list[Gr
     return stores
 
 
-def ignore_in_ddp(root: nn.Module, stores) -> None:
-    """DDP must neither all-reduce the stored weights (they have no .grad) nor broadcast the stores'
-    buffers (each rank's are its own gradients); FP8GradReducer averages them instead."""
+def ignore_in_ddp(root: nn.Module, modules, buffer_prefix: str = _PREFIX) -> None:
+    """DDP must neither all-reduce the weights of `modules` (their gradients are not in .grad) nor
+    broadcast their buffers whose names start with `buffer_prefix` (rank-local gradients and
+    scales); FP8GradReducer averages the gradients instead. `buffer_prefix=""`: every buffer."""
+    wanted = {id(m) for m in modules}
     names = []
     for prefix, module in root.named_modules():
-        if any(store.module is module for store in stores):
+        if id(module) in wanted:
             dot = prefix + "." if prefix else ""
             names.append(dot + "weight")
-            names += [dot + name for name, _ in module.named_buffers(recurse=False) if name.startswith(_PREFIX)]
+            names += [dot + name for name, _ in module.named_buffers(recurse=False) if name.startswith(buffer_prefix)]
     existing = list(getattr(root, "_ddp_params_and_buffers_to_ignore", []))
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, existing + names)
 

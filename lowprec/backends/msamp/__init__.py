@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from ...optim.grad_store import clear_in_zero_grad
+from ...optim.grad_store import clear_in_zero_grad, ignore_in_ddp
 from ...optim.levels import LEVEL_STATE_DTYPES, state_bytes
 from ...specs import backend_spec
 from ..base import Backend, BackendUnavailableError
@@ -100,7 +100,8 @@ class MSAMPBackend(Backend):
         # The layers hold their FP8 weight gradients as gradient stores do: the base adapter's
         # optimizer swap, clipping, zero_grad and DDP reduction (FP8GradReducer) serve both.
         self.grad_stores = self.layers
-        _ignore_in_ddp(root)
+        # DDP neither reduces their weights nor broadcasts their FP8 state (scales, amax histories)
+        ignore_in_ddp(root, self.layers, buffer_prefix="")
         clear_in_zero_grad(root, self.layers)
         return root
 
@@ -176,15 +177,3 @@ class MSAMPBackend(Backend):
         if not self.emulated:
             notes.append("compile the model (dynamo_backend='inductor') to fuse the casts into neighbouring kernels")
         return notes
-
-
-def _ignore_in_ddp(root: nn.Module) -> None:
-    """DDP must neither all-reduce FP8Linear weights (they have no .grad) nor broadcast their FP8 state."""
-    names = []
-    for prefix, module in root.named_modules():
-        if isinstance(module, FP8Linear):
-            dot = prefix + "." if prefix else ""
-            names.append(dot + "weight")
-            names += [dot + name for name, _ in module.named_buffers(recurse=False)]
-    existing = list(getattr(root, "_ddp_params_and_buffers_to_ignore", []))
-    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, existing + names)
