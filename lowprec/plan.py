@@ -239,27 +239,55 @@ class PrecisionPlan:
         shortfall = self.shortfall()
         if shortfall:
             lines += [f"  WARNING: {shortfall[0]}"] + [f"  {line}" for line in shortfall[1:]]
-        lines += _grouped("  FP8:", self.converted)
-        lines += _grouped("  kept in high precision:", self.skipped)
+        split = _patterns(self.converted) & _patterns(self.skipped)
+        lines += _grouped("  FP8:", self.converted, split)
+        lines += _grouped("  kept in high precision:", self.skipped, split)
         if self.notes:
             lines += ["", "notes:"] + [f"  - {n}" for n in self.notes]
         return "\n".join(lines)
 
 
-def _grouped(title: str, decisions: list[ModuleDecision]) -> list[str]:
-    """Collapse repeated layers (model.layers.0.mlp.up, model.layers.1.mlp.up, ...) to one line."""
+def _pattern(fqn: str) -> str:
+    return re.sub(r"\.\d+(?=\.|$)", ".*", fqn)
+
+
+def _patterns(decisions: list[ModuleDecision]) -> set[str]:
+    return {_pattern(d.fqn) for d in decisions}
+
+
+def _indices(pattern: str, names: list[str]) -> str | None:
+    """'{0,2-5}' for the layer numbers of `names` where `pattern` has one `*`, else None."""
+    if pattern.count("*") != 1:
+        return None
+    before, after = pattern.split("*")
+    numbers = sorted(int(n[len(before):len(n) - len(after)]) for n in names)
+    runs, start = [], numbers[0]
+    for prev, cur in zip(numbers, numbers[1:] + [None]):
+        if cur != prev + 1:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return before + "{" + ",".join(runs) + "}" + after
+
+
+def _grouped(title: str, decisions: list[ModuleDecision], split: set[str] = frozenset()) -> list[str]:
+    """Collapse repeated layers (model.layers.0.mlp.up, model.layers.1.mlp.up, ...) to one line.
+
+    A pattern whose layers are split between FP8 and kept (`split`) shows which layers each line
+    holds, and a lone member its own name: "model.layers.*.q_proj" on both lines would hide that."""
     if not decisions:
         return []
     groups: "OrderedDict[tuple[str, tuple, str], list[str]]" = OrderedDict()
     for d in decisions:
-        key = (re.sub(r"\.\d+(?=\.|$)", ".*", d.fqn), d.shape, d.reason)
-        groups.setdefault(key, []).append(d.fqn)
+        groups.setdefault((_pattern(d.fqn), d.shape, d.reason), []).append(d.fqn)
     lines = [title]
     for (pattern, shape, reason), names in groups.items():
-        # a lone member keeps its index: layer 0's q_proj kept and the other layers' in FP8 must not
-        # both read "model.layers.*.q_proj"
-        name, count = (names[0], 1) if len(names) == 1 else (pattern, len(names))
+        if len(names) == 1:
+            name = names[0]
+        elif pattern in split:
+            name = _indices(pattern, names) or pattern
+        else:
+            name = pattern
         dims = f"{shape[1]}->{shape[0]}" if len(shape) == 2 else "x".join(str(s) for s in shape)
-        label = f"{name} x{count}" if count > 1 else name
+        label = f"{name} x{len(names)}" if len(names) > 1 else name
         lines.append(f"    {label:<48} {dims:>12}  {'' if reason == 'FP8' else reason}".rstrip())
     return lines

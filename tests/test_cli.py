@@ -118,3 +118,15 @@ def test_plan_keeps_the_index_of_a_lone_layer(capsys):
     out = capsys.readouterr().out
     assert "model.layers.0.self_attn.q_proj" in out and "model.layers.1.self_attn.q_proj" in out
     assert "model.layers.*.self_attn.q_proj" not in out
+
+
+def test_plan_shows_which_layers_of_a_split_pattern_each_line_holds(capsys):
+    # layers 0 and 1 kept by pattern, 2 and 3 in FP8: each line names its layers
+    argv = ["plan", "--config", "llama", "--set", "num_hidden_layers=4", "--set", "hidden_size=256",
+            "--set", "intermediate_size=512", "--set", "num_attention_heads=4", "--set", "num_key_value_heads=4",
+            "--set", "vocab_size=512", "--capability", "9.0", "--no-skip-slow-shapes", "--no-skip-first-last",
+            "--exclude", "model.layers.[01].*"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.{2-3}.mlp.up_proj x2" in out and "model.layers.{0-1}.mlp.up_proj x2" in out
+    assert "model.layers.*.mlp.up_proj" not in out
