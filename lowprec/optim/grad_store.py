@@ -66,23 +66,9 @@ class GradStore:
         grad, param.grad = param.grad, None
         self.accumulate(grad)
 
-    @torch.no_grad()
     def accumulate(self, grad: torch.Tensor) -> None:
         """Add `grad` to the stored gradient (dequantise, add in FP32, requantise)."""
-        data, scale = self.fp8_grad_data, self.fp8_grad_scale
-        previous = torch.where(self.fp8_grad_valid > 0, data.float() / scale, torch.zeros((), device=data.device))
-        total = previous + grad.float()
-        amax = tensor_amax(total)
-        if self.dtype == torch.float8_e4m3fn:
-            new_scale = compute_scale(amax, self.dtype, previous=scale)
-            limit = format_max(self.dtype)
-            data.copy_((inf_to_nan(total) * new_scale).clamp(-limit, limit).to(self.dtype))
-            scale.copy_(new_scale)
-        else:
-            data.copy_(total.to(self.dtype))
-            scale.fill_(1.0)  # clipping may have divided it
-        self.fp8_grad_amax.copy_(amax)
-        self.fp8_grad_valid.fill_(1.0)
+        accumulate_into(self.fp8_grad_data, self.fp8_grad_scale, self.fp8_grad_amax, self.fp8_grad_valid, grad)
 
     def grad(self) -> torch.Tensor | None:
         """The stored gradient dequantised to FP32, or None when none arrived since the last clear."""
@@ -95,6 +81,27 @@ class GradStore:
         self._handle.remove()
         for name in ("data", "scale", "amax", "valid"):
             delattr(self.module, _PREFIX + name)
+
+
+@torch.no_grad()
+def accumulate_into(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, valid: torch.Tensor,
+                    grad: torch.Tensor) -> None:
+    """Add `grad` to a gradient kept as `data / scale` (E4M3 with a current power-of-two scale, or
+    BF16 with scale 1), in place: dequantise, add in FP32, requantise. `valid` = 0 means empty.
+    A store's hook and msamp's FP8Linear backward both accumulate micro-batches this way."""
+    previous = torch.where(valid > 0, data.float() / scale, torch.zeros((), device=data.device))
+    total = previous + grad.float()
+    total_amax = tensor_amax(total)
+    if data.dtype == torch.float8_e4m3fn:
+        new_scale = compute_scale(total_amax, data.dtype, previous=scale)
+        limit = format_max(data.dtype)
+        data.copy_((inf_to_nan(total) * new_scale).clamp(-limit, limit).to(data.dtype))
+        scale.copy_(new_scale)
+    else:
+        data.copy_(total.to(data.dtype))
+        scale.fill_(1.0)  # clipping may have divided it
+    amax.copy_(total_amax)
+    valid.fill_(1.0)
 
 
 def install_grad_stores(modules: list[nn.Module], dtype: torch.dtype) -> list[GradStore]:

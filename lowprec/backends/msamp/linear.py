@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import triton_available
-from ...scaling import compute_scale, dequantize, format_max, inf_to_nan, tensor_amax
+from ...optim.grad_store import accumulate_into
+from ...scaling import compute_scale, dequantize, format_max, tensor_amax
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -96,6 +97,19 @@ def _record(history: torch.Tensor, amax: torch.Tensor) -> None:
     history[0].copy_(torch.maximum(history[0], amax))
 
 
+def _cast_with_scale(t: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype, margin: int, in_time: bool):
+    """(scale, FP8 tensor, its transpose, amax): scaled from the tensor's own amax while the history
+    warms up (`in_time`), else with the stored delayed scale, the cast recording the amax."""
+    if in_time:
+        amax = tensor_amax(t)
+        scale = compute_scale(amax, dtype, margin, previous=stored)
+        q, qt, _ = cast_fp8(t, scale, dtype, transpose=True)
+        return scale, q, qt, amax
+    scale = stored.clone()
+    q, qt, amax = cast_fp8(t, scale, dtype, transpose=True)
+    return scale, q, qt, amax
+
+
 class _FP8LinearFunction(torch.autograd.Function):
     """y = x W^T with the three GEMMs in FP8. State tensors are updated in place (see module doc)."""
 
@@ -104,13 +118,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         fwd_dtype, bwd_dtype, margin, in_time_input, in_time_grad, emulate, out_dtype, record = cfg
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if in_time_input:
-            amax_x = tensor_amax(x2)
-            s_x = compute_scale(amax_x, fwd_dtype, margin, previous=scale_x)
-            xq, xqt, _ = cast_fp8(x2, s_x, fwd_dtype, transpose=True)
-        else:
-            s_x = scale_x.clone()
-            xq, xqt, amax_x = cast_fp8(x2, s_x, fwd_dtype, transpose=True)
+        s_x, xq, xqt, amax_x = _cast_with_scale(x2, scale_x, fwd_dtype, margin, in_time_input)
         amax_w = tensor_amax(weight)
         s_w = compute_scale(amax_w, fwd_dtype, margin, previous=scale_w)
         wq, wqt, _ = cast_fp8(weight, s_w, fwd_dtype, transpose=True)
@@ -132,13 +140,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         history, scale_g, grad_data, grad_scale, grad_amax, grad_valid = ctx.state
         bwd_dtype, margin, in_time, emulate, x_dtype, shape = ctx.cfg
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        if in_time:
-            amax_g = tensor_amax(g2)
-            s_g = compute_scale(amax_g, bwd_dtype, margin, previous=scale_g)
-            gq, gqt, _ = cast_fp8(g2, s_g, bwd_dtype, transpose=True)
-        else:
-            s_g = scale_g.clone()
-            gq, gqt, amax_g = cast_fp8(g2, s_g, bwd_dtype, transpose=True)
+        s_g, gq, gqt, amax_g = _cast_with_scale(g2, scale_g, bwd_dtype, margin, in_time)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = scaled_gemm(gq, wqt.t(), s_g, s_w, grad_out.dtype, emulate=emulate, fast_accum=False)
@@ -150,15 +152,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         # dW = dY^T X: inner dimension = tokens, which FP8 GEMMs need in multiples of 16.
         wgrad = scaled_gemm(_pad_cols(gqt, 16), _pad_cols(xqt, 16).t(), s_g, s_x, torch.float32,
                             emulate=emulate, fast_accum=False)
-        with torch.no_grad():
-            previous = torch.where(grad_valid > 0, dequantize(grad_data, grad_scale), torch.zeros_like(wgrad))
-            total = previous + wgrad
-            amax_t = tensor_amax(total)
-            s_t = compute_scale(amax_t, E4M3, 0, previous=grad_scale)
-            grad_data.copy_((inf_to_nan(total) * s_t).clamp(-format_max(E4M3), format_max(E4M3)).to(E4M3))
-            grad_scale.copy_(s_t)
-            grad_amax.copy_(amax_t)
-            grad_valid.fill_(1.0)
+        accumulate_into(grad_data, grad_scale, grad_amax, grad_valid, wgrad)
         return (grad_x,) + (None,) * 10
 
 
