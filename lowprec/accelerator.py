@@ -25,7 +25,7 @@ from torch import nn
 
 from .backends import Backend, RunContext, create_backend
 from .compat import is_fp8_handler, to_recipe
-from .engines import EnginePrecision, deepspeed_precision, fsdp_precision
+from .engines import EnginePrecision, apply_grad_comm_dtype, deepspeed_precision, fsdp_precision
 from .hardware import device_info
 from .plan import PrecisionPlan
 from .planning import build_plan
@@ -90,6 +90,9 @@ class Accelerator(_Accelerator):
         if recipe is not None:
             # Fail here, not at prepare(): a missing package, no FP8 hardware with emulate=False, a
             # recipe this device or engine cannot run. The backend is made again per model in prepare().
+            context = self.run_context()
+            # The engines' own reduction dtype, set before they wrap the model; the plan reads it back.
+            apply_grad_comm_dtype(recipe.grad_comm_dtype, context.engine, self._engine_plugin(context.engine))
             backend = create_backend(recipe, self.run_context())
             warn_unapplied_launcher_defaults(recipe, backend)
 
@@ -163,13 +166,22 @@ class Accelerator(_Accelerator):
         return RunContext(device=device_info(self.device), engine=engine, world_size=self.num_processes,
                           compiled=compiled, precision=self._engine_precision(engine))
 
+    def _engine_plugin(self, engine: str):
+        """Accelerate's plugin for `engine` (FSDP or DeepSpeed), or None."""
+        if engine in ("fsdp2", "fsdp1"):
+            return self.state.fsdp_plugin
+        if engine == "deepspeed":
+            return self.state.deepspeed_plugin
+        return None
+
     def _engine_precision(self, engine: str) -> EnginePrecision | None:
         """The dtypes the engine's own plugin will apply (None: nothing beyond the defaults)."""
-        if engine in ("fsdp2", "fsdp1") and self.state.fsdp_plugin is not None:
-            return fsdp_precision(self.state.fsdp_plugin.mixed_precision_policy)
-        if engine == "deepspeed" and self.state.deepspeed_plugin is not None:
-            return deepspeed_precision(self.state.deepspeed_plugin.deepspeed_config)
-        return None
+        plugin = self._engine_plugin(engine)
+        if plugin is None:
+            return None
+        if engine == "deepspeed":
+            return deepspeed_precision(plugin.deepspeed_config)
+        return fsdp_precision(plugin.mixed_precision_policy)
 
     # ---- prepare -----------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None):

@@ -83,3 +83,98 @@ def deepspeed_precision(config: dict) -> EnginePrecision:
     comm = dtype_name(config.get("communication_data_type")) or weight
     return EnginePrecision(grad_reduce=comm, weight=weight, master_weight="FP32" if weight else None,
                            source="the DeepSpeed config")
+
+
+# ----- grad_comm_dtype: what each engine does with it ------------------------------------------------
+GRAD_COMM_CHOICES = ("fp32", "bf16", "fp8")
+
+# (engine, choice) -> how it is done, for the plan's gradient-communication row
+GRAD_COMM_MEANS = {
+    ("ddp", "fp32"): "DDP comm hook (all-reduce in FP32)",
+    ("ddp", "bf16"): "DDP comm hook (all-reduce in BF16)",
+    ("ddp", "fp8"): "DDP comm hook; one power-of-2 scale per bucket from the all-reduced amax, a bucket with "
+                    "inf/NaN in FP32",
+    ("fsdp2", "fp32"): "the FSDP2 MixedPrecisionPolicy's reduce_dtype",
+    ("fsdp2", "bf16"): "the FSDP2 MixedPrecisionPolicy's reduce_dtype",
+    ("fsdp2", "fp8"): "FSDP2 custom reduce-scatter; one power-of-2 scale per 1024-element block from the "
+                      "all-reduced amaxes, inf/NaN arrive as NaN",
+    ("fsdp1", "fp32"): "the FSDP MixedPrecision's reduce_dtype",
+    ("fsdp1", "bf16"): "the FSDP MixedPrecision's reduce_dtype",
+    ("deepspeed", "fp32"): "DeepSpeed's communication_data_type",
+    ("deepspeed", "bf16"): "DeepSpeed's communication_data_type",
+    ("single", "fp32"): "one process: nothing is sent",
+    ("single", "bf16"): "one process: nothing is sent",
+    ("single", "fp8"): "one process: nothing is sent",
+}
+
+
+def comm_dtype_name(choice: str, engine: str) -> str:
+    """The plan's name for what `grad_comm_dtype=choice` sends under `engine`."""
+    if engine == "single":
+        return "N/A (one process)"
+    if choice == "fp8":
+        return "FP8 E4M3, block scales" if engine == "fsdp2" else "FP8 E4M3, shared scale"
+    return dtype_name(choice)
+
+
+def supports_custom_reduce_scatter() -> bool:
+    """Whether this torch's FSDP2 lets a custom reduce-scatter replace its own."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return hasattr(FSDPModule, "set_custom_reduce_scatter")
+
+
+def grad_comm_problem(choice: str | None, engine: str) -> str | None:
+    """Why `grad_comm_dtype=choice` cannot be honoured under `engine`, or None."""
+    if choice is None or (engine, choice) in GRAD_COMM_MEANS and (engine, choice) != ("fsdp2", "fp8"):
+        return None
+    if engine == "fsdp2":
+        if supports_custom_reduce_scatter():
+            return None
+        return (f"grad_comm_dtype='fp8' under FSDP2 needs FSDPModule.set_custom_reduce_scatter, which torch "
+                f"{torch.__version__} lacks (torch >= 2.8 has it); use grad_comm_dtype='bf16' or 'fp32' there")
+    if engine == "fsdp1":
+        return ("grad_comm_dtype='fp8' needs FSDP2 (fsdp_version: 2): FSDP1 has no way to replace its "
+                "reduce-scatter; use FSDP2, or grad_comm_dtype='bf16'/'fp32' under FSDP1")
+    if engine == "deepspeed":
+        return ("grad_comm_dtype='fp8' cannot be honoured under DeepSpeed: its communication_data_type takes "
+                "fp32, bf16 or fp16 only. Use grad_comm_dtype='bf16' or 'fp32' there, or DDP/FSDP2 for FP8 "
+                "gradient reduction")
+    return f"grad_comm_dtype={choice!r} under engine {engine!r} is not known to lowprec"
+
+
+def apply_grad_comm_dtype(choice: str | None, engine: str, plugin=None) -> None:
+    """Set the engine's own gradient-reduction precision from `grad_comm_dtype`, before it wraps the
+    model: FSDP's mixed-precision `reduce_dtype`, DeepSpeed's `communication_data_type` (`plugin`:
+    Accelerate's FSDP or DeepSpeed plugin). FP8 under FSDP2 keeps the policy's reduce_dtype for the
+    buffer FSDP hands lowprec's FP8 reduce-scatter, and DDP is hooked after wrapping: neither
+    changes a plugin.
+
+    Raises ValueError where the DeepSpeed config already names another communication_data_type.
+    """
+    if choice is None or choice == "fp8" or plugin is None:
+        return
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
+    if engine in ("fsdp2", "fsdp1"):
+        import dataclasses
+
+        policy = plugin.mixed_precision_policy
+        if policy is None:
+            if engine == "fsdp2":
+                from torch.distributed.fsdp import MixedPrecisionPolicy as policy_type
+            else:
+                from torch.distributed.fsdp import MixedPrecision as policy_type
+            plugin.mixed_precision_policy = policy_type(reduce_dtype=dtype)
+        else:
+            plugin.mixed_precision_policy = dataclasses.replace(policy, reduce_dtype=dtype)
+    elif engine == "deepspeed":
+        config = plugin.deepspeed_config
+        current = config.get("communication_data_type")
+        if current not in (None, "auto") and str(current).lower() != choice:
+            raise ValueError(
+                f"FP8RecipeKwargs.grad_comm_dtype={choice!r} but the DeepSpeed config sets communication_data_type="
+                f"{current!r}; set one of them (or the same value in both)"
+            )
+        config["communication_data_type"] = choice

@@ -109,3 +109,58 @@ def test_cli_plan_for_fsdp2_shows_bf16_communication(capsys):
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| this plan"))
     assert "| BF16 " in row and "FP32 " in row
+
+
+# ----- grad_comm_dtype applied to the engines' own settings --------------------------------------------
+def _fsdp_plugin(version: int):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version)
+    plugin.set_mixed_precision("bf16")  # what Accelerate does for lowprec's FP8 runs
+    return plugin
+
+
+@pytest.mark.parametrize("version, engine", [(2, "fsdp2"), (1, "fsdp1")])
+@pytest.mark.parametrize("choice, dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_grad_comm_dtype_sets_the_fsdp_reduce_dtype(version, engine, choice, dtype):
+    from lowprec.engines import apply_grad_comm_dtype, fsdp_precision
+
+    plugin = _fsdp_plugin(version)
+    apply_grad_comm_dtype(choice, engine, plugin)
+    assert plugin.mixed_precision_policy.reduce_dtype == dtype
+    assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16  # the rest of the policy stays
+    assert fsdp_precision(plugin.mixed_precision_policy).grad_reduce == choice.upper()
+
+
+def test_fp8_grad_comm_leaves_the_fsdp_policy_alone():
+    from lowprec.engines import apply_grad_comm_dtype
+
+    plugin = _fsdp_plugin(2)
+    before = plugin.mixed_precision_policy
+    apply_grad_comm_dtype("fp8", "fsdp2", plugin)  # the FP8 reduce-scatter takes FSDP's BF16 buffer
+    assert plugin.mixed_precision_policy is before
+
+
+def test_grad_comm_dtype_sets_deepspeed_communication_data_type():
+    from accelerate.utils import DeepSpeedPlugin
+
+    from lowprec.engines import apply_grad_comm_dtype, deepspeed_precision
+
+    plugin = DeepSpeedPlugin(zero_stage=2)
+    apply_grad_comm_dtype("fp32", "deepspeed", plugin)
+    assert plugin.deepspeed_config["communication_data_type"] == "fp32"
+    assert deepspeed_precision({**plugin.deepspeed_config, "bf16": {"enabled": True}}).grad_reduce == "FP32"
+    apply_grad_comm_dtype("fp32", "deepspeed", plugin)  # the same value twice is fine
+    with pytest.raises(ValueError, match="grad_comm_dtype='bf16' but the DeepSpeed config sets "
+                                         "communication_data_type='fp32'"):
+        apply_grad_comm_dtype("bf16", "deepspeed", plugin)
+
+
+@pytest.mark.parametrize("engine", ["single", "ddp"])
+def test_grad_comm_dtype_changes_no_plugin_outside_fsdp_and_deepspeed(engine):
+    from lowprec.engines import apply_grad_comm_dtype
+
+    plugin = _fsdp_plugin(2)
+    before = plugin.mixed_precision_policy
+    apply_grad_comm_dtype("fp32", engine, plugin)
+    assert plugin.mixed_precision_policy is before

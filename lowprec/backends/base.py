@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import nn
 
-from ..engines import BYTES, EnginePrecision, default_engine_precision
+from ..engines import (
+    BYTES,
+    GRAD_COMM_MEANS,
+    EnginePrecision,
+    comm_dtype_name,
+    default_engine_precision,
+    grad_comm_problem,
+)
 from ..hardware import DeviceInfo
 from ..specs import BackendSpec, RecipeInfo
 from ..utils.imports import availability
@@ -31,7 +38,6 @@ if TYPE_CHECKING:
 
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_COMM_NAMES = {"fp32": "FP32", "bf16": "BF16", "fp8": "FP8 E4M3, shared scale"}
 
 
 class BackendUnavailableError(RuntimeError):
@@ -134,14 +140,9 @@ class Backend(ABC):
         if not self.native_storage:
             self._check_storage_engine()
         self.comm_state = None  # the FP8 DDP hook's state, once registered
-        if recipe.grad_comm_dtype is not None and context.engine in ("fsdp2", "fsdp1", "deepspeed"):
-            own = ("the FSDP plugin's mixed-precision policy (reduce_dtype, FP32 or BF16)" if context.engine != "deepspeed"
-                   else "DeepSpeed's communication_data_type (FP32, BF16 or FP16)")
-            raise BackendUnavailableError(
-                f"FP8RecipeKwargs.grad_comm_dtype={recipe.grad_comm_dtype!r} applies to DDP; under {context.engine} "
-                f"the gradient reduction precision is set by {own}, and FP8 reduction is not available there in "
-                "this version of lowprec"
-            )
+        problem = grad_comm_problem(recipe.grad_comm_dtype, context.engine)
+        if problem is not None:
+            raise BackendUnavailableError(problem)
 
     # ----- storage knobs: weight_dtype, weight_grad_dtype (see lowprec.optim.grad_store) ------------
     @property
@@ -240,9 +241,17 @@ class Backend(ABC):
                     dist.broadcast(store.weight.data, src=0)
 
     def setup_grad_comm(self, model: nn.Module) -> None:
-        """Under DDP, register the communication hook `grad_comm_dtype` asks for on the wrapper."""
+        """Put in place the gradient communication `grad_comm_dtype` asks for: a communication hook on
+        the DDP wrapper, or FP8 reduce-scatters on FSDP2's sharded modules. (FP32/BF16 under FSDP and
+        DeepSpeed are the engines' own settings, applied before they wrap: `engines.apply_grad_comm_dtype`.)"""
         choice = self.recipe.grad_comm_dtype
-        if choice is None or self.context.engine != "ddp":
+        engine = self.context.engine
+        if choice == "fp8" and engine == "fsdp2":
+            from ..optim.comm_hooks import install_fp8_reduce_scatter
+
+            self.comm_state = install_fp8_reduce_scatter(model)
+            return
+        if choice is None or engine != "ddp":
             return
         ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else getattr(model, "_orig_mod", None)
         if not isinstance(ddp, nn.parallel.DistributedDataParallel):
@@ -253,7 +262,7 @@ class Backend(ABC):
                                    f"prepare() returned {type(model).__name__}")
             return  # one process: nothing is communicated
         model = ddp
-        from ..optim.grad_reduce import FP8CommState, bf16_allreduce_hook, fp8_allreduce_hook, fp32_allreduce_hook
+        from ..optim.comm_hooks import FP8CommState, bf16_allreduce_hook, fp8_allreduce_hook, fp32_allreduce_hook
 
         if choice == "fp8":
             self.comm_state = FP8CommState(model.process_group)
@@ -544,10 +553,9 @@ class Backend(ABC):
         choice = self.recipe.grad_comm_dtype
         if self.context.engine == "single":
             comm = TensorPrecision("grad_comm", "N/A (one process)")
-        elif choice is not None and self.context.engine == "ddp":
-            comm = TensorPrecision("grad_comm", _COMM_NAMES[choice], f"grad_comm_dtype={choice!r}: DDP comm hook"
-                                   + ("; one power-of-2 scale per bucket from the all-reduced amax, a bucket with "
-                                      "inf/NaN in FP32" if choice == "fp8" else ""))
+        elif choice is not None:
+            comm = TensorPrecision("grad_comm", comm_dtype_name(choice, self.context.engine),
+                                   f"grad_comm_dtype={choice!r}: {GRAD_COMM_MEANS[self.context.engine, choice]}")
         else:
             comm = TensorPrecision("grad_comm", ep.grad_reduce or hp, why if ep.grad_reduce else "")
         weight = ep.weight or hp

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..scaling import compute_scale, format_max
+from .comm_hooks import all_gather_flat
 
 E4M3 = torch.float8_e4m3fn
 
@@ -124,7 +125,7 @@ def all_to_all_mean(flat: torch.Tensor, world_size: int, group=None) -> torch.Te
     dist.all_to_all_single(received, flat.view(torch.uint8), group=group)
     shard = received.view(E4M3).view(n, chunk).float().sum(0).div_(n).to(E4M3)
     out = torch.empty_like(flat.view(torch.uint8))
-    dist.all_gather_into_tensor(out, shard.view(torch.uint8), group=group)
+    all_gather_flat(out, shard.view(torch.uint8), group=group)
     return out.view(E4M3)
 
 
@@ -132,65 +133,3 @@ def _nan_to_inf(amax: torch.Tensor) -> torch.Tensor:
     # not torch.nan_to_num: it would also turn +inf into the largest finite float, and an
     # overflowed gradient would then be cast as if it were finite
     return torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)
-
-
-class FP8CommState:
-    """State of `fp8_allreduce_hook`: the process group, and how many buckets fell back to FP32
-    because a gradient was not finite."""
-
-    def __init__(self, group=None):
-        self.group = group
-        self.nonfinite_buckets = 0
-
-
-# The hooks carry no return annotation: under `from __future__ import annotations` it would be a
-# string, and DDP's check compares it with the type itself.
-def fp8_allreduce_hook(state: FP8CommState, bucket):
-    """DDP communication hook: average a gradient bucket in FP8 E4M3 with one scale shared by all ranks.
-
-    One all-reduce (MAX) of the bucket's amax gives every rank the same power-of-two scale, so the
-    E4M3 bytes mean the same on every rank; they travel by all_to_all, each rank sums its shard in
-    FP32, divides by N and rounds once, and an all_gather returns the mean (one rounding more than
-    the cast). A bucket holding inf or NaN is averaged in FP32 instead, so the overflow reaches the
-    training loop exactly as without FP8 (a clipped or skipped step), never as a saturated value;
-    `state.nonfinite_buckets` counts those.
-    """
-    buffer = bucket.buffer()
-    group = state.group
-    n = dist.get_world_size(group)
-    amax = buffer.detach().abs().max().float() if buffer.numel() else torch.zeros((), device=buffer.device)
-    amax = _nan_to_inf(amax).reshape(1)
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    if not torch.isfinite(amax).item():
-        state.nonfinite_buckets += 1
-        exact = buffer.float()
-        dist.all_reduce(exact, group=group)
-        future.set_result(exact.div_(n).to(buffer.dtype))
-        return future
-    scale = compute_scale(amax[0], E4M3)
-    limit = format_max(E4M3)
-    padded = -(-buffer.numel() // n) * n
-    flat = torch.zeros(padded, dtype=E4M3, device=buffer.device)
-    flat[:buffer.numel()].copy_((buffer.float() * scale).clamp(-limit, limit).to(E4M3))
-    mean = all_to_all_mean(flat, n, group)[:buffer.numel()]
-    future.set_result((mean.float() / scale).to(buffer.dtype))
-    return future
-
-
-def _allreduce_in(dtype: torch.dtype, group, bucket) -> torch.futures.Future:
-    buffer = bucket.buffer()
-    sent = buffer.to(dtype).div_(dist.get_world_size(group))
-    return dist.all_reduce(sent, group=group, async_op=True).get_future().then(
-        lambda fut: fut.value()[0].to(buffer.dtype))
-
-
-def fp32_allreduce_hook(group, bucket):
-    """DDP communication hook: average a bucket in FP32 whatever the gradients' dtype."""
-    return _allreduce_in(torch.float32, group, bucket)
-
-
-def bf16_allreduce_hook(group, bucket):
-    """DDP communication hook: average a bucket in BF16 (torch's bf16_compress_hook, which needs
-    NCCL, does the same on GPUs; this one runs on any process-group backend)."""
-    return _allreduce_in(torch.bfloat16, group, bucket)

@@ -110,7 +110,7 @@ class _Bucket:
 
 def hook_numerics() -> dict:
     """fp8_allreduce_hook on hand-made buckets against the exact FP32 mean of the ranks' values."""
-    from lowprec.optim.grad_reduce import FP8CommState, fp8_allreduce_hook
+    from lowprec.optim.comm_hooks import FP8CommState, fp8_allreduce_hook
 
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(0)
@@ -127,6 +127,17 @@ def hook_numerics() -> dict:
         err = (result.float() - exact).norm() / exact.norm()
         out[str(dtype)] = {"dtype": str(result.dtype), "rel_l2": float(err), "digest": digest(result),
                            "nonfinite_buckets": state.nonfinite_buckets}
+    # A tensor 10**6 below its neighbours in the same bucket, filling whole blocks of each rank's shard:
+    # its own block scales keep it (one scale per bucket would flush it to zero, E4M3 spanning 2**17)
+    n = dist.get_world_size()
+    chunk = -(-mine.numel() // n)
+    tiny = ((torch.arange(mine.numel()) % chunk) // 1024) % 3 == 2
+    mixed = torch.where(tiny, mine * 1e-6, mine)
+    exact = mixed.clone()
+    dist.all_reduce(exact)
+    exact /= n
+    result = fp8_allreduce_hook(FP8CommState(), _Bucket(mixed.clone())).wait()
+    out["tiny_rel_l2"] = float((result - exact)[tiny].norm() / exact[tiny].norm())
     state = FP8CommState()
     bad = mine.clone()
     if rank == 1:

@@ -256,11 +256,24 @@ def test_verify_storage_catches_a_weight_not_stored_as_planned():
         backend.verify_storage(acc.unwrap_model(model))
 
 
-@pytest.mark.parametrize("engine, own", [("fsdp2", "reduce_dtype"), ("deepspeed", "communication_data_type")])
-def test_grad_comm_dtype_under_sharded_engines_names_their_own_setting(engine, own):
+@pytest.mark.parametrize("engine, message", [
+    ("fsdp1", "needs FSDP2 .*fsdp_version: 2"),
+    ("deepspeed", "communication_data_type takes fp32, bf16 or fp16 only.*DDP/FSDP2"),
+])
+def test_fp8_grad_comm_is_refused_where_the_engine_cannot_send_fp8(engine, message):
     recipe = FP8RecipeKwargs(backend="torchao", grad_comm_dtype="fp8")
-    with pytest.raises(BackendUnavailableError, match=f"grad_comm_dtype='fp8' applies to DDP.*{own}"):
+    with pytest.raises(BackendUnavailableError, match=message):
         create_backend(recipe, RunContext(device=device_info("cpu"), engine=engine, world_size=2))
+
+
+def test_fp8_grad_comm_under_fsdp2_needs_custom_reduce_scatter(monkeypatch):
+    import lowprec.engines
+
+    context = RunContext(device=device_info("cpu"), engine="fsdp2", world_size=2)
+    create_backend(FP8RecipeKwargs(backend="torchao", grad_comm_dtype="fp8"), context)  # this torch has it
+    monkeypatch.setattr(lowprec.engines, "supports_custom_reduce_scatter", lambda: False)
+    with pytest.raises(BackendUnavailableError, match="set_custom_reduce_scatter, which torch .* lacks"):
+        create_backend(FP8RecipeKwargs(backend="torchao", grad_comm_dtype="fp8"), context)
 
 
 @pytest.mark.parametrize("choice, row", [("fp8", "FP8 E4M3, shared scale"), ("bf16", "BF16"), ("fp32", "FP32")])
@@ -272,6 +285,21 @@ def test_grad_comm_dtype_in_the_ddp_plan(choice, row):
     assert plan.tensor("grad_comm").dtype == row
     single = plan_for(llama(), FP8RecipeKwargs(backend="torchao", grad_comm_dtype=choice))
     assert single.tensor("grad_comm").dtype == "N/A (one process)"
+
+
+@pytest.mark.parametrize("engine, choice, row, means", [
+    ("fsdp2", "fp8", "FP8 E4M3, block scales", "FSDP2 custom reduce-scatter"),
+    ("fsdp2", "fp32", "FP32", "MixedPrecisionPolicy's reduce_dtype"),
+    ("fsdp2", "bf16", "BF16", "MixedPrecisionPolicy's reduce_dtype"),
+    ("deepspeed", "fp32", "FP32", "DeepSpeed's communication_data_type"),
+    ("deepspeed", "bf16", "BF16", "DeepSpeed's communication_data_type"),
+])
+def test_grad_comm_dtype_in_the_sharded_engines_plan(engine, choice, row, means):
+    from lowprec import plan_for
+
+    plan = plan_for(llama(), FP8RecipeKwargs(backend="torchao", grad_comm_dtype=choice), engine=engine, world_size=2)
+    assert plan.tensor("grad_comm").dtype == row
+    assert means in plan.tensor("grad_comm").scaling
 
 
 def test_grad_comm_hook_reaches_ddp_inside_a_compiled_wrapper(monkeypatch):

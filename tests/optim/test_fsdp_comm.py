@@ -1,0 +1,76 @@
+"""FP8 reduce-scatter under FSDP2 and grad_comm_dtype under `fully_shard`: two CPU processes (gloo).
+
+One torchrun launch of tests/distributed/fsdp2_comm.py: `FP8ReduceScatter` against the exact FP32
+reduce-scatter, and FSDP2 training of a torchao-converted MLP with each grad_comm_dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("torchao")
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "distributed", "fsdp2_comm.py")
+CASES = ["torch.float32-sum", "torch.float32-avg", "torch.bfloat16-sum", "torch.bfloat16-avg"]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    from conftest import free_port
+
+    out = tmp_path_factory.mktemp("fsdp2_comm") / "result.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           SCRIPT, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result) == 2
+    return result
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fp8_reduce_scatter_error_against_the_exact_fp32_reduce_scatter(ranks, case):
+    # One rounding to E4M3 per element (the cast; the sum is FP32): at most 2**-4 relative, about
+    # 2**-4 / sqrt(3) ~ 0.036 RMS at the top of a binade and less below it. Bound 0.04 on the whole
+    # shard and on the tensor 10**6 below its neighbours, which its own block scales keep.
+    for r in ranks:
+        numerics = r["numerics"][case]
+        assert numerics["dtype"] == case.split("-")[0]  # written in the reduce dtype FSDP asked for
+        assert 0.005 < numerics["block"] < 0.04, numerics  # FP8-level error, not FP32's
+        assert numerics["block_tiny"] < 0.04, numerics
+        assert numerics["nonfinite"] == 0
+    # one scale per shard flushes that tensor to zero where the shard also holds values near 1
+    assert max(r["numerics"][case]["per_shard_tiny"] for r in ranks) > 0.5
+
+
+def test_fp8_reduce_scatter_turns_inf_into_nan_not_a_saturated_value(ranks):
+    owner, other = (r["numerics"]["inf"] for r in ranks)
+    assert owner["nan_at_5"] and not owner["finite_everywhere"] and owner["finite_outside_block_0"]
+    assert other["finite_everywhere"]
+    assert owner["nonfinite_blocks"] == other["nonfinite_blocks"] == 1  # every rank counts it
+
+
+@pytest.mark.parametrize("choice, row, comm", [("None", "BF16", None), ("bf16", "BF16", None), ("fp32", "FP32", None),
+                                               ("fp8", "FP8 E4M3, block scales", "FP8ReduceScatter")])
+def test_fsdp2_trains_with_each_grad_comm_dtype(ranks, choice, row, comm):
+    reference = [r["train"]["fp32"]["losses"] for r in ranks]
+    for r, ref in zip(ranks, reference):
+        run = r["train"][choice]
+        assert run["grad_comm"] == row and run["comm"] == comm
+        losses = run["losses"]
+        assert losses[-1] < 0.9 * losses[0], losses
+        # FP8 (or BF16) reduction of the gradients moves the curve by far less than training does
+        assert max(abs(a - b) for a, b in zip(losses, ref)) < 0.02 * ref[0]
+    if comm is not None:
+        # three sharded Linears reduce-scatter once per backward each (the root holds no parameters), 10 steps
+        assert all(r["train"][choice]["comm_calls"] >= 30 and r["train"][choice]["nonfinite_blocks"] == 0
+                   for r in ranks)
+    # sharded parameters, gathered: the same model on both ranks
+    assert ranks[0]["train"][choice]["param_sums"] == ranks[1]["train"][choice]["param_sums"]
