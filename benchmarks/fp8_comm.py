@@ -10,6 +10,12 @@ method of `lowprec.optim.grad_reduce.FP8GradReducer`:
   as SQNR (dB) and relative L2 error, over all layers;
 - time: median wall time of one `reduce()` (amax sync, requantisation, packing, communication),
   next to an FP32 and a BF16 `all_reduce` of the same number of elements (what DDP would send).
+
+The `.grad` path (`grad_comm_dtype`), on as many gradient elements, in DDP's 25 MiB buckets and in
+FSDP2's per-decoder-layer reduce-scatter buffers:
+- DDP: `fp32_allreduce_hook`, `bf16_allreduce_hook`, `fp8_allreduce_hook` (lowprec.optim.comm_hooks)
+  over every bucket; error against the exact FP32 mean, median time, bytes each rank sends per element;
+- FSDP2: `reduce_scatter_tensor` in BF16 and FP32 (FSDP2's own) against `FP8ReduceScatter`.
 Rank 0 writes the JSON.
 """
 
@@ -24,8 +30,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from lowprec.optim.grad_reduce import METHODS, FP8GradReducer
 from lowprec.backends.msamp.linear import E4M3, FP8Linear
+from lowprec.optim.comm_hooks import (
+    BLOCK,
+    FP8CommState,
+    FP8ReduceScatter,
+    bf16_allreduce_hook,
+    fp8_allreduce_hook,
+    fp32_allreduce_hook,
+)
+from lowprec.optim.grad_reduce import METHODS, FP8GradReducer
 from lowprec.scaling import compute_scale, format_max
 
 SHAPES = [(4096, 4096)] * 4 + [(14336, 4096)] * 2 + [(4096, 14336)]
@@ -96,6 +110,75 @@ def timed(fn, iters: int) -> float:
     return 1000 * statistics.median(times[2:] or times)
 
 
+class _Bucket:  # the part of DDP's GradBucket the hooks use
+    def __init__(self, buffer: torch.Tensor):
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+
+def wire_bytes(choice: str, n: int) -> float:
+    """Bytes each rank sends per gradient element: a ring all-reduce sends 2(n-1)/n of the buffer;
+    FP8 sends (n-1)/n of it by all_to_all and as much again by all_gather, plus the block amaxes."""
+    ring = 2 * (n - 1) / n
+    return {"fp32": 4 * ring, "bf16": 2 * ring, "fp8": ring * (1 + 4 / BLOCK)}[choice]
+
+
+def grad_comm(elements: int, layers: int, device, iters: int) -> dict:
+    """The `.grad` reduction in FP32, BF16 and FP8: DDP hooks per bucket, FSDP2 reduce-scatters per layer."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator(device=device).manual_seed(2)
+    signal = torch.randn(elements, generator=g, device=device)
+    # magnitudes across tensors: every 2**20 elements another decade, over four decades
+    signal *= 10.0 ** -(torch.arange(elements, device=device) // 2**20 % 4).float()
+    mine = signal * (1 + 0.5 * torch.randn(elements, generator=torch.Generator(device=device).manual_seed(3 + rank),
+                                            device=device))
+    exact = mine.clone()
+    dist.all_reduce(exact)
+    exact /= n
+    out = {"elements": elements, "ddp": {}, "fsdp2": {}}
+    bucket = 25 * 2**20 // 4  # DDP's default bucket_cap_mb, FP32 gradients
+    grads = mine  # FP32 parameters under autocast: FP32 gradients in DDP's buckets
+    hooks = {"fp32": (lambda: dist.group.WORLD, fp32_allreduce_hook),
+             "bf16": (lambda: dist.group.WORLD, bf16_allreduce_hook),
+             "fp8": (FP8CommState, fp8_allreduce_hook)}
+    for choice, (state, hook) in hooks.items():
+        def run(state=state(), hook=hook):
+            return torch.cat([hook(state, _Bucket(grads[i:i + bucket])).wait() for i in range(0, elements, bucket)])
+        reduced = run()
+        err = ((reduced.float() - exact).norm() / exact.norm()).item()
+        out["ddp"][choice] = {"rel_l2": err, "ms": timed(run, iters), "bytes_per_element": wire_bytes(choice, n)}
+        if rank == 0:
+            print("ddp", choice, json.dumps(out["ddp"][choice]), flush=True)
+    per_layer = -(-elements // layers // n) * n
+    fp8 = FP8ReduceScatter()
+    for choice in ("fp32", "bf16", "fp8"):
+        dtype = torch.float32 if choice == "fp32" else torch.bfloat16  # FP8 takes FSDP2's BF16 buffer
+        chunks = [grads[i:i + per_layer].to(dtype) for i in range(0, elements, per_layer)]
+        chunks = [torch.nn.functional.pad(c, (0, per_layer - c.numel())) for c in chunks]
+        outputs = [torch.empty(per_layer // n, dtype=dtype, device=device) for _ in chunks]
+
+        def run(chunks=chunks, outputs=outputs, choice=choice):
+            for o, c in zip(outputs, chunks):
+                if choice == "fp8":
+                    fp8(o, c, group=None, op=dist.ReduceOp.AVG)
+                else:
+                    dist.reduce_scatter_tensor(o, c, op=dist.ReduceOp.SUM)
+                    o.div_(n)
+
+        run()
+        ref = [exact[i:i + per_layer] for i in range(0, elements, per_layer)]
+        ref = [torch.nn.functional.pad(r, (0, per_layer - r.numel())).view(n, -1)[rank] for r in ref]
+        num = sum((o.float() - r).square().sum().item() for o, r in zip(outputs, ref))
+        den = sum(r.square().sum().item() for r in ref)
+        out["fsdp2"][choice] = {"rel_l2": (num / den) ** 0.5, "ms": timed(run, iters),
+                                "bytes_per_element": {"fp32": 4, "bf16": 2, "fp8": 1 + 4 / BLOCK}[choice] * (n - 1) / n}
+        if rank == 0:
+            print("fsdp2", choice, json.dumps(out["fsdp2"][choice]), flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4, help="decoder layers' worth of gradients")
@@ -143,6 +226,8 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         buf = torch.randn(elements, device=device).to(dtype)
         result[f"all_reduce_{str(dtype).replace('torch.', '')}_ms"] = timed(lambda: dist.all_reduce(buf), args.iters)
+    del layers
+    result["grad_comm"] = grad_comm(elements, args.layers, device, args.iters)
     if rank == 0:
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--recipe", default=None)
     p.add_argument("--opt-level", default=None)
     p.add_argument("--engine", choices=["ddp", "fsdp2"], default="ddp")
+    p.add_argument("--grad-comm-dtype", choices=["fp32", "bf16", "fp8"], default=None)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="small")
     p.add_argument("--out", required=True)
@@ -42,7 +43,8 @@ def main() -> None:
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True,
         )
-    recipe = FP8RecipeKwargs(backend=args.backend, recipe=args.recipe or None, opt_level=args.opt_level)
+    recipe = FP8RecipeKwargs(backend=args.backend, recipe=args.recipe or None, opt_level=args.opt_level,
+                             grad_comm_dtype=args.grad_comm_dtype)
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
 
     from lowprec.demo.data import Windows, stdlib_corpus
@@ -112,6 +114,7 @@ def main() -> None:
                 "fp8_modules": len(fp8_modules), "planned_fp8_linears": sum(d.kind == "linear" for d in plan.converted),
                 "fp8_forward_calls": len(fp8_flags), "all_forwards_in_fp8": bool(fp8_flags) and all(fp8_flags),
                 "first_loss": losses[0], "last_loss": sum(losses[-5:]) / 5, "median_step_s": per_step,
+                "losses": losses, "grad_comm": plan.tensor("grad_comm").dtype,
                 "notes": plan.notes, **evidence,
             }, fh, indent=1)
     accelerator.wait_for_everyone()
