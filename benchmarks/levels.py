@@ -57,18 +57,21 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return t.numel() * t.element_size()
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Bytes per parameter of weights, gradients, optimizer states (and master weights), measured."""
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, backend=None) -> dict:
+    """Bytes per parameter of weights, gradients, optimizer states (and master weights), measured.
+    `backend`: the lowprec backend that converted `model`; its converted Linear layers are the
+    "linear weights" (without one, every nn.Linear)."""
     from lowprec.backends.msamp.linear import FP8Linear
 
     inner_opt = getattr(optimizer, "optimizer", optimizer)
     # gradients kept outside .grad: msamp's FP8Linear, and the GradStore buffers of te/torchao layers
     fp8_layers = {id(m.weight): m for m in model.modules() if isinstance(m, FP8Linear)}
     fp8_layers.update({id(s.weight): s for s in inner_opt.fp8_layers()} if hasattr(inner_opt, "fp8_layers") else {})
-    # torchao's Float8Linear is an nn.Linear, TE's Linear is not; msamp's FP8Linear is not
-    linear_weights = {id(m.weight) for m in model.modules()
-                      if isinstance(m, (nn.Linear, FP8Linear))
-                      or (type(m).__module__.startswith("transformer_engine") and type(m).__name__ == "Linear")}
+    # the backend says which modules are its converted Linears (TE's are lowprec subclasses of te.Linear)
+    if backend is not None:
+        linear_weights = {id(m.weight) for m in model.modules() if backend.converted_kind(m) == "linear"}
+    else:
+        linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     total = {"params": 0, "weight": 0, "grad": 0, "optimizer_states": 0}
     linear = dict(total)
     seen = set()
@@ -131,7 +134,8 @@ def run_one(label: str, spec: dict | None, size: str, data: list[torch.Tensor], 
     loss = model(input_ids=data[0].to(accelerator.device), labels=data[0].to(accelerator.device)).loss
     accelerator.backward(loss)
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
-    state = model_state_bytes(inner, optimizer)
+    backend = accelerator._lowprec[-1][1] if spec is not None else None
+    state = model_state_bytes(inner, optimizer, backend)
     optimizer.zero_grad(set_to_none=True)
 
     median = statistics.median(times[warmup:])
