@@ -1,0 +1,168 @@
+"""Two-process CPU (gloo) runs of lowprec.Accelerator under DeepSpeed ZeRO, through Accelerate's plugin.
+
+Run by tests/test_deepspeed.py:
+
+    DS_ACCELERATOR=cpu ACCELERATE_USE_DEEPSPEED=true \
+        python -m torch.distributed.run --nproc_per_node 2 tests/distributed/deepspeed_train.py STAGE OUT.json
+
+Each scenario trains a small MLP against a fixed teacher for a few steps, each rank on its own rows,
+with `FP8RecipeKwargs(backend="torchao", ...)` and `DeepSpeedPlugin(zero_stage=STAGE)`. Nothing is
+asserted here: every rank records raw values (FP8 forward calls, losses, parameter digests, what
+DeepSpeed was configured with, the checkpoint round trip) and rank 0 writes them for pytest. A
+scenario that raises is recorded with its error.
+
+On a CPU-only host Accelerate counts one process under DeepSpeed (its state sees no GPU backend)
+while DeepSpeed's own process group has both: rows are chosen here by torch.distributed's rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+from msamp_ddp import digest  # beside this script: torchrun puts its folder on sys.path
+from torch import nn
+
+D_IN, D_HIDDEN, D_OUT = 32, 64, 16
+MICRO_BATCH = 16
+STEPS = 10
+SCENARIOS = {
+    "torchao": {},
+    "optimizer_states_fp8": dict(optimizer_states="fp8"),
+    "comm_fp32": dict(grad_comm_dtype="fp32"),
+    "comm_fp8": dict(grad_comm_dtype="fp8"),  # refused: DeepSpeed cannot send FP8
+    "O1": dict(opt_level="O1"),  # refused until sharded FP8 weight gradients exist
+    "msamp": dict(backend="msamp"),
+}
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, D_HIDDEN), nn.GELU(), nn.Linear(D_HIDDEN, D_HIDDEN), nn.GELU(),
+                         nn.Linear(D_HIDDEN, D_OUT))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(MICRO_BATCH, D_IN, generator=g)
+    teacher = torch.randn(D_IN, D_OUT, generator=torch.Generator().manual_seed(7)) / 4
+    return x, torch.tanh(x @ teacher)
+
+
+def accelerator_for(stage: int, **knobs):
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DeepSpeedPlugin
+
+    from lowprec import Accelerator, FP8RecipeKwargs
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    world = int(os.environ["WORLD_SIZE"])
+    plugin = DeepSpeedPlugin(hf_ds_config={
+        "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+        "train_batch_size": MICRO_BATCH * world, "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
+        "bf16": {"enabled": "auto"},
+    })
+    knobs.setdefault("backend", "torchao")
+    recipe = FP8RecipeKwargs(skip_first_last=False, skip_slow_shapes=False, **knobs)
+    return Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], deepspeed_plugin=plugin)
+
+
+def run_steps(accelerator, model, optimizer, steps: range) -> list[float]:
+    rank = dist.get_rank()
+    losses = []
+    for step in steps:
+        x, y = batch(step, rank)
+        loss = nn.functional.mse_loss(model(x.to(accelerator.device)).float(), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def scenario(stage: int, knobs: dict) -> dict:
+    accelerator = accelerator_for(stage, **knobs)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    inner = accelerator.unwrap_model(model)
+    fp8_calls = []
+    for module in inner.modules():
+        if type(module).__name__ == "Float8Linear":
+            module.register_forward_hook(lambda *_: fp8_calls.append(1))
+    plan = accelerator.precision_plan
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    record = {
+        "engine": plan.engine, "wrapped": type(model).__name__,
+        "fp8_linears": sum(type(m).__name__ == "Float8Linear" for m in inner.modules()),
+        "optimizer": type(getattr(optimizer.optimizer, "optimizer", None)).__name__,
+        "zero_optimizer": type(optimizer.optimizer).__name__,
+        "grad_comm": plan.tensor("grad_comm").dtype,
+        "communication_data_type": config.get("communication_data_type"),
+        "engine_communication_data_type": str(model.communication_data_type),
+        "zero_stage": model.zero_optimization_stage(),
+    }
+    record["losses"] = run_steps(accelerator, model, optimizer, range(STEPS))
+    record["fp8_forward_calls"] = len(fp8_calls)
+    if stage < 3:  # replicated weights: every rank must hold the same ones
+        record["params"] = digest(*[p.detach().float() for p in inner.parameters()])
+    # A checkpoint mid-run: resuming from it must give the same losses as going on.
+    with tempfile.TemporaryDirectory() as shared:
+        path = [shared]
+        dist.broadcast_object_list(path, src=0)  # one folder for both ranks (the same host)
+        checkpoint = os.path.join(path[0], "ckpt")
+        accelerator.save_state(checkpoint)
+        record["continued"] = run_steps(accelerator, model, optimizer, range(STEPS, STEPS + 3))
+        state_dict = accelerator.get_state_dict(model)  # unwrap=True: what save_model writes
+        if dist.get_rank() == 0:  # under DeepSpeed on CPU Accelerate calls every rank the main process
+            plain = make_model()
+            missing, unexpected = plain.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+            x, _ = batch(999, 0)
+            with torch.no_grad():
+                reference = plain(x)
+            record["state_dict_keys"] = sorted(state_dict)
+            record["plain_output_norm"] = reference.norm().item()
+        dist.barrier()
+
+        accelerator2 = accelerator_for(stage, **knobs)
+        model2 = make_model()
+        optimizer2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+        model2, optimizer2 = accelerator2.prepare(model2, optimizer2)
+        accelerator2.load_state(checkpoint)
+        record["resumed"] = run_steps(accelerator2, model2, optimizer2, range(STEPS, STEPS + 3))
+        dist.barrier()
+    return record
+
+
+def main(argv: list[str]) -> None:
+    stage, out_path = int(argv[1]), argv[2]
+    names = argv[3].split(",") if len(argv) > 3 else list(SCENARIOS)
+    torch.set_num_threads(1)
+    results = {}
+    for name in names:
+        knobs = SCENARIOS[name]
+        try:
+            record = scenario(stage, knobs)
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, record)
+            results[name] = {"ranks": ranks}
+        except Exception as exc:  # noqa: BLE001 - recorded for the pytest side
+            results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+        if dist.is_initialized():
+            dist.barrier()
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as fh:
+            json.dump({"stage": stage, "world_size": dist.get_world_size(), "scenarios": results}, fh, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv)
