@@ -44,8 +44,9 @@ class MSAMPBackend(Backend):
         super().__init__(recipe, context)
         if context.engine not in self.ENGINES:
             raise BackendUnavailableError(
-                f"backend 'msamp' levels O1/O2 run on one process or under DDP; engine {context.engine!r} is not "
-                "supported in this version of lowprec. Use backend='te' or backend='torchao' with FSDP2 / DeepSpeed"
+                f"backend 'msamp' (FP8 weight gradients on its layers, level O1 or O2, O2 by default) runs on one "
+                f"process or under DDP; engine {context.engine!r} is not supported in this version of lowprec. Use "
+                "backend='te' or backend='torchao' with FSDP2 / DeepSpeed"
             )
         self.level: str = recipe.opt_level or DEFAULT_LEVEL
         self.weight_dtype = WEIGHT_DTYPES[self.storage["weight_dtype"] or "fp16"]
