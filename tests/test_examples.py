@@ -91,3 +91,12 @@ def test_each_config_is_a_recipe_its_engine_accepts(name, monkeypatch):
     with _te_available():
         create_backend(recipe, RunContext(device=assumed_device("9.0"), engine=engine,
                                           world_size=cfg["num_processes"]))
+
+
+def test_trainer_example_trains_in_fp8_through_fp8_trainer(tmp_path):
+    cmd = [sys.executable, os.path.join(EXAMPLES, "trainer.py"), "--backend", "torchao", "--steps", "10",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "backend torchao (TorchAO float8)" in proc.stdout and "in FP8" in proc.stdout
+    assert "held-out loss" in proc.stdout

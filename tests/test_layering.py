@@ -30,6 +30,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("backends",),
     # what drives the adapters
     ("planning", "accelerator", "export", "cli", "demo", "__init__", "__main__"),
+    # opt-in integrations with frameworks built on Accelerate
+    ("integrations",),
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 

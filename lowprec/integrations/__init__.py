@@ -1,0 +1,1 @@
+"""Opt-in integrations with training frameworks built on Accelerate (imported explicitly, never by `lowprec`)."""
