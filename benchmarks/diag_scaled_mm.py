@@ -17,7 +17,7 @@ def case(compiled: bool, through_accelerator: bool, layers: int, vocab: int, ste
     from accelerate.utils import TorchDynamoPlugin
 
     from lowprec import Accelerator, FP8RecipeKwargs
-    from lowprec.demo.model import PRESETS, ModelPreset, build_model, llama_config
+    from lowprec.demo.model import PRESETS, ModelPreset, llama_config
 
     torch._dynamo.reset()
     AcceleratorState._reset_state(reset_partial_state=True)

@@ -143,8 +143,10 @@ def grad_comm(elements: int, layers: int, device, iters: int) -> dict:
     hooks = {"fp32": (lambda: dist.group.WORLD, fp32_allreduce_hook),
              "bf16": (lambda: dist.group.WORLD, bf16_allreduce_hook),
              "fp8": (FP8CommState, fp8_allreduce_hook)}
-    for choice, (state, hook) in hooks.items():
-        def run(state=state(), hook=hook):
+    for choice, (make_state, hook) in hooks.items():
+        state = make_state()
+
+        def run(state=state, hook=hook):
             return torch.cat([hook(state, _Bucket(grads[i:i + bucket])).wait() for i in range(0, elements, bucket)])
         reduced = run()
         err = ((reduced.float() - exact).norm() / exact.norm()).item()
@@ -225,8 +227,9 @@ def main() -> None:
 
     for dtype in (torch.float32, torch.bfloat16):
         buf = torch.randn(elements, device=device).to(dtype)
-        result[f"all_reduce_{str(dtype).replace('torch.', '')}_ms"] = timed(lambda: dist.all_reduce(buf), args.iters)
-    del layers
+        name = f"all_reduce_{str(dtype).replace('torch.', '')}_ms"
+        result[name] = timed(lambda buf=buf: dist.all_reduce(buf), args.iters)
+    layers.clear()  # the FP8 layers' memory, before the .grad path's buffers
     result["grad_comm"] = grad_comm(elements, args.layers, device, args.iters)
     if rank == 0:
         with open(args.out, "w") as fh:

@@ -196,7 +196,8 @@ def main() -> None:
         if "step_ms_median" in r:
             b = r["model_state_bytes_per_param"]
             print(f"{label:20s} {r['step_ms_median']:8.1f} ms  x{r.get('speedup_vs_bf16', float('nan')):.3f} vs bf16  "
-                  f"{r.get('slowdown_vs_torchao_tensorwise', float('nan')):+.3%} vs torchao  peak {r['peak_gib']:.1f} GiB  "
+                  f"{r.get('slowdown_vs_torchao_tensorwise', float('nan')):+.3%} vs torchao  "
+                  f"peak {r['peak_gib']:.1f} GiB  "
                   f"bytes/param all {b['all_params']['total']:.2f} linear {b['linear_weights']['total']:.2f}")
         else:
             print(f"{label:20s} {r['error']}")

@@ -63,7 +63,7 @@ def raw_te(model: nn.Module) -> nn.Module:
     """Swap by hand, as a TE user would."""
     import transformer_engine.pytorch as te
 
-    for name, module in list(model.named_modules()):
+    for _name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 new = te.Linear(child.in_features, child.out_features, bias=child.bias is not None,
@@ -167,7 +167,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch._dynamo.reset()
     base = results["runs"]["bf16 compiled"].get("step_ms_median")
-    for label, r in results["runs"].items():
+    for r in results["runs"].values():
         if base and "step_ms_median" in r:
             r["speedup_vs_bf16_compiled"] = base / r["step_ms_median"]
     for r in args.recipes:

@@ -189,7 +189,8 @@ class Accelerator(_Accelerator):
             return super().prepare(*args, device_placement=device_placement)
         args = list(args)
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
-        to_convert = [i for i, obj in enumerate(args) if isinstance(obj, nn.Module) and getattr(obj, _PLAN_ATTR, None) is None]
+        to_convert = [i for i, obj in enumerate(args)
+                      if isinstance(obj, nn.Module) and getattr(obj, _PLAN_ATTR, None) is None]
         if optimizers and len(to_convert) == 1:
             # Refuse an optimizer the backend cannot take before the model is changed in place.
             backend = create_backend(self.fp8_recipe, self.run_context())

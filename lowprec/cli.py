@@ -101,7 +101,8 @@ def cmd_env(args: argparse.Namespace) -> int:
     from .utils.imports import OPTIONAL_PACKAGES, installed_version
 
     dev = device_info()
-    print(f"lowprec {__import__('lowprec').__version__}, torch {torch.__version__}, accelerate {accelerate.__version__}")
+    print(f"lowprec {__import__('lowprec').__version__}, torch {torch.__version__}, "
+          f"accelerate {accelerate.__version__}")
     print(f"device: {dev.describe()}; FP8 GEMMs: {'yes' if dev.fp8_gemm else 'no (backends that can will emulate)'}")
     for name in OPTIONAL_PACKAGES:
         print(f"  {name:<20} {installed_version(name) or 'not installed'}")
@@ -110,7 +111,8 @@ def cmd_env(args: argparse.Namespace) -> int:
         ok, reason = cls.availability()
         status = "available" if ok else reason
         print(f"  {cls.name:<8} recipes {', '.join(cls.recipes)}: {status}")
-    fp8_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("ACCELERATE_FP8_") or k == "ACCELERATE_MIXED_PRECISION"}
+    fp8_env = {k: v for k, v in sorted(os.environ.items())
+               if k.startswith("ACCELERATE_FP8_") or k == "ACCELERATE_MIXED_PRECISION"}
     if fp8_env:
         print("environment:")
         for k, v in fp8_env.items():
@@ -125,7 +127,8 @@ def cmd_demo(argv: list[str]) -> int:
 
 
 def _bool_flag(p: argparse.ArgumentParser, name: str, help: str) -> None:
-    p.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction, default=None, help=help)
+    p.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction, default=None,
+                   help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="print the precision plan for a model (built on the meta device)")
-    plan.add_argument("--backend", default=None, help="auto, torchao, te, msamp (default: ACCELERATE_FP8_BACKEND or auto)")
+    plan.add_argument("--backend", default=None,
+                      help="auto, torchao, te, msamp (default: ACCELERATE_FP8_BACKEND or auto)")
     plan.add_argument("--recipe", default=None)
     plan.add_argument("--fp8-format", default=None, choices=["HYBRID", "E4M3"])
     plan.add_argument("--opt-level", default=None, help="O1 or O2: a preset of the four storage options below")

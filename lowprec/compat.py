@@ -78,9 +78,8 @@ def _from_te(handler: Any) -> FP8RecipeKwargs:
 
 
 def _from_ao(handler: Any) -> FP8RecipeKwargs:
-    from torchao.float8 import CastConfig, Float8LinearConfig
-
     import torch
+    from torchao.float8 import CastConfig, Float8LinearConfig
 
     config = handler.config
     plain = dataclasses.replace(config, emulate=False, pad_inner_dim=False, enable_fsdp_float8_all_gather=False)

@@ -20,7 +20,7 @@ from .selection import ModuleDecision
 log = logging.getLogger(__name__)
 
 # The columns of the comparison table (DESIGN.md), in order.
-TENSOR_KINDS: "OrderedDict[str, str]" = OrderedDict(
+TENSOR_KINDS: OrderedDict[str, str] = OrderedDict(
     [
         ("gemm", "GEMM"),
         ("grad_comm", "comm (grads)"),
@@ -119,13 +119,14 @@ class PrecisionPlan:
             return []
         converted = sum(m.convert for m in linears)
         if not converted:
-            head = f"no Linear layer (of {len(linears)}) runs in FP8 on {self.device}: every GEMM stays in high precision"
+            head = (f"no Linear layer (of {len(linears)}) runs in FP8 on {self.device}: "
+                    "every GEMM stays in high precision")
         else:
             head = (f"only {converted} of {len(linears)} Linear layers run in FP8 on {self.device} "
                     f"({100 * self.fp8_linear_param_fraction:.1f}% of Linear parameters, under "
                     f"{100 * LOW_FP8_SHARE:.0f}%): most GEMMs stay in high precision, so FP8 gains little")
         # Grouped by what would convert them, so each line is one change to make (exclude: per pattern).
-        groups: "OrderedDict[tuple[str, str], list[ModuleDecision]]" = OrderedDict()
+        groups: OrderedDict[tuple[str, str], list[ModuleDecision]] = OrderedDict()
         for m in linears:
             if not m.convert:
                 groups.setdefault((m.rule or m.reason, m.option), []).append(m)
@@ -157,7 +158,8 @@ class PrecisionPlan:
                 wrong.append(f"{decision.fqn}: planned but not found in the model")
             elif is_converted(module) != decision.convert:
                 state = "FP8" if is_converted(module) else "high precision"
-                wrong.append(f"{decision.fqn}: planned {'FP8' if decision.convert else 'high precision'}, built {state}")
+                planned = "FP8" if decision.convert else "high precision"
+                wrong.append(f"{decision.fqn}: planned {planned}, built {state}")
         if wrong:
             raise PlanMismatchError("the converted model does not match its precision plan:\n  " + "\n  ".join(wrong))
 
@@ -276,7 +278,7 @@ def _grouped(title: str, decisions: list[ModuleDecision], split: set[str] = froz
     holds, and a lone member its own name: "model.layers.*.q_proj" on both lines would hide that."""
     if not decisions:
         return []
-    groups: "OrderedDict[tuple[str, tuple, str], list[str]]" = OrderedDict()
+    groups: OrderedDict[tuple[str, tuple, str], list[str]] = OrderedDict()
     for d in decisions:
         groups.setdefault((_pattern(d.fqn), d.shape, d.reason), []).append(d.fqn)
     lines = [title]

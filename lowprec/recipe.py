@@ -196,7 +196,8 @@ class FP8RecipeKwargs(KwargsHandler):
             self.skip_slow_shapes = True
         if self.module_filter_fn is not None and not callable(self.module_filter_fn):
             raise ValueError(
-                f"FP8RecipeKwargs.module_filter_fn={self.module_filter_fn!r} must be callable as fn(module, fqn) -> bool"
+                f"FP8RecipeKwargs.module_filter_fn={self.module_filter_fn!r} must be callable as "
+                "fn(module, fqn) -> bool"
             )
         # Set aside, not forgotten: warn_unapplied_launcher_defaults() tells the user where it matters.
         self._launcher_defaults = {n: v for n, v in env.launcher_defaults.items() if getattr(self, n) is None}
@@ -253,7 +254,8 @@ class FP8RecipeKwargs(KwargsHandler):
                 if not offering:
                     known = sorted({f"{spec.name}:{r}" for spec in registered_specs() for r in spec.recipes})
                     raise ValueError(
-                        f"FP8RecipeKwargs.recipe={self.recipe!r} is not a recipe of any backend; known: {', '.join(known)}"
+                        f"FP8RecipeKwargs.recipe={self.recipe!r} is not a recipe of any backend; "
+                        f"known: {', '.join(known)}"
                     )
             return
         backend_spec(self.backend).check_recipe(self)

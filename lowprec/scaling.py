@@ -28,7 +28,8 @@ def format_max(dtype: torch.dtype) -> float:
     try:
         return _MAX[dtype]
     except KeyError:
-        raise ValueError(f"dtype={dtype} is not a scaled storage format; use one of {', '.join(map(str, _MAX))}") from None
+        known = ", ".join(map(str, _MAX))
+        raise ValueError(f"dtype={dtype} is not a scaled storage format; use one of {known}") from None
 
 
 def compute_scale(

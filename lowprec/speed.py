@@ -104,5 +104,6 @@ def unmeasured_note(device: DeviceInfo, scaling: str) -> str | None:
     """The plan's note when `skip_slow_shapes` has nothing to go on for `device`, else None."""
     if measurement(device, scaling) is not None:
         return None
-    where = f"{generation(device)} (emulated)" if not device.fp8_gemm else f"{generation(device)} with {scaling} scaling"
+    gen = generation(device)
+    where = f"{gen} (emulated)" if not device.fp8_gemm else f"{gen} with {scaling} scaling"
     return f"skip_slow_shapes: no measured thresholds for {where}; every eligible Linear is converted"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -362,7 +361,8 @@ def test_te_without_transformer_engine_fails_at_construction(monkeypatch):
                         lambda name: (False, f"{name} is not installed. Install it with: X"))
     with pytest.raises(BackendUnavailableError) as err:
         Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="te", recipe="current")], cpu=True)
-    assert str(err.value).startswith("FP8RecipeKwargs(backend='te') cannot be used: transformer_engine is not installed")
+    assert str(err.value).startswith(
+        "FP8RecipeKwargs(backend='te') cannot be used: transformer_engine is not installed")
 
 
 # ---- values accelerate launch exports whether or not they were chosen (issue 16) -----------------
@@ -400,7 +400,8 @@ def test_launcher_default_overridden_in_code_is_not_reported(monkeypatch):
         monkeypatch.setenv(name, value)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(backend="msamp", opt_level="O1", pad_inner_dim=False)], cpu=True)
+        handler = recipe(backend="msamp", opt_level="O1", pad_inner_dim=False)
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[handler], cpu=True)
     assert not [w for w in record if "does not apply them" in str(w.message)]
 
 
@@ -454,7 +455,8 @@ def test_defaults_on_four_square_linears_warn_only_when_few_convert():
     _, found, _ = prepare_recording(accelerator, nn.Sequential(*(nn.Linear(256, 256) for _ in range(4))))
     plan = accelerator.precision_plan
     assert [d.convert for d in plan.modules] == [False, True, True, False] and found == []
-    assert "skip_slow_shapes: no measured thresholds for CPU (emulated); every eligible Linear is converted" in plan.notes
+    note = "skip_slow_shapes: no measured thresholds for CPU (emulated); every eligible Linear is converted"
+    assert note in plan.notes
 
 
 def test_most_layers_in_fp8_is_silent():

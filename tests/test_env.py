@@ -96,7 +96,8 @@ def test_module_filter_fn_is_not_settable_from_env(monkeypatch):
 
 
 def test_explicit_argument_beats_env(monkeypatch):
-    setenv(monkeypatch, {"ACCELERATE_FP8_MARGIN": "3", "ACCELERATE_FP8_BACKEND": "te", "ACCELERATE_FP8_SKIP_FIRST_LAST": "0"})
+    setenv(monkeypatch, {"ACCELERATE_FP8_MARGIN": "3", "ACCELERATE_FP8_BACKEND": "te",
+                         "ACCELERATE_FP8_SKIP_FIRST_LAST": "0"})
     r = FP8RecipeKwargs(backend="torchao", margin=0, skip_first_last=True)
     assert (r.backend, r.margin, r.skip_first_last) == ("torchao", 0, True)
 
@@ -293,7 +294,8 @@ def test_removed_te_override_accepts_zero_as_noop(monkeypatch):
 
 
 # ---- MXFP8 -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("var", ["ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING", "ACCELERATE_FP8_LOWPREC_USE_MXFP8_BLOCK_SCALING"])
+@pytest.mark.parametrize("var", ["ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING",
+                                 "ACCELERATE_FP8_LOWPREC_USE_MXFP8_BLOCK_SCALING"])
 @pytest.mark.parametrize("value", ["true", "True", "1"])
 def test_mxfp8_flag_selects_mxfp8(monkeypatch, var, value):
     monkeypatch.setenv(var, value)
@@ -357,7 +359,8 @@ def test_bad_env_value_names_the_variable(monkeypatch, var, value, field):
     "env,var",
     [
         ({"ACCELERATE_FP8_BACKEND": "torchao", "ACCELERATE_FP8_OPT_LEVEL": "O3"}, "ACCELERATE_FP8_OPT_LEVEL"),
-        ({"ACCELERATE_FP8_BACKEND": "torchao", "ACCELERATE_FP8_AMAX_HISTORY_LEN": "1024"}, "ACCELERATE_FP8_AMAX_HISTORY_LEN"),
+        ({"ACCELERATE_FP8_BACKEND": "torchao", "ACCELERATE_FP8_AMAX_HISTORY_LEN": "1024"},
+         "ACCELERATE_FP8_AMAX_HISTORY_LEN"),
     ],
 )
 def test_env_value_the_backend_rejects_names_the_variable(monkeypatch, env, var):

@@ -279,7 +279,8 @@ def test_fp8_in_eval_accepted_for_torchao():
 def test_fsdp_fp8_all_gather_only_for_tensorwise(recipe):
     assert FP8RecipeKwargs(backend="torchao", enable_fsdp_float8_all_gather=True).enable_fsdp_float8_all_gather
     assert FP8RecipeKwargs(backend="torchao", recipe=recipe, enable_fsdp_float8_all_gather=False)
-    with pytest.raises(ValueError, match=f"enable_fsdp_float8_all_gather=True cannot be honoured by torchao recipe '{recipe}'"):
+    message = f"enable_fsdp_float8_all_gather=True cannot be honoured by torchao recipe '{recipe}'"
+    with pytest.raises(ValueError, match=message):
         FP8RecipeKwargs(backend="torchao", recipe=recipe, enable_fsdp_float8_all_gather=True)
 
 

@@ -58,7 +58,8 @@ class Tiny(nn.Module):
         self.lm_head = nn.Linear(d, vocab, bias=False)
 
 
-LINEARS = [f"layers.{i}.{name}" for i in (0, 1) for name in ("attn.q_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
+LINEARS = [f"layers.{i}.{name}" for i in (0, 1)
+           for name in ("attn.q_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
 LINEARS.append("lm_head")
 
 FAST = dict(skip_slow_shapes=False)  # the shapes here are all small

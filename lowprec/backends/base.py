@@ -347,7 +347,8 @@ class Backend(ABC):
             if not dev.fp8_gemm
             else f"recipe {self.recipe_name!r} needs sm_{need[0]}{need[1]}+, {dev.describe()} is older"
         )
-        if self.info.max_capability is not None and dev.capability is not None and dev.capability >= self.info.max_capability:
+        too_new = self.info.max_capability is not None and dev.capability is not None
+        if too_new and dev.capability >= self.info.max_capability:
             why = f"recipe {self.recipe_name!r} is not supported on {dev.describe()}"
         if self.recipe.emulate is False or not self.supports_emulation:
             raise BackendUnavailableError(

@@ -52,7 +52,8 @@ class TEBackend(Backend):
                 and context.device.type == "cuda" and self.availability()[0]):
             ok, reason = self._te().is_fp8_block_scaling_available(return_reason=True)
             if not ok:
-                raise BackendUnavailableError(f"FP8RecipeKwargs(backend='te', recipe='block') cannot run here: {reason}")
+                raise BackendUnavailableError(
+                    f"FP8RecipeKwargs(backend='te', recipe='block') cannot run here: {reason}")
 
     @classmethod
     def default_recipe_for(cls, context: RunContext) -> str:
@@ -78,7 +79,8 @@ class TEBackend(Backend):
         if isinstance(module, nn.LayerNorm):
             return "layernorm"
         name = type(module).__name__
-        if isinstance(module, nn.RMSNorm) or (name.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)):
+        has_weight = isinstance(getattr(module, "weight", None), torch.Tensor)
+        if isinstance(module, nn.RMSNorm) or (name.endswith("RMSNorm") and has_weight):
             return "rmsnorm"
         return None
 

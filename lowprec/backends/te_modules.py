@@ -15,7 +15,7 @@ import contextlib
 import json
 import pickle
 from collections.abc import Callable
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import torch
@@ -171,7 +171,7 @@ class _PickleFreeExtraState(_AcceptsPlainCheckpoints):
                 getattr(self.fp8_meta[entry], attr).copy_(decoded[name])
 
 
-@lru_cache(maxsize=None)
+@cache
 def module_classes() -> dict[str, type]:
     """lowprec's TE module classes (TE is imported on first use only)."""
     te = require("transformer_engine", feature="backend='te'")

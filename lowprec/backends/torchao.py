@@ -44,7 +44,8 @@ class TorchAOBackend(Backend):
     def constraint(self, module: nn.Module) -> str | None:
         if self.recipe.pad_inner_dim:
             return None
-        bad = [f"{name}={dim}" for name, dim in (("in_features", module.in_features), ("out_features", module.out_features)) if dim % 16]
+        dims = (("in_features", module.in_features), ("out_features", module.out_features))
+        bad = [f"{name}={dim}" for name, dim in dims if dim % 16]
         if bad:
             return f"{', '.join(bad)} not divisible by 16 (FP8 GEMM requirement; pad_inner_dim=True pads instead)"
         return None
@@ -134,12 +135,16 @@ class TorchAOBackend(Backend):
                     "FP8 GEMMs need batch x sequence to be a multiple of 16: pad sequences, or set pad_inner_dim=True"
                 )
         if self.context.engine == "fsdp2":
+            if self.recipe.enable_fsdp_float8_all_gather is False:
+                why_not_fp8_gather = "enable_fsdp_float8_all_gather=False"
+            else:
+                why_not_fp8_gather = f"recipe {self.recipe_name!r} has no FP8 all-gather"
             notes.append(
                 "FSDP2: weights all-gathered in FP8, scales precomputed with one all-reduce after each optimizer step"
                 if self.fsdp_fp8_all_gather
-                else f"FSDP2: weights all-gathered in high precision "
-                f"({'enable_fsdp_float8_all_gather=False' if self.recipe.enable_fsdp_float8_all_gather is False else 'recipe ' + repr(self.recipe_name) + ' has no FP8 all-gather'})"
+                else f"FSDP2: weights all-gathered in high precision ({why_not_fp8_gather})"
             )
         elif self.context.engine == "deepspeed":
-            notes.append("DeepSpeed: FP8 weight all-gather stays off (torchao's weight subclass breaks DeepSpeed's prepare)")
+            notes.append("DeepSpeed: FP8 weight all-gather stays off "
+                         "(torchao's weight subclass breaks DeepSpeed's prepare)")
         return notes

@@ -107,14 +107,15 @@ def run(args: argparse.Namespace) -> dict:
 
     from tqdm.auto import tqdm
 
-    label = "BF16 autocast" if args.variant == "bf16" else f"FP8 {accelerator.precision_plan.backend}:{accelerator.precision_plan.recipe}"
+    plan = accelerator.precision_plan
+    label = "BF16 autocast" if args.variant == "bf16" else f"FP8 {plan.backend}:{plan.recipe}"
     bar = tqdm(total=args.steps, desc=f"{label:<24}", disable=args.no_progress or not accelerator.is_main_process,
                file=sys.stderr, dynamic_ncols=True)
     losses, step_times = [], []
     model.train()
     step = 0
     t_step = time.perf_counter()
-    for micro, input_ids in enumerate(train_loader):
+    for input_ids in train_loader:
         with accelerator.accumulate(model):
             loss = model(input_ids=input_ids, labels=input_ids).loss
             accelerator.backward(loss)

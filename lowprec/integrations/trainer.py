@@ -41,7 +41,8 @@ class FP8Trainer(Trainer):
 
     def __init__(self, *args: Any, fp8_recipe: FP8RecipeKwargs | None = None, **kwargs: Any):
         if fp8_recipe is not None and not isinstance(fp8_recipe, FP8RecipeKwargs):
-            raise TypeError(f"FP8Trainer(fp8_recipe=...) takes a lowprec.FP8RecipeKwargs, got {type(fp8_recipe).__name__}")
+            raise TypeError("FP8Trainer(fp8_recipe=...) takes a lowprec.FP8RecipeKwargs, got "
+                            f"{type(fp8_recipe).__name__}")
         if not hasattr(Trainer, "_build_accelerator_args") or not hasattr(_trainer_module, "Accelerator"):
             raise RuntimeError(
                 f"lowprec.integrations.trainer.FP8Trainer does not know how transformers {transformers.__version__} "
@@ -52,8 +53,8 @@ class FP8Trainer(Trainer):
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         if self.args.fp16:
-            raise ValueError("FP8Trainer: TrainingArguments(fp16=True) conflicts with FP8 training, which runs the rest "
-                             "of the model in BF16 autocast; use bf16=True (or neither)")
+            raise ValueError("FP8Trainer: TrainingArguments(fp16=True) conflicts with FP8 training, which runs the "
+                             "rest of the model in BF16 autocast; use bf16=True (or neither)")
         args = super()._build_accelerator_args(**kwargs)
         args["mixed_precision"] = "fp8"
         args["kwargs_handlers"] = [*(args.get("kwargs_handlers") or []), self.fp8_recipe]

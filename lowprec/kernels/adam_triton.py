@@ -6,6 +6,7 @@ Imported only on a CUDA host with Triton.
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def pow2_scale_bits(amax, previous, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr):
     # floor(log2(fp_max / amax)) from the exponents and mantissas of both numbers: exact, with

@@ -2,9 +2,9 @@
 
 One Triton kernel on CUDA reads the input (each tile twice, the second time mostly from L2) and
 writes the FP8 tensor, its transpose (both row-major, as `torch._scaled_mm` needs them for the
-three GEMMs of a linear layer) and the amax (atomic max into a float32 scalar the caller zeroed). The torch function below is the definition
-it is tested against, and what CPUs run. NaN inputs record an amax of +inf, so the scale rule
-keeps the previous scale (a NaN never becomes a scale).
+three GEMMs of a linear layer) and the amax (atomic max into a float32 scalar the caller zeroed). The
+torch function below is the definition it is tested against, and what CPUs run. NaN inputs record an
+amax of +inf, so the scale rule keeps the previous scale (a NaN never becomes a scale).
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ class GradStore:
         self.module = module
         self.dtype = dtype
         device = weight.device
-        module.register_buffer(_PREFIX + "data", torch.zeros(weight.shape, dtype=dtype, device=device), persistent=False)
+        module.register_buffer(_PREFIX + "data", torch.zeros(weight.shape, dtype=dtype, device=device),
+                               persistent=False)
         module.register_buffer(_PREFIX + "scale", torch.ones((), device=device), persistent=False)
         module.register_buffer(_PREFIX + "amax", torch.zeros((), device=device), persistent=False)
         module.register_buffer(_PREFIX + "valid", torch.zeros((), device=device), persistent=False)

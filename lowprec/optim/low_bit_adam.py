@@ -213,7 +213,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         param.addcdiv_(m, denom, value=-lr / bias1)
         p.copy_(param)
         state["exp_avg"], state["exp_avg_scale"] = _encode(m, group["exp_avg_dtype"], state["exp_avg_scale"])
-        state["exp_avg_sq"], state["exp_avg_sq_scale"] = _encode(v, group["exp_avg_sq_dtype"], state["exp_avg_sq_scale"])
+        state["exp_avg_sq"], state["exp_avg_sq_scale"] = _encode(v, group["exp_avg_sq_dtype"],
+                                                                 state["exp_avg_sq_scale"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # torch casts floating-point states to the parameter's dtype on load: an FP32 moment or a

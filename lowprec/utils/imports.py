@@ -6,7 +6,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from types import ModuleType
 
 from packaging.version import Version
@@ -54,7 +54,7 @@ def _installed_version(distribution: str) -> Version | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def availability(name: str) -> tuple[bool, str]:
     """Return (available, reason). Does not import the package, only looks it up."""
     pkg = OPTIONAL_PACKAGES[name]

@@ -27,7 +27,8 @@ A100 = DeviceInfo("cuda", "A100", (8, 0))
     "name,canonical",
     [
         ("torchao", "torchao"), ("AO", "torchao"), (" ao ", "torchao"),
-        ("te", "te"), ("TE", "te"), ("transformer_engine", "te"), ("Transformer-Engine", "te"), ("transformerengine", "te"),
+        ("te", "te"), ("TE", "te"), ("transformer_engine", "te"), ("Transformer-Engine", "te"),
+        ("transformerengine", "te"),
         ("msamp", "msamp"), ("MS-AMP", "msamp"), ("ms_amp", "msamp"),
         ("auto", "auto"), ("Auto", "auto"),
     ],
@@ -124,7 +125,8 @@ def torchao_missing(monkeypatch):
     monkeypatch.setitem(
         imports.OPTIONAL_PACKAGES,
         "torchao",
-        imports.OptionalPackage("lowprec_no_such_module.float8", "lowprec-no-such-dist", real.min_version, real.install_hint),
+        imports.OptionalPackage("lowprec_no_such_module.float8", "lowprec-no-such-dist", real.min_version,
+                                real.install_hint),
     )
     imports.availability.cache_clear()
     yield
@@ -135,7 +137,8 @@ def torchao_missing(monkeypatch):
 def torchao_too_old(monkeypatch):
     monkeypatch.setitem(
         imports.OPTIONAL_PACKAGES, "torchao",
-        imports.OptionalPackage("torchao.float8", "torchao", "999.0", imports.OPTIONAL_PACKAGES["torchao"].install_hint),
+        imports.OptionalPackage("torchao.float8", "torchao", "999.0",
+                                imports.OPTIONAL_PACKAGES["torchao"].install_hint),
     )
     imports.availability.cache_clear()
     yield
@@ -174,7 +177,8 @@ def test_plan_without_torchao_with_an_adapter_created_for_planning(torchao_missi
 
 
 def test_create_backend_with_torchao_too_old(torchao_too_old):
-    with pytest.raises(BackendUnavailableError, match=r"torchao .* is installed but lowprec needs >= 999.0.*pip install"):
+    message = r"torchao .* is installed but lowprec needs >= 999.0.*pip install"
+    with pytest.raises(BackendUnavailableError, match=message):
         create_backend(FP8RecipeKwargs(backend="torchao"), RunContext(device=CPU))
 
 

@@ -8,7 +8,6 @@ tests/gpu/test_te_gpu.py.
 
 from __future__ import annotations
 
-import copy
 import threading
 
 import fake_te as fake
@@ -508,7 +507,8 @@ def test_skip_slow_shapes_after_the_shape_rule():
                                  "(skip_slow_shapes=True)")
     assert d["wide"].convert and d["deep"].convert
     assert d["odd"].reason.startswith("in_features=100 not divisible by 16")
-    assert d["odd"].option == "backend 'te' cannot pad them (only backend='torchao' has pad_inner_dim=True); resize them to fit"
+    assert d["odd"].option == ("backend 'te' cannot pad them (only backend='torchao' has pad_inner_dim=True); "
+                               "resize them to fit")
 
 
 @pytest.mark.parametrize("recipe,device,slow", [

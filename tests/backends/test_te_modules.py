@@ -16,8 +16,7 @@ from fake_te import fake_te  # noqa: F401  (fixture)
 from torch import nn
 
 from lowprec import FP8RecipeKwargs, RunContext, build_plan, portable_state_dict
-from lowprec.backends import create_backend
-from lowprec.backends import te_modules
+from lowprec.backends import create_backend, te_modules
 from lowprec.backends.te_modules import MAGIC, decode_state, encode_state, from_float
 from lowprec.hardware import DeviceInfo
 

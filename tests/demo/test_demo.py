@@ -46,9 +46,9 @@ def test_demo_end_to_end(tmp_path):
 
 
 def test_demo_run_with_gradient_accumulation(tmp_path):
-    from lowprec.demo.run import parse_args, run
-
     from accelerate.state import AcceleratorState, GradientState
+
+    from lowprec.demo.run import parse_args, run
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
@@ -86,7 +86,8 @@ def test_demo_without_te_says_what_to_install_before_running(capsys, monkeypatch
     monkeypatch.setattr("lowprec.backends.base.availability", lambda name: (False, f"{name} is not installed"))
     monkeypatch.setattr(compare.subprocess, "run", lambda *a, **k: pytest.fail("a training run was started"))
     assert compare.main(["--backend", "te", "--out", "unused"]) == 2
-    assert "FP8RecipeKwargs(backend='te') cannot be used: transformer_engine is not installed" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "FP8RecipeKwargs(backend='te') cannot be used: transformer_engine is not installed" in err
 
 
 @pytest.mark.parametrize("steps", ["0", "-3", "x"])

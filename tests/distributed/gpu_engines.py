@@ -18,7 +18,6 @@ import json
 import time
 
 import torch
-from torch import nn
 
 from lowprec import Accelerator, FP8RecipeKwargs
 

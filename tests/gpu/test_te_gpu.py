@@ -173,7 +173,8 @@ def test_eval_precision_follows_the_recipe():
         model = accelerator.prepare(mlp())
         model.eval()
         with torch.no_grad():
-            assert fp8_was_used(accelerator.unwrap_model(model), lambda: model(torch.randn(64, 1024, device="cuda"))) is flag
+            x = torch.randn(64, 1024, device="cuda")
+            assert fp8_was_used(accelerator.unwrap_model(model), lambda model=model, x=x: model(x)) is flag
 
 
 @pytest.fixture

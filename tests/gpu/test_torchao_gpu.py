@@ -29,7 +29,8 @@ def sqnr(reference: torch.Tensor, value: torch.Tensor) -> float:
 
 def model_on_gpu(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024), nn.GELU(), nn.Linear(1024, 4096)).cuda()
+    return nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024), nn.GELU(),
+                         nn.Linear(1024, 4096)).cuda()
 
 
 def _prepare(recipe_name, **kwargs):
@@ -86,7 +87,8 @@ def test_compiled_llama_training_on_gpu(level):
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="torchao", opt_level=level)],
+    recipe = FP8RecipeKwargs(backend="torchao", opt_level=level)
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe],
                               dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
     torch.manual_seed(0)
     model = build_model(PRESETS["small"])

@@ -137,7 +137,8 @@ def test_every_state_choice_reaches_the_optimizer(states):
     group = opt.optimizer.param_groups[0]
     from lowprec.optim.levels import state_description
 
-    assert state_description((group["exp_avg_dtype"], group["exp_avg_sq_dtype"])) == plan.tensor("optimizer_states").dtype
+    described = state_description((group["exp_avg_dtype"], group["exp_avg_sq_dtype"]))
+    assert described == plan.tensor("optimizer_states").dtype
 
 
 def test_without_optimizer_states_the_users_optimizer_is_kept():

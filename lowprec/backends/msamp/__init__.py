@@ -117,7 +117,8 @@ class MSAMPBackend(Backend):
 
     # ----- checkpoints --------------------------------------------------------------------------------
     def portable_state_dict(self, state_dict: dict) -> dict:
-        dtypes = {("" if fqn == "<root>" else fqn + ".") + "weight": dtype for fqn, dtype in self._original_dtypes.items()}
+        dtypes = {("" if fqn == "<root>" else fqn + ".") + "weight": dtype
+                  for fqn, dtype in self._original_dtypes.items()}
         out = {}
         for key, value in state_dict.items():
             if key.rsplit(".", 1)[-1].startswith(META_PREFIX):

@@ -2,13 +2,15 @@
 
 Per tensor, as MS-AMP's `nn/functional.py` does it:
 
-| tensor           | format                 | scale                                                     |
-|------------------|------------------------|-----------------------------------------------------------|
-| weight (stored)  | FP16 (or BF16)         | the true value; no master copy                            |
-| weight (GEMM)    | E4M3                   | current: from the weight's amax at each forward           |
-| input            | E4M3                   | delayed: max amax of the last `window` steps (in time while warming up) |
-| output gradient  | E5M2 (HYBRID) / E4M3   | delayed, as the input                                     |
-| weight gradient  | E4M3, kept on the layer| current, from the accumulated gradient; shared by all ranks after reduction |
+| tensor           | format                  | scale                                                |
+|------------------|-------------------------|------------------------------------------------------|
+| weight (stored)  | FP16 (or BF16)          | the true value; no master copy                       |
+| weight (GEMM)    | E4M3                    | current: from the weight's amax at each forward      |
+| input            | E4M3                    | delayed: max amax of the last `window` steps (in     |
+|                  |                         | time while warming up)                               |
+| output gradient  | E5M2 (HYBRID) / E4M3    | delayed, as the input                                |
+| weight gradient  | E4M3, kept on the layer | current, from the accumulated gradient; shared by    |
+|                  |                         | all ranks after reduction                            |
 
 Every scale is a power of two (`lowprec.scaling.compute_scale`). The three GEMMs are
 `torch._scaled_mm` on FP8 GPUs and the same math in FP32 elsewhere (emulation).
