@@ -26,6 +26,7 @@ from torch import nn
 from .backends import Backend, RunContext, create_backend
 from .compat import is_fp8_handler, to_recipe
 from .engines import EnginePrecision, apply_grad_comm_dtype, deepspeed_precision, fsdp_precision
+from .export import BACKEND_ATTR
 from .hardware import device_info
 from .plan import PrecisionPlan
 from .planning import build_plan
@@ -277,6 +278,7 @@ class Accelerator(_Accelerator):
             if name in after and after[name] is not p:
                 self._replaced_params.add(p, after[name])
         object.__setattr__(new, _PLAN_ATTR, plan)
+        object.__setattr__(new, BACKEND_ATTR, backend)  # lowprec.portable_state_dict undoes its conversion
         self._lowprec.append((new, backend, plan))
         if plan.emulated:
             _warn_once(f"lowprec: {plan.backend} runs {plan.execution}")

@@ -13,6 +13,7 @@ from typing import Any
 from accelerate.utils import KwargsHandler
 
 from .recipe import FP8RecipeKwargs
+from .specs import TE_REMOVED_OPTIONS
 
 
 def is_fp8_handler(handler: Any) -> bool:
@@ -50,16 +51,12 @@ def to_recipe(handler: Any) -> FP8RecipeKwargs:
 
 def _from_te(handler: Any) -> FP8RecipeKwargs:
     if getattr(handler, "interval", 1) not in (None, 1):
-        raise ValueError(
-            f"TERecipeKwargs.interval={handler.interval!r} cannot be honoured: TransformerEngine removed "
-            "`interval` in v2.3 (amax is updated every step). Remove it."
-        )
+        raise ValueError(f"TERecipeKwargs.interval={handler.interval!r} cannot be honoured: "
+                         f"{TE_REMOVED_OPTIONS['interval']}. Remove it.")
     override = tuple(getattr(handler, "override_linear_precision", None) or (False, False, False))
     if any(override):
-        raise ValueError(
-            f"TERecipeKwargs.override_linear_precision={override!r} cannot be honoured: TransformerEngine "
-            "removed it in v2.0. Keep sensitive layers in high precision with FP8RecipeKwargs(exclude=[...])."
-        )
+        raise ValueError(f"TERecipeKwargs.override_linear_precision={override!r} cannot be honoured: "
+                         f"{TE_REMOVED_OPTIONS['override_linear_precision']}")
     mxfp8 = bool(getattr(handler, "use_mxfp8_block_scaling", False))
     delayed = {"margin": handler.margin, "amax_history_len": handler.amax_history_len,
                "amax_compute_algo": handler.amax_compute_algo}

@@ -16,6 +16,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .specs import TE_REMOVED_OPTIONS
+
 log = logging.getLogger(__name__)
 
 PREFIX = "ACCELERATE_FP8_"
@@ -66,10 +68,10 @@ FIELD_KEYS: dict[str, tuple[str, ...]] = {
 }
 # Accelerate-only keys: TE removed these options, so they are accepted only at their no-op values.
 REMOVED_TE_KEYS = {
-    "INTERVAL": ("1", "TransformerEngine removed `interval` in v2.3; amax is updated every step"),
-    "OVERRIDE_FPROP": ("False", "TransformerEngine removed `override_linear_precision` in v2.0"),
-    "OVERRIDE_DGRAD": ("False", "TransformerEngine removed `override_linear_precision` in v2.0"),
-    "OVERRIDE_WGRAD": ("False", "TransformerEngine removed `override_linear_precision` in v2.0"),
+    "INTERVAL": ("1", TE_REMOVED_OPTIONS["interval"]),
+    "OVERRIDE_FPROP": ("False", TE_REMOVED_OPTIONS["override_linear_precision"]),
+    "OVERRIDE_DGRAD": ("False", TE_REMOVED_OPTIONS["override_linear_precision"]),
+    "OVERRIDE_WGRAD": ("False", TE_REMOVED_OPTIONS["override_linear_precision"]),
 }
 MXFP8_KEY = "USE_MXFP8_BLOCK_SCALING"
 

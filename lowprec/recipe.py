@@ -15,7 +15,7 @@ from torch import nn
 
 from .env import read_fp8_env
 from .optim.levels import parse_states
-from .specs import backend_spec, canonical_name, registered_specs
+from .specs import TE_REMOVED_OPTIONS, backend_spec, canonical_name, registered_specs
 
 log = logging.getLogger(__name__)
 
@@ -309,11 +309,7 @@ def warn_unapplied_launcher_defaults(recipe: FP8RecipeKwargs, backend) -> None:
         )
 
 
-_REMOVED = {
-    "interval": "TransformerEngine removed `interval` in v2.3: amax is updated every step",
-    "override_linear_precision": "TransformerEngine removed `override_linear_precision` in v2.0: keep sensitive "
-                                 "layers in high precision with exclude=[...] instead",
-}
+_REMOVED = TE_REMOVED_OPTIONS
 _dataclass_init = FP8RecipeKwargs.__init__
 
 

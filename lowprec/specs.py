@@ -19,6 +19,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .recipe import FP8RecipeKwargs
 
+# Options TransformerEngine has removed; Accelerate's TERecipeKwargs and its launcher still carry them.
+# The recipe, the environment reader and the handler translation all refuse them with these reasons.
+TE_REMOVED_OPTIONS: Mapping[str, str] = {
+    "interval": "TransformerEngine removed `interval` in v2.3: amax is updated every step",
+    "override_linear_precision": "TransformerEngine removed `override_linear_precision` in v2.0: keep sensitive "
+                                 "layers in high precision with exclude=[...] instead",
+}
+
 
 @dataclass(frozen=True)
 class RecipeInfo:

@@ -34,6 +34,18 @@ def backend_class(name: str) -> type[Backend]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def strip_backend_entries(state_dict: dict) -> dict:
+    """`state_dict` with every backend's own entries removed (`Backend.strip_state_dict`), for a model
+    whose converting backend is not known. A backend whose module cannot be imported added none."""
+    for spec in registered_specs():
+        try:
+            cls = backend_class(spec.name)
+        except ImportError:
+            continue
+        state_dict = cls.strip_state_dict(state_dict)
+    return state_dict
+
+
 def registered_backends() -> list[type[Backend]]:
     return [backend_class(spec.name) for spec in registered_specs()]
 

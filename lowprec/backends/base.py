@@ -490,7 +490,14 @@ class Backend(ABC):
 
     def portable_state_dict(self, state_dict: dict) -> dict:
         """The state dict as the original (unconverted) model would have it."""
-        return self.restore_weight_dtypes(state_dict)
+        return type(self).strip_state_dict(self.restore_weight_dtypes(state_dict))
+
+    @classmethod
+    def strip_state_dict(cls, state_dict: dict) -> dict:
+        """`state_dict` without the entries only this backend's modules add, and with tensors of its own
+        types made plain: what can be undone without knowing how the model was converted
+        (`lowprec.portable_state_dict` applies every backend's to a model of unknown origin)."""
+        return state_dict
 
     def restore_weight_dtypes(self, state_dict: dict) -> dict:
         """Weights stored in `weight_dtype` back in the dtype the model was built with."""

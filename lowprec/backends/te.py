@@ -252,10 +252,11 @@ class TEBackend(Backend):
                  seeded)
         return new
 
-    def portable_state_dict(self, state_dict: dict) -> dict:
+    @classmethod
+    def strip_state_dict(cls, state_dict: dict) -> dict:
         from .te_modules import portable_state_dict
 
-        return portable_state_dict(self.restore_weight_dtypes(state_dict))
+        return portable_state_dict(state_dict)
 
     # ----- plan ---------------------------------------------------------------------------------
     def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:

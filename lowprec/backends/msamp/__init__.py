@@ -119,14 +119,14 @@ class MSAMPBackend(Backend):
     def portable_state_dict(self, state_dict: dict) -> dict:
         dtypes = {("" if fqn == "<root>" else fqn + ".") + "weight": dtype
                   for fqn, dtype in self._original_dtypes.items()}
-        out = {}
-        for key, value in state_dict.items():
-            if key.rsplit(".", 1)[-1].startswith(META_PREFIX):
-                continue
-            if key in dtypes and isinstance(value, torch.Tensor):
-                value = value.to(dtypes[key])
-            out[key] = value
-        return out
+        state_dict = {k: v.to(dtypes[k]) if k in dtypes and isinstance(v, torch.Tensor) else v
+                      for k, v in state_dict.items()}
+        return self.strip_state_dict(state_dict)
+
+    @classmethod
+    def strip_state_dict(cls, state_dict: dict) -> dict:
+        """Without FP8Linear's scaling metadata (amax histories, scales, the FP8 gradient buffers)."""
+        return {k: v for k, v in state_dict.items() if not k.rsplit(".", 1)[-1].startswith(META_PREFIX)}
 
     # ----- plan ---------------------------------------------------------------------------------------
     def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
