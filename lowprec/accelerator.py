@@ -100,16 +100,17 @@ class Accelerator(_Accelerator):
     # ---- what Accelerate sees ----------------------------------------------------------------
     @property
     def fp8_backend(self) -> FP8BackendType:
-        # lowprec owns FP8: every Accelerate branch keyed on this must stay off, except the one
-        # parameter lookup below that needs to know torchao weights are there.
-        if getattr(self, "_resolving_parameters", False) and any(b.name == "torchao" for _, b, _ in self._lowprec):
-            return FP8BackendType.AO
+        # lowprec owns FP8: every Accelerate branch keyed on this must stay off, except the parameter
+        # lookup below, for a backend whose weights need Accelerate's accessor (Backend.accelerate_parameter_lookup).
+        if getattr(self, "_resolving_parameters", False):
+            for _, backend, _ in self._lowprec:
+                if backend.accelerate_parameter_lookup is not None:
+                    return FP8BackendType[backend.accelerate_parameter_lookup]
         return FP8BackendType.NO
 
     def _get_named_parameters(self, *args, drop_refs: bool = False):
-        # Under FSDP2 Accelerate remaps optimizer parameters by data_ptr(). torchao's FP8 all-gather
-        # weight subclass reports data_ptr() == 0, so without Accelerate's accessor for it (which it
-        # installs only when its own fp8_backend is AO) every such weight would map to the same one.
+        # Under FSDP2 Accelerate remaps optimizer parameters by data_ptr(), with an accessor for weight
+        # subclasses that it installs only for its own FP8 backends: see fp8_backend above.
         self._resolving_parameters = True
         try:
             return super()._get_named_parameters(*args, drop_refs=drop_refs)
@@ -219,8 +220,8 @@ class Accelerator(_Accelerator):
                     obj.optimizer = replaced[id(obj.optimizer)]
                     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
                         _track_step_for_scheduler(obj.optimizer)
-        if self.is_fsdp2:
-            _expose_data_pointers(args)
+        for _, backend, _ in self._lowprec:
+            backend.before_engine_prepare(args)
         result = super().prepare(*args, device_placement=device_placement)
         # One prepared object comes back bare; several as a tuple (or a list on the FSDP2 path).
         results = tuple(result) if isinstance(result, (tuple, list)) and len(args) > 1 else (result,)
@@ -232,11 +233,13 @@ class Accelerator(_Accelerator):
             if hook is not None:
                 for opt in (r for r in results if isinstance(r, torch.optim.Optimizer)):
                     getattr(opt, "optimizer", opt).register_step_post_hook(lambda *_a, **_k: hook())
-        elif converted and any(b.name == "msamp" for _, b, _ in self._lowprec[-len(converted):]):
-            _warn_once(
-                "lowprec: backend='msamp' keeps weight gradients in FP8 on the layers; only an optimizer prepared by "
-                "this Accelerator reads them. Pass the optimizer to prepare() (with the model or right after it)"
-            )
+        elif converted:
+            for _, backend, _ in self._lowprec[-len(converted):]:
+                where = backend.gradients_outside_grad()
+                if where:
+                    _warn_once(f"lowprec: backend={backend.name!r} keeps weight gradients {where}; only an optimizer "
+                               "prepared by this Accelerator reads them. Pass the optimizer to prepare() (with the "
+                               "model or right after it)")
         return result
 
     def backward(self, loss, **kwargs):
@@ -344,23 +347,6 @@ def _track_step_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
 
     wrapper._wrapped_by_lr_sched = True
     optimizer.step = wrapper
-
-
-def _expose_data_pointers(args: list) -> None:
-    """Let Accelerate's FSDP2 optimizer remap find every parameter.
-
-    Accelerate keys parameters by `data_ptr()` when it swaps an optimizer onto the sharded
-    parameters; a wrapper-subclass parameter (torchao's FP8 all-gather weight) reports 0 there while
-    Accelerate's name-side lookup sees its inner tensor. Before the swap, the optimizer's entry for
-    such a parameter is replaced by that inner tensor, which has the pointer Accelerate expects;
-    Accelerate then points the optimizer at the sharded parameter.
-    """
-    for opt in (a for a in args if isinstance(a, torch.optim.Optimizer)):
-        for group in opt.param_groups:
-            group["params"] = [
-                p._tensor if p.data_ptr() == 0 and isinstance(getattr(p, "_tensor", None), torch.Tensor) else p
-                for p in group["params"]
-            ]
 
 
 class _ReplacedParams:

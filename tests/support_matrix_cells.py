@@ -60,7 +60,7 @@ def _te_available():
         import fake_te
     finally:
         sys.path.pop(0)
-    from lowprec.backends import te_modules
+    from lowprec.backends.te import modules as te_modules
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         availability.cache_clear()

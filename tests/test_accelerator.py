@@ -472,3 +472,24 @@ def test_accelerate_ao_recipe_on_a_small_mlp_warns():
     _, found, _ = prepare_recording(accelerator, nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)))
     assert len(found) == 1
     assert "skip_first_last=False" in found[0] and "AORecipeKwargs has only module_filter_func" in found[0]
+
+
+@pytest.mark.parametrize("knobs, where", [(dict(backend="msamp", opt_level="O2"), "in FP8 on its layers"),
+                                          (dict(backend="torchao", opt_level="O2"), "gradient stores, not in .grad"),
+                                          (dict(backend="torchao"), None)])
+def test_a_model_prepared_without_its_optimizer_warns_where_gradients_live(fresh_accelerate_state, knobs, where):
+    import warnings as _warnings
+
+    import lowprec.accelerator as module
+
+    module._warned.clear()
+    recipe = FP8RecipeKwargs(skip_first_last=False, skip_slow_shapes=False, **knobs)
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], cpu=True)
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        accelerator.prepare(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)))
+    messages = [str(w.message) for w in caught if "only an optimizer prepared" in str(w.message)]
+    if where is None:
+        assert messages == []
+    else:
+        assert len(messages) == 1 and where in messages[0] and f"backend={knobs['backend']!r}" in messages[0]

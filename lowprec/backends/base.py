@@ -88,6 +88,9 @@ class Backend(ABC):
     # The adapter's own layer realises weight_dtype / weight_grad_dtype (msamp's FP8Linear);
     # otherwise the base class casts converted weights and installs gradient stores.
     native_storage: ClassVar[bool] = False
+    # The name of Accelerate's FP8BackendType whose parameter lookup this backend's weights need when
+    # Accelerate remaps optimizer parameters (FSDP2); Accelerate sees NO everywhere else.
+    accelerate_parameter_lookup: ClassVar[str | None] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -457,6 +460,17 @@ class Backend(ABC):
                else f"level {self.opt_level}")
         return TensorPrecision("optimizer_states", state_description(states),
                                f"{why}: lowprec.optim.LowBitAdam(W), per-tensor power-of-2 scales")
+
+    def gradients_outside_grad(self) -> str | None:
+        """Where this backend keeps weight gradients that are not in `.grad` ("in FP8 stores"), or None:
+        an optimizer `prepare()` did not wrap would not see them."""
+        if self.grad_stores:
+            return f"of converted Linears in {self.grad_stores[0].dtype} gradient stores, not in .grad"
+        return None
+
+    def before_engine_prepare(self, objects: list) -> None:
+        """Adjust, in place, the objects about to be handed to Accelerate's `prepare()` (after
+        conversion, before the engine wraps them) where this backend's tensors need it."""
 
     def setup_communication(self, model: nn.Module, plan: PrecisionPlan) -> None:
         """Install gradient / weight communication hooks on the wrapped model (DDP hook etc.)."""

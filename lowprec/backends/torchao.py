@@ -30,6 +30,27 @@ class TorchAOBackend(Backend):
     spec = backend_spec("torchao")
 
     reuses_parameters = True
+    # Accelerate's FSDP2 optimizer remap keys parameters by data_ptr(); torchao's FP8 all-gather weight
+    # subclass reports 0 there, and Accelerate reads the inner tensor only for its own AO backend.
+    accelerate_parameter_lookup = "AO"
+
+    def before_engine_prepare(self, objects: list) -> None:
+        """Under FSDP2, let Accelerate's optimizer remap find every parameter.
+
+        Accelerate keys parameters by `data_ptr()` when it swaps an optimizer onto the sharded
+        parameters; the FP8 all-gather weight subclass reports 0 there while Accelerate's name-side
+        lookup sees its inner tensor. The optimizer's entry for such a parameter becomes that inner
+        tensor, which has the pointer Accelerate expects; Accelerate then points the optimizer at the
+        sharded parameter.
+        """
+        if self.context.engine != "fsdp2":
+            return
+        for opt in (o for o in objects if isinstance(o, torch.optim.Optimizer)):
+            for group in opt.param_groups:
+                group["params"] = [
+                    p._tensor if p.data_ptr() == 0 and isinstance(getattr(p, "_tensor", None), torch.Tensor) else p
+                    for p in group["params"]
+                ]
 
     def candidate_kind(self, module: nn.Module) -> str | None:
         if isinstance(module, nn.Linear) and not _is_mha_projection(module):

@@ -281,7 +281,7 @@ def install(monkeypatch) -> types.ModuleType:
 @pytest.fixture
 def fake_te(monkeypatch):
     """This double as `transformer_engine` for one test; lowprec's cached look-ups are cleared around it."""
-    from lowprec.backends import te_modules
+    from lowprec.backends.te import modules as te_modules
     from lowprec.utils import imports
 
     imports.availability.cache_clear()

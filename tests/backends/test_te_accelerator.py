@@ -74,7 +74,7 @@ def test_prepare_converts_runs_in_te_autocast_and_trains(te_accelerator, recipe)
     kept = {"delayed": {"5"}, "current": {"5"}, "block": {"0", "2", "4", "5"}, "mxfp8": {"4", "5"}}[recipe]
     assert {d.fqn for d in plan.skipped} == kept
     converted = {int(d.fqn): inner[int(d.fqn)] for d in plan.converted}
-    assert all(type(m).__module__ == "lowprec.backends.te_modules" for m in converted.values())
+    assert all(type(m).__module__ == "lowprec.backends.te.modules" for m in converted.values())
     assert all(type(inner[int(n)]) is nn.Linear for n in kept)
 
     x, y = next(iter(loader))
@@ -160,7 +160,8 @@ def test_levels_train_a_transformers_llama(te_accelerator, level):
     inner = accelerator.unwrap_model(model)
     converted = accelerator.precision_plan.converted
     assert {d.kind for d in converted} == {"linear", "rmsnorm"}
-    linears = [m for m in inner.modules() if type(m).__name__ == "Linear" and "te_modules" in type(m).__module__]
+    linears = [m for m in inner.modules()
+               if type(m).__name__ == "Linear" and type(m).__module__ == "lowprec.backends.te.modules"]
     assert len(linears) == sum(d.kind == "linear" for d in converted)
     assert all(m.weight.dtype == torch.float16 for m in linears)
     assert all(m.weight.dtype == torch.float32 for m in inner.modules() if type(m).__name__ == "RMSNorm")
@@ -270,7 +271,7 @@ def test_tied_weights_survive_conversion(te_accelerator):
                            "lm_head": nn.Linear(32, 64, bias=False)})
     model.lm_head.weight = model.embed.weight
     inner = accelerator.unwrap_model(accelerator.prepare(model))
-    assert type(inner.body).__module__ == "lowprec.backends.te_modules"
+    assert type(inner.body).__module__ == "lowprec.backends.te.modules"
     lm_head = next(d for d in accelerator.precision_plan.modules if d.fqn == "lm_head")
     # TE builds new parameters, so converting the head would untie it: it stays, and the plan says why
     assert not lm_head.convert and lm_head.reason.startswith("weight shared with 'embed'")

@@ -1,4 +1,4 @@
-"""lowprec's TE modules (lowprec/backends/te_modules.py) on CPU: the pickle-free extra-state format, state dicts
+"""lowprec's TE modules (lowprec/backends/te/modules.py) on CPU: the pickle-free extra-state format, state dicts
 that load into the original model, and `from_float` / `TEBackend.convert` against a stand-in TE
 (tests/backends/fake_te.py), which computes in high precision.
 """
@@ -16,8 +16,9 @@ from fake_te import fake_te  # noqa: F401  (fixture)
 from torch import nn
 
 from lowprec import FP8RecipeKwargs, RunContext, build_plan, portable_state_dict
-from lowprec.backends import create_backend, te_modules
-from lowprec.backends.te_modules import MAGIC, decode_state, encode_state, from_float
+from lowprec.backends import create_backend
+from lowprec.backends.te import modules as te_modules
+from lowprec.backends.te.modules import MAGIC, decode_state, encode_state, from_float
 from lowprec.hardware import DeviceInfo
 
 H100 = DeviceInfo("cuda", "H100", (9, 0))
@@ -249,7 +250,7 @@ def test_from_float_linear(fake_te, dtype, bias, training):
     torch.manual_seed(0)
     module = nn.Linear(48, 32, bias=bias).to(dtype).train(training)
     new = from_float(module, "linear")
-    assert type(new).__module__ == "lowprec.backends.te_modules" and isinstance(new, fake_te.Linear)
+    assert type(new).__module__ == "lowprec.backends.te.modules" and isinstance(new, fake_te.Linear)
     assert (new.in_features, new.out_features, new.training) == (48, 32, training)
     assert new.weight.dtype == dtype and new.weight.device.type == "cpu" and new.weight.requires_grad
     assert torch.equal(new.weight, module.weight)
@@ -267,7 +268,7 @@ def test_from_float_layernorm(fake_te):
         module.weight.normal_()
         module.bias.normal_()
     new = from_float(module, "layernorm")
-    assert isinstance(new, fake_te.LayerNorm) and type(new).__module__ == "lowprec.backends.te_modules"
+    assert isinstance(new, fake_te.LayerNorm) and type(new).__module__ == "lowprec.backends.te.modules"
     assert (new.normalized_shape, new.eps, new.zero_centered_gamma) == ((4, 16), 1e-3, False)
     assert torch.equal(new.weight, module.weight) and torch.equal(new.bias, module.bias)
     x = torch.randn(3, 4, 16)

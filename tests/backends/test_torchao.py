@@ -226,8 +226,6 @@ def test_accelerate_parameter_lookup_sees_fp8_weight_subclass(fresh_accelerate_s
 
 def test_fsdp2_optimizer_entries_expose_real_data_pointers():
     """Accelerate's FSDP2 optimizer swap reads p.data_ptr(); the FP8 all-gather weight reports 0."""
-    from lowprec.accelerator import _expose_data_pointers
-
     recipe = FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, skip_first_last=False)
     context = RunContext(device=device_info("cpu"), engine="fsdp2", world_size=2)
     backend = create_backend(recipe, context)
@@ -235,7 +233,10 @@ def test_fsdp2_optimizer_entries_expose_real_data_pointers():
     model = backend.convert(model, build_plan(model, recipe, context=context, backend=backend))
     optimizer = torch.optim.AdamW(model.parameters())
     assert sum(p.data_ptr() == 0 for p in optimizer.param_groups[0]["params"]) == 3
-    _expose_data_pointers([model, optimizer])
+    single = create_backend(recipe, RunContext(device=device_info("cpu")))
+    single.before_engine_prepare([model, optimizer])  # only FSDP2 needs it
+    assert sum(p.data_ptr() == 0 for p in optimizer.param_groups[0]["params"]) == 3
+    backend.before_engine_prepare([model, optimizer])
     pointers = [p.data_ptr() for p in optimizer.param_groups[0]["params"]]
     assert 0 not in pointers
     assert pointers[0] == model[0].weight._tensor.data_ptr() and pointers[1] == model[0].bias.data_ptr()

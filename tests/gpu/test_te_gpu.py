@@ -129,7 +129,7 @@ def test_llama_trains_with_te_modules(recipe, dynamo):
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
     kinds = {d.kind for d in plan.converted}
     assert kinds == {"linear", "rmsnorm"}
-    built = sorted(n for n, m in inner.named_modules() if type(m).__module__ == "lowprec.backends.te_modules")
+    built = sorted(n for n, m in inner.named_modules() if type(m).__module__ == "lowprec.backends.te.modules")
     assert built == sorted(d.fqn for d in plan.converted)
     losses = run_steps(accelerator, model, optimizer, loader)
     assert all(v == v for v in losses) and sum(losses[-4:]) / 4 < losses[0] - 1.5, losses
@@ -140,7 +140,8 @@ def test_levels_train_with_fp16_te_weights_and_fp8_gradients(level):
     accelerator = accelerator_for("current", opt_level=level, skip_first_last=True, skip_slow_shapes=True)
     model, optimizer, loader = llama_training(accelerator)
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
-    linears = [m for m in inner.modules() if type(m).__name__ == "Linear" and "te_modules" in type(m).__module__]
+    linears = [m for m in inner.modules()
+               if type(m).__name__ == "Linear" and type(m).__module__ == "lowprec.backends.te.modules"]
     assert linears and all(m.weight.dtype == torch.float16 for m in linears)
     assert type(optimizer.optimizer).__name__ == "LowBitAdamW"
     losses = run_steps(accelerator, model, optimizer, loader)

@@ -116,6 +116,9 @@ class MSAMPBackend(Backend):
         return after_step
 
     # ----- checkpoints --------------------------------------------------------------------------------
+    def gradients_outside_grad(self) -> str | None:
+        return "in FP8 on its layers (FP8Linear)"
+
     def portable_state_dict(self, state_dict: dict) -> dict:
         dtypes = {("" if fqn == "<root>" else fqn + ".") + "weight": dtype
                   for fqn, dtype in self._original_dtypes.items()}

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..utils.imports import require
+from ...utils.imports import require
 
 MAGIC = b"LOWPREC-TE-STATE1\n"
 _TENSOR_SLOTS = {  # key in TE's state -> (fp8_meta entry, attribute)

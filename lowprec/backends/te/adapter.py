@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..specs import backend_spec
-from ..utils.imports import require
-from .base import Backend, BackendUnavailableError, RunContext
-from .torchao import _is_mha_projection
+from ...specs import backend_spec
+from ...utils.imports import require
+from ..base import Backend, BackendUnavailableError, RunContext
+from ..torchao import _is_mha_projection
 
 if TYPE_CHECKING:
-    from ..plan import PrecisionPlan, TensorPrecision
+    from ...plan import PrecisionPlan, TensorPrecision
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ _ALIGN = {"delayed": 16, "current": 16, "block": 128, "mxfp8": 32}
 
 def _te_class_module(module: nn.Module) -> bool:
     mod = type(module).__module__
-    return mod.startswith("transformer_engine") or mod == "lowprec.backends.te_modules"
+    return mod.startswith("transformer_engine") or mod == "lowprec.backends.te.modules"
 
 
 class TEBackend(Backend):
@@ -130,7 +130,7 @@ class TEBackend(Backend):
             except Exception:  # noqa: BLE001 - an unprobeable norm stays in high precision
                 return None
         weight = module.weight
-        from .te_modules import rmsnorm_eps
+        from .modules import rmsnorm_eps
 
         eps = rmsnorm_eps(module)
         x = torch.randn(4, weight.numel(), generator=torch.Generator().manual_seed(0)).to(weight.device)
@@ -147,7 +147,7 @@ class TEBackend(Backend):
 
     @property
     def speed_scaling(self) -> str:
-        from ..speed import MXFP8, PER_TENSOR
+        from ...speed import MXFP8, PER_TENSOR
 
         # TE publishes no per-shape table; torchao's per-tensor measurements time the same cuBLAS
         # FP8 GEMMs against BF16. Block scaling adds scale handling to those GEMMs, so where
@@ -181,8 +181,8 @@ class TEBackend(Backend):
 
     # ----- layer replacement -------------------------------------------------------------------
     def convert(self, model: nn.Module, plan: PrecisionPlan) -> nn.Module:
-        from ..convert import swap_planned_modules
-        from .te_modules import from_float
+        from ...convert import swap_planned_modules
+        from .modules import from_float
 
         te = self._te()
         device = None
@@ -254,13 +254,13 @@ class TEBackend(Backend):
 
     @classmethod
     def strip_state_dict(cls, state_dict: dict) -> dict:
-        from .te_modules import portable_state_dict
+        from .modules import portable_state_dict
 
         return portable_state_dict(state_dict)
 
     # ----- plan ---------------------------------------------------------------------------------
     def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
-        from ..plan import TensorPrecision
+        from ...plan import TensorPrecision
 
         hp = plan.param_dtype
         opts = self.effective_options()
