@@ -28,6 +28,7 @@ from .compat import is_fp8_handler, to_recipe
 from .engines import EnginePrecision, apply_grad_comm_dtype, deepspeed_precision, fsdp_precision
 from .export import BACKEND_ATTR
 from .hardware import device_info
+from .health import FP8HealthMonitor
 from .plan import PrecisionPlan
 from .planning import build_plan
 from .recipe import FP8RecipeKwargs, warn_unapplied_launcher_defaults
@@ -77,6 +78,7 @@ class Accelerator(_Accelerator):
             recipe = FP8RecipeKwargs()
         self.fp8_recipe: FP8RecipeKwargs | None = recipe
         self._lowprec: list[tuple[nn.Module, Backend, PrecisionPlan]] = []
+        self._health: list[FP8HealthMonitor] = []
         # Parameters conversion replaced -> their replacements, for optimizers prepared later.
         self._replaced_params = _ReplacedParams()
         super().__init__(
@@ -246,6 +248,27 @@ class Accelerator(_Accelerator):
         super().backward(loss, **kwargs)
         for _, backend, _ in self._lowprec:
             backend.after_backward(self.sync_gradients)
+        for monitor in self._health:
+            monitor.after_backward(self.sync_gradients)
+
+    def fp8_health(self, every: int = 100, out: str | None = None, model: nn.Module | None = None) -> FP8HealthMonitor:
+        """Sample the FP8 casts of a prepared model's converted layers every `every` optimizer steps:
+        amax, scale, overflow and underflow shares per layer and tensor (`lowprec.health`). Returns the
+        monitor (`.table()`, `.latest`, `.remove()`); with `out`, each sample is appended there as a JSON
+        line. Off unless called: nothing is hooked otherwise."""
+        if not self._lowprec:
+            raise RuntimeError("fp8_health() watches a model lowprec prepared: call it after prepare()")
+        if model is None:
+            inner, backend, _ = self._lowprec[-1]
+        else:
+            target = self.unwrap_model(model, keep_torch_compile=False)
+            entry = next((e for e in self._lowprec if e[0] is target), None)
+            if entry is None:
+                raise ValueError("fp8_health(model=...): that model was not prepared with FP8 by this Accelerator")
+            inner, backend, _ = entry
+        monitor = FP8HealthMonitor(inner, backend, every, out=out if self.is_main_process else None)
+        self._health.append(monitor)
+        return monitor
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Accelerate's `clip_grad_norm_`, counting the gradients a backend keeps outside `.grad`

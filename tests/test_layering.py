@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the adapters
     ("backends",),
     # what drives the adapters
-    ("planning", "accelerator", "export", "cli", "demo", "__init__", "__main__"),
+    ("planning", "accelerator", "export", "health", "cli", "demo", "__init__", "__main__"),
     # opt-in integrations with frameworks built on Accelerate
     ("integrations",),
 ]

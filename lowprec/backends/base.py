@@ -461,6 +461,15 @@ class Backend(ABC):
         return TensorPrecision("optimizer_states", state_description(states),
                                f"{why}: lowprec.optim.LowBitAdam(W), per-tensor power-of-2 scales")
 
+    def fp8_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """The FP8 formats of (activations and weights, output gradients) under this recipe's format."""
+        return torch.float8_e4m3fn, (torch.float8_e5m2 if self.fp8_format == "HYBRID" else torch.float8_e4m3fn)
+
+    def scales_in_use(self, module: nn.Module) -> dict[str, float] | None:
+        """The scales a converted layer's casts use now, where the backend keeps them (delayed scaling):
+        {"input": ..., "weight": ..., "output_grad": ...}, any subset; None: computed from each tensor."""
+        return None
+
     def gradients_outside_grad(self) -> str | None:
         """Where this backend keeps weight gradients that are not in `.grad` ("in FP8 stores"), or None:
         an optimizer `prepare()` did not wrap would not see them."""

@@ -116,6 +116,12 @@ class MSAMPBackend(Backend):
         return after_step
 
     # ----- checkpoints --------------------------------------------------------------------------------
+    def scales_in_use(self, module: nn.Module) -> dict[str, float] | None:
+        if not isinstance(module, FP8Linear) or module.in_time():
+            return None  # warming up: every scale comes from the tensor at hand
+        scale_x, scale_g, _ = (float(s) for s in module.scales)
+        return {"input": scale_x, "output_grad": scale_g}  # the weight's scale is current
+
     def gradients_outside_grad(self) -> str | None:
         return "in FP8 on its layers (FP8Linear)"
 
