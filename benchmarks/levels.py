@@ -25,7 +25,8 @@ import time
 import traceback
 
 import torch
-from torch import nn
+
+from lowprec.demo.memory import model_state_bytes
 
 RUNS = {
     "bf16": None,
@@ -47,56 +48,6 @@ def batches(size: str, steps: int, batch: int | None, seq: int | None) -> list[t
     g = torch.Generator().manual_seed(0)
     b, t = batch or preset.batch, seq or preset.seq_len
     return [torch.randint(0, 256, (b, t), generator=g) for _ in range(steps)]
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    if t is None:
-        return 0
-    inner = getattr(t, "_tensor", None)  # wrapper subclasses (torchao) report their data here
-    t = inner if isinstance(inner, torch.Tensor) else t
-    return t.numel() * t.element_size()
-
-
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, backend=None) -> dict:
-    """Bytes per parameter of weights, gradients, optimizer states (and master weights), measured.
-    `backend`: the lowprec backend that converted `model`; its converted Linear layers are the
-    "linear weights" (without one, every nn.Linear)."""
-    from lowprec.backends.msamp.linear import FP8Linear
-
-    inner_opt = getattr(optimizer, "optimizer", optimizer)
-    # gradients kept outside .grad: msamp's FP8Linear, and the GradStore buffers of te/torchao layers
-    fp8_layers = {id(m.weight): m for m in model.modules() if isinstance(m, FP8Linear)}
-    fp8_layers.update({id(s.weight): s for s in inner_opt.fp8_layers()} if hasattr(inner_opt, "fp8_layers") else {})
-    # the backend says which modules are its converted Linears (TE's are lowprec subclasses of te.Linear)
-    if backend is not None:
-        linear_weights = {id(m.weight) for m in model.modules() if backend.converted_kind(m) == "linear"}
-    else:
-        linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
-    total = {"params": 0, "weight": 0, "grad": 0, "optimizer_states": 0}
-    linear = dict(total)
-    seen = set()
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        layer = fp8_layers.get(id(p))
-        grad = _nbytes(layer.fp8_grad_data) if layer is not None else _nbytes(p.grad)
-        state = inner_opt.state.get(p, {})
-        states = sum(_nbytes(v) for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step")
-        row = {"params": p.numel(), "weight": _nbytes(p), "grad": grad, "optimizer_states": states}
-        for key, value in row.items():
-            total[key] += value
-            if id(p) in linear_weights:
-                linear[key] += value
-
-    def per_param(d: dict) -> dict:
-        n = d["params"] or 1
-        out = {k: d[k] / n for k in ("weight", "grad", "optimizer_states")}
-        out["total"] = sum(out.values())
-        out["params"] = d["params"]
-        return out
-
-    return {"all_params": per_param(total), "linear_weights": per_param(linear)}
 
 
 def run_one(label: str, spec: dict | None, size: str, data: list[torch.Tensor], warmup: int) -> dict:

@@ -1,4 +1,4 @@
-"""`lowprec plan | env | demo`."""
+"""`lowprec plan | env | demo | bench`."""
 
 from __future__ import annotations
 
@@ -126,6 +126,12 @@ def cmd_demo(argv: list[str]) -> int:
     return demo_main(argv)
 
 
+def cmd_bench(argv: list[str]) -> int:
+    from .demo.bench import main as bench_main
+
+    return bench_main(argv)
+
+
 def _bool_flag(p: argparse.ArgumentParser, name: str, help: str) -> None:
     p.add_argument(f"--{name}", dest=name.replace("-", "_"), action=argparse.BooleanOptionalAction, default=None,
                    help=help)
@@ -165,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("env", help="versions, backends available here, device, FP8 environment variables")
     sub.add_parser("demo", help="short BF16 then FP8 training through Accelerate, with a comparison table",
                    add_help=False)
+    sub.add_parser("bench", help="BF16 and every FP8 configuration, each in its own process: speed, memory, "
+                                 "loss; JSON, markdown and plots", add_help=False)
     return parser
 
 
@@ -172,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
         return cmd_demo(argv[1:])
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "plan":

@@ -32,9 +32,19 @@ PRESETS: dict[str, ModelPreset] = {
 }
 
 
-def llama_config(preset: ModelPreset, vocab_size: int = VOCAB_SIZE):
+# `transformers` decoder families built from the same preset (config class, model class).
+ARCHS: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+def llama_config(preset: ModelPreset, vocab_size: int = VOCAB_SIZE, arch: str = "llama"):
     transformers = require("transformers", feature="the demo model")
-    return transformers.LlamaConfig(
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r} is not one of {', '.join(ARCHS)}")
+    return getattr(transformers, ARCHS[arch][0])(
         vocab_size=vocab_size,
         hidden_size=preset.hidden,
         intermediate_size=preset.ffn,
@@ -47,6 +57,6 @@ def llama_config(preset: ModelPreset, vocab_size: int = VOCAB_SIZE):
     )
 
 
-def build_model(preset: ModelPreset) -> nn.Module:
+def build_model(preset: ModelPreset, arch: str = "llama") -> nn.Module:
     transformers = require("transformers", feature="the demo model")
-    return transformers.LlamaForCausalLM(llama_config(preset))
+    return getattr(transformers, ARCHS[arch][1])(llama_config(preset, arch=arch))

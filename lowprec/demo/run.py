@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader
 from ..accelerator import Accelerator
 from ..recipe import FP8RecipeKwargs
 from .data import Windows, stdlib_corpus
-from .model import PRESETS, build_model
+from .memory import model_state_bytes
+from .model import ARCHS, PRESETS, build_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recipe", default=None, help="the backend's scaling recipe (default: the backend's)")
     p.add_argument("--opt-level", default=None, help="MS-AMP memory level O1/O2/O3")
     p.add_argument("--size", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="transformers model family")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=None, help="per-process batch (default: the preset's)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the preset's)")
@@ -47,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "nothing on devices without measured thresholds, such as the CPU)")
     p.add_argument("--corpus-mb", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw", action="store_true",
+                   help="torchao only: also train the same model converted by torchao directly (no lowprec) in "
+                        "this process, and report lowprec's overhead against it")
     p.add_argument("--json", default=None, help="write metrics here")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     micro_steps = args.steps * args.grad_accum
     train = Windows(corpus.train, seq_len, micro_steps * batch * accelerator.num_processes, seed=args.seed)
     heldout = Windows(corpus.heldout, seq_len, args.eval_batches * batch * accelerator.num_processes, seed=1234)
-    model = build_model(preset)
+    model = build_model(preset, args.arch)
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, weight_decay=0.1, betas=(0.9, 0.95),
                                   fused=cuda or None)
@@ -136,6 +141,13 @@ def run(args: argparse.Namespace) -> dict:
         bar.update(1)
     bar.close()
 
+    # Model state as it stands during training: one more backward leaves gradients where they live.
+    ids = next(iter(heldout_loader))
+    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    backend = accelerator._lowprec[-1][1] if accelerator._lowprec else None
+    state = model_state_bytes(accelerator.unwrap_model(model, keep_torch_compile=False), optimizer, backend)
+    optimizer.zero_grad(set_to_none=True)
+
     model.eval()
     total, count = 0.0, 0
     with torch.no_grad():
@@ -176,16 +188,67 @@ def run(args: argparse.Namespace) -> dict:
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
         "corpus_files": corpus.files,
+        "arch": args.arch,
+        "model_state_bytes_per_param": state,
         "plan": plan.to_dict() if plan else None,
         "plan_text": str(plan) if plan else None,
         "emulated": bool(plan and plan.emulated),
+        "pid": os.getpid(),
     }
+    accelerator.end_training()
+    if args.raw:
+        result["raw"] = _raw_torchao(args, plan, train, batch, compile_model, warmup)
+        result["overhead_vs_raw"] = result["step_ms_median"] / result["raw"]["step_ms_median"] - 1
     if args.json and accelerator.is_main_process:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
-    accelerator.end_training()
     return result
+
+
+def _raw_torchao(args, plan, train, batch: int, compile_model: bool, warmup: int) -> dict:
+    """The same model, data and steps with torchao's own `convert_to_float8_training` (the layers lowprec
+    converted, the recipe it used) under plain `accelerate.Accelerator(mixed_precision="bf16")`: the
+    peer lowprec drives, timed in this process so the overhead is not process-to-process noise."""
+    if plan is None or plan.backend != "torchao":
+        raise SystemExit("--raw compares with torchao driven directly: it needs an FP8 run with backend torchao")
+    from accelerate import Accelerator as PlainAccelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    kwargs = {}
+    if compile_model:
+        from accelerate.utils import TorchDynamoPlugin
+
+        kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
+    accelerator = PlainAccelerator(mixed_precision="bf16", **kwargs)
+    torch.manual_seed(args.seed)
+    preset = PRESETS[args.size]
+    model = build_model(preset, args.arch)
+    fp8 = {d.fqn for d in plan.converted}
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(plan.recipe),
+                               module_filter_fn=lambda module, fqn: fqn in fp8)
+    cuda = torch.cuda.is_available()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, weight_decay=0.1, betas=(0.9, 0.95),
+                                  fused=cuda or None)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(train, batch_size=batch))
+    times = []
+    t_step = time.perf_counter()
+    for input_ids in loader:
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()  # syncs the device, as the lowprec run's loss reduction does
+        now = time.perf_counter()
+        times.append(now - t_step)
+        t_step = now
+    accelerator.end_training()
+    median = statistics.median(times[warmup:] or times)
+    return {"step_ms_median": 1000 * median, "fp8_layers": len(fp8)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,240 @@
+"""`lowprec bench`: BF16 and FP8 configurations side by side, each trained in its own process.
+
+    lowprec bench                                      # every available backend x recipe x level
+    lowprec bench --configs bf16 torchao:tensorwise msamp:delayed:O2 --size proxy --steps 40
+    lowprec bench --convergence --steps 300            # long enough to separate the loss curves
+    lowprec bench --arch mistral qwen2 --size small    # other transformers model classes
+
+A configuration is `bf16` or `backend:recipe[:level]`. Each runs `python -m lowprec.demo.run` in a fresh
+process (Accelerate's state is a process-wide singleton, and peak memory and compile caches must be
+the run's own) on the demo corpus: tokens/s (median step after warm-up), peak memory, model-state
+bytes per parameter (measured), losses and held-out loss. torchao configurations are also trained with
+torchao driven directly in the same process (`--raw`), giving lowprec's overhead against the peer.
+Written to --out: results.json, results.md (the table), throughput.png and loss.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from .model import ARCHS, PRESETS
+
+LEVELS = (None, "O1", "O2")
+
+
+def parse_config(text: str) -> dict:
+    """'bf16' or 'backend:recipe[:level]' -> {"backend", "recipe", "opt_level"} (bf16: backend None)."""
+    if text == "bf16":
+        return {"name": "bf16", "backend": None, "recipe": None, "opt_level": None}
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise argparse.ArgumentTypeError(f"configuration {text!r} is not 'bf16' or 'backend:recipe[:level]' "
+                                         "(e.g. torchao:tensorwise, msamp:delayed:O2)")
+    level = parts[2] if len(parts) == 3 else None
+    if level is not None and level not in ("O1", "O2", "O3"):
+        raise argparse.ArgumentTypeError(f"configuration {text!r}: level {level!r} is not one of O1, O2, O3")
+    return {"name": text, "backend": parts[0], "recipe": parts[1], "opt_level": level}
+
+
+def available_configs(compiled: bool) -> list[str]:
+    """Every backend x recipe x level that can run on this machine, as lowprec would decide it."""
+    from ..backends import BackendUnavailableError, RunContext, create_backend, registered_backends
+    from ..hardware import device_info
+    from ..recipe import FP8RecipeKwargs
+
+    context = RunContext(device=device_info(), compiled=compiled)
+    names = ["bf16"]
+    for cls in registered_backends():
+        for recipe in cls.recipes:
+            for level in LEVELS:
+                try:
+                    create_backend(FP8RecipeKwargs(backend=cls.name, recipe=recipe, opt_level=level), context)
+                except (ValueError, BackendUnavailableError):
+                    continue
+                names.append(f"{cls.name}:{recipe}" + (f":{level}" if level else ""))
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="lowprec bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", type=parse_config, default=None,
+                   help="bf16 and/or backend:recipe[:level] (default: every one available here)")
+    p.add_argument("--arch", nargs="+", choices=sorted(ARCHS), default=["llama"], help="transformers model classes")
+    p.add_argument("--size", choices=sorted(PRESETS), default=None,
+                   help="model size (default: proxy on an FP8 GPU, tiny elsewhere)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 30, 300 with "
+                                                           "--convergence)")
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile every run (default: on for CUDA)")
+    p.add_argument("--convergence", action="store_true",
+                   help="train long enough to separate the curves and report held-out loss against BF16")
+    p.add_argument("--no-raw", action="store_true", help="skip the torchao-driven-directly comparison")
+    p.add_argument("--out", default=None, help="directory for results.json/.md and the plots")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.steps is not None and args.steps < 2:
+        p.error("--steps must be at least 2")
+    return args
+
+
+def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool) -> dict:
+    name = config["name"].replace(":", "_")
+    path = os.path.join(out, f"{arch}_{name}.json")
+    cmd = [sys.executable, "-m", "lowprec.demo.run", "--arch", arch, *common, "--json", path, "--no-progress"]
+    if config["backend"] is None:
+        cmd += ["--variant", "bf16"]
+    else:
+        cmd += ["--variant", "fp8", "--backend", config["backend"], "--recipe", config["recipe"]]
+        if config["opt_level"]:
+            cmd += ["--opt-level", config["opt_level"]]
+        if raw and config["backend"] == "torchao" and not config["opt_level"]:
+            cmd.append("--raw")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"config": config["name"], "arch": arch, "error": proc.stderr.strip().splitlines()[-1:] or ["?"],
+                "command": " ".join(cmd)}
+    with open(path) as fh:
+        result = json.load(fh)
+    result["config"] = config["name"]
+    return result
+
+
+def summarise(results: list[dict]) -> list[dict]:
+    """Per run: the ratios against the BF16 run of the same model class."""
+    base = {r["arch"]: r for r in results if r.get("config") == "bf16" and "error" not in r}
+    rows = []
+    for r in results:
+        row = {"arch": r["arch"], "config": r["config"]}
+        if "error" in r:
+            row["error"] = r["error"][-1]
+            rows.append(row)
+            continue
+        b = base.get(r["arch"])
+        state = r["model_state_bytes_per_param"]["all_params"]["total"]
+        row.update(tokens_per_s=r["tokens_per_s"], step_ms=r["step_ms_median"], peak_gib=r["peak_memory_bytes"] / 2**30,
+                   state_bytes=state, heldout_loss=r["heldout_loss"], emulated=r["emulated"],
+                   overhead_vs_raw=r.get("overhead_vs_raw"))
+        if b is not None:
+            row["speedup"] = None if r["emulated"] else r["tokens_per_s"] / b["tokens_per_s"]
+            row["heldout_delta"] = (r["heldout_loss"] - b["heldout_loss"]) / b["heldout_loss"]
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict], header: str) -> str:
+    lines = [header, "", "| model | config | tokens/s | vs BF16 | peak GiB | state B/param | held-out loss | vs BF16 "
+             "| overhead vs raw torchao |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['arch']} | {r['config']} | failed: {r['error']} | | | | | | |")
+            continue
+        speed = "n/a (emulated)" if r.get("speedup") is None else f"{r['speedup']:.3f}x"
+        delta = "" if "heldout_delta" not in r else f"{100 * r['heldout_delta']:+.2f}%"
+        over = "" if r.get("overhead_vs_raw") is None else f"{100 * r['overhead_vs_raw']:+.1f}%"
+        lines.append(f"| {r['arch']} | {r['config']} | {r['tokens_per_s']:,.0f} | {speed} | {r['peak_gib']:.2f} | "
+                     f"{r['state_bytes']:.1f} | {r['heldout_loss']:.4f} | {delta} | {over} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], rows: list[dict], out: str) -> list[str]:
+    """throughput.png (tokens/s per configuration, BF16 marked) and loss.png (training loss curves)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("lowprec bench: matplotlib is not installed, so no plots were drawn (pip install matplotlib)",
+              file=sys.stderr)
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(ok)), 4))
+        labels = [f"{r['arch']}\n{r['config']}" for r in ok]
+        colors = ["#888888" if r["config"] == "bf16" else "#3b75af" for r in ok]
+        ax.bar(range(len(ok)), [r["tokens_per_s"] for r in ok], color=colors)
+        ax.set_xticks(range(len(ok)), labels, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("tokens/s (median step)")
+        emulated = any(r["emulated"] for r in ok)
+        ax.set_title("throughput" + (" (FP8 emulated: not a speed measurement)" if emulated else ""))
+        fig.tight_layout()
+        path = os.path.join(out, "throughput.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    curves = [r for r in results if "error" not in r]
+    if curves:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in curves:
+            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['arch']} {r['config']}",
+                    linewidth=1.6 if r["config"] == "bf16" else 1.0)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("training loss")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out, "loss.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    fp8_gpu = cuda and torch.cuda.get_device_capability() >= (8, 9)
+    size = args.size or ("proxy" if fp8_gpu else "tiny")
+    steps = args.steps or (300 if args.convergence else 30)
+    compiled = cuda if args.compile is None else args.compile
+    configs = args.configs or [parse_config(name) for name in available_configs(compiled)]
+    if not any(c["name"] == "bf16" for c in configs):
+        configs.insert(0, parse_config("bf16"))  # every ratio is against BF16 measured the same way
+    out = args.out or tempfile.mkdtemp(prefix="lowprec-bench-")
+    os.makedirs(out, exist_ok=True)
+    common = ["--size", size, "--steps", str(steps)]
+    for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)):
+        if value is not None:
+            common += [flag, str(value)]
+    common.append("--compile" if compiled else "--no-compile")
+
+    from tqdm.auto import tqdm
+
+    jobs = [(arch, c) for arch in args.arch for c in configs]
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"lowprec bench: {len(jobs)} runs ({size}, {steps} steps each, {'compiled' if compiled else 'eager'}) "
+          f"on {device}, each in its own process; results in {out}", flush=True)
+    results = []
+    bar = tqdm(jobs, disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
+    for arch, config in bar:
+        bar.set_description(f"{arch} {config['name']}")
+        results.append(run_one(config, arch, common, out, raw=not args.no_raw))
+    rows = summarise(results)
+    header = (f"lowprec bench: {size} ({PRESETS[size].note}), {steps} steps, "
+              f"{'compiled' if compiled else 'eager'}, {device}, torch {torch.__version__}")
+    table = markdown(rows, header)
+    with open(os.path.join(out, "results.json"), "w") as fh:
+        json.dump({"size": size, "steps": steps, "compiled": compiled, "device": device, "torch": torch.__version__,
+                   "convergence": args.convergence, "rows": rows, "runs": results}, fh, indent=1)
+    with open(os.path.join(out, "results.md"), "w") as fh:
+        fh.write(table)
+    plots = plot(results, rows, out)
+    print(table)
+    if plots:
+        print("plots: " + ", ".join(plots))
+    failed = [r for r in rows if "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

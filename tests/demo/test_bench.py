@@ -1,0 +1,76 @@
+"""`lowprec bench`: configurations parsed, each run in its own process, ratios against BF16, outputs written."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lowprec.demo.bench import available_configs, markdown, parse_config, summarise
+
+pytest.importorskip("torchao")
+pytest.importorskip("transformers")
+
+
+def test_parse_config():
+    assert parse_config("bf16")["backend"] is None
+    assert parse_config("msamp:delayed:O2") == {"name": "msamp:delayed:O2", "backend": "msamp", "recipe": "delayed",
+                                                "opt_level": "O2"}
+    for bad in ("torchao", "a:b:c:d", "torchao::O1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="backend:recipe"):
+            parse_config(bad)
+
+
+def test_parse_config_names_the_bad_level():
+    with pytest.raises(argparse.ArgumentTypeError, match="level 'O9' is not one of O1, O2, O3"):
+        parse_config("torchao:tensorwise:O9")
+
+
+def test_available_configs_on_cpu_are_what_lowprec_accepts_here():
+    names = available_configs(compiled=False)
+    assert names[0] == "bf16"
+    assert {"torchao:tensorwise", "torchao:tensorwise:O1", "torchao:tensorwise:O2", "msamp:delayed:O2"} <= set(names)
+    assert not any(n.startswith("te:") for n in names)  # TransformerEngine has no CPU mode
+
+
+def run(arch, config, tokens, heldout, emulated=False, state=16.0):
+    return {"arch": arch, "config": config, "tokens_per_s": tokens, "step_ms_median": 1000 / tokens,
+            "peak_memory_bytes": 2**30, "model_state_bytes_per_param": {"all_params": {"total": state}},
+            "heldout_loss": heldout, "emulated": emulated, "losses": [2.0, 1.0]}
+
+
+def test_ratios_are_against_the_bf16_run_of_the_same_model_class():
+    rows = summarise([run("llama", "bf16", 100.0, 2.0), run("llama", "torchao:tensorwise", 130.0, 2.02),
+                      run("qwen2", "bf16", 50.0, 3.0), run("qwen2", "msamp:delayed:O2", 60.0, 2.97, state=6.0),
+                      {"arch": "qwen2", "config": "te:current", "error": ["te missing"]}])
+    by = {(r["arch"], r["config"]): r for r in rows}
+    assert by["llama", "torchao:tensorwise"]["speedup"] == pytest.approx(1.3)
+    assert by["llama", "torchao:tensorwise"]["heldout_delta"] == pytest.approx(0.01)
+    assert by["qwen2", "msamp:delayed:O2"]["speedup"] == pytest.approx(1.2)
+    assert by["qwen2", "te:current"]["error"] == "te missing"
+    table = markdown(rows, "header")
+    assert "| llama | torchao:tensorwise | 130 | 1.300x |" in table and "failed: te missing" in table
+
+
+@pytest.mark.slow
+def test_bench_runs_each_configuration_in_its_own_process(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "lowprec.cli", "bench", "--size", "tiny", "--steps", "4", "--no-progress",
+           "--configs", "torchao:tensorwise", "msamp:delayed:O2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    configs = [r["config"] for r in result["rows"]]
+    assert configs == ["bf16", "torchao:tensorwise", "msamp:delayed:O2"]  # BF16 added: every ratio needs it
+    runs = {r["config"]: r for r in result["runs"]}
+    assert len({r["pid"] for r in result["runs"]}) == 3  # three processes
+    assert runs["msamp:delayed:O2"]["model_state_bytes_per_param"]["linear_weights"]["total"] == pytest.approx(6.0, abs=0.01)
+    assert runs["torchao:tensorwise"]["raw"]["fp8_layers"] == 13 and "overhead_vs_raw" in runs["torchao:tensorwise"]
+    assert all(len(r["losses"]) == 4 for r in result["runs"])
+    assert (tmp_path / "results.md").read_text().count("| llama |") == 3
+    assert (tmp_path / "throughput.png").stat().st_size > 1000 and (tmp_path / "loss.png").stat().st_size > 1000
