@@ -24,7 +24,8 @@ import tempfile
 
 import torch
 
-from .model import ARCHS, PRESETS
+from .model import ARCHS, PRESETS, default_size
+from .run import worker_args
 
 LEVELS = (None, "O1", "O2")
 
@@ -193,8 +194,7 @@ def plot(results: list[dict], rows: list[dict], out: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    fp8_gpu = cuda and torch.cuda.get_device_capability() >= (8, 9)
-    size = args.size or ("proxy" if fp8_gpu else "tiny")
+    size = args.size or default_size()
     steps = args.steps or (300 if args.convergence else 30)
     compiled = cuda if args.compile is None else args.compile
     configs = args.configs or [parse_config(name) for name in available_configs(compiled)]
@@ -202,11 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         configs.insert(0, parse_config("bf16"))  # every ratio is against BF16 measured the same way
     out = args.out or tempfile.mkdtemp(prefix="lowprec-bench-")
     os.makedirs(out, exist_ok=True)
-    common = ["--size", size, "--steps", str(steps)]
-    for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)):
-        if value is not None:
-            common += [flag, str(value)]
-    common.append("--compile" if compiled else "--no-compile")
+    common = worker_args(size, steps, args.batch, args.seq_len, compiled)
 
     from tqdm.auto import tqdm
 

@@ -15,7 +15,8 @@ import tempfile
 
 import torch
 
-from .model import PRESETS
+from .model import PRESETS, default_size
+from .run import worker_args
 
 
 def _positive_int(text: str) -> int:
@@ -88,17 +89,11 @@ def format_table(bf16: dict, fp8: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
-    fp8_gpu = cuda and torch.cuda.get_device_capability() >= (8, 9)
-    size = args.size or ("proxy" if fp8_gpu else "tiny")
+    size = args.size or default_size()
     steps = args.steps if args.steps is not None else (40 if cuda else 60)
     out = args.out or tempfile.mkdtemp(prefix="lowprec-demo-")
     os.makedirs(out, exist_ok=True)
-    common = ["--size", size, "--steps", str(steps)]
-    for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len)):
-        if value is not None:
-            common += [flag, str(value)]
-    if args.compile is not None:
-        common.append("--compile" if args.compile else "--no-compile")
+    common = worker_args(size, steps, args.batch, args.seq_len, args.compile)
     if args.no_progress:
         common.append("--no-progress")
     fp8_args = ["--backend", args.backend]

@@ -40,6 +40,14 @@ ARCHS: dict[str, tuple[str, str]] = {
 }
 
 
+def default_size() -> str:
+    """The proxy on an FP8 GPU (where FP8 can pay), the CPU-sized model elsewhere."""
+    import torch
+
+    fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    return "proxy" if fp8_gpu else "tiny"
+
+
 def llama_config(preset: ModelPreset, vocab_size: int = VOCAB_SIZE, arch: str = "llama"):
     transformers = require("transformers", feature="the demo model")
     if arch not in ARCHS:

@@ -57,6 +57,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def worker_args(size: str, steps: int, batch: int | None, seq_len: int | None, compile: bool | None) -> list[str]:
+    """The options every run of a comparison shares, as this module's command line."""
+    args = ["--size", size, "--steps", str(steps)]
+    for flag, value in (("--batch", batch), ("--seq-len", seq_len)):
+        if value is not None:
+            args += [flag, str(value)]
+    if compile is not None:
+        args.append("--compile" if compile else "--no-compile")
+    return args
+
+
 def _lr_lambda(total: int):
     # A fifth of a short run warms up: Adam's first steps move every weight by ~lr regardless of
     # the gradient, which at d=4096 spikes the loss if the learning rate arrives too early.
