@@ -102,3 +102,16 @@ def test_what_deepspeed_cannot_host_is_refused(run, name, message):
     scenario = run["scenarios"][name]
     assert scenario.get("error", "").startswith("BackendUnavailableError"), scenario
     assert re.search(message, scenario["error"]), scenario["error"]
+
+
+def test_te_recipe_is_honoured_under_deepspeed(run):
+    # TransformerEngine's test double on an assumed H100: every training forward ran inside lowprec's
+    # te.autocast with the DelayedScaling recipe asked for, which Accelerate's own TE path leaves out
+    # under DeepSpeed; the weights stay in step across ranks (stage 1/2) and the loss falls.
+    a, b = ranks(run, "te")
+    for r in (a, b):
+        assert r["fp8_linears"] == 3 and r["fp8_forward_calls"] == 30
+        assert r["te_autocast_forwards"] == 10 and r["te_recipes"] == ["DelayedScaling"]
+        assert sum(r["losses"][-3:]) < 0.75 * sum(r["losses"][:3])
+    if run["stage"] < 3:
+        assert a["params"] == b["params"]

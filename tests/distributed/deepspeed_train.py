@@ -17,6 +17,7 @@ while DeepSpeed's own process group has both: rows are chosen here by torch.dist
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -38,6 +39,9 @@ SCENARIOS = {
     "comm_fp8": dict(grad_comm_dtype="fp8"),  # refused: DeepSpeed cannot send FP8
     "O1": dict(opt_level="O1"),  # refused until sharded FP8 weight gradients exist
     "msamp": dict(backend="msamp"),
+    # TransformerEngine's test double on an assumed H100: lowprec's te.autocast around every forward
+    # under DeepSpeed (Accelerate's own TE path ignores TERecipeKwargs there)
+    "te": dict(backend="te", recipe="delayed"),
 }
 
 
@@ -88,6 +92,42 @@ def run_steps(accelerator, model, optimizer, steps: range) -> list[float]:
 
 
 def scenario(stage: int, knobs: dict) -> dict:
+    if knobs.get("backend") == "te":
+        with _fake_te_on_an_h100():
+            import fake_te
+
+            # the double keeps no FP8 state to checkpoint (its extra state needs one), so no round trip here
+            record = _scenario(stage, knobs, checkpoint=False)
+            calls = [c for c in fake_te.autocast_calls if c["enabled"]]
+            record["te_autocast_forwards"] = len(calls)
+            record["te_recipes"] = sorted({type(c["recipe"]).__name__ for c in calls})
+            return record
+    return _scenario(stage, knobs)
+
+
+@contextlib.contextmanager
+def _fake_te_on_an_h100():
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backends"))
+    import fake_te
+    import pytest
+
+    from lowprec.backends.te import modules
+    from lowprec.hardware import DeviceInfo
+    from lowprec.utils import imports
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        imports.availability.cache_clear()
+        modules.module_classes.cache_clear()
+        fake_te.install(monkeypatch)
+        monkeypatch.setattr("lowprec.accelerator.device_info", lambda *_a, **_k: DeviceInfo("cuda", "H100", (9, 0)))
+        try:
+            yield
+        finally:
+            imports.availability.cache_clear()
+            modules.module_classes.cache_clear()
+
+
+def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
     accelerator = accelerator_for(stage, **knobs)
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -95,13 +135,14 @@ def scenario(stage: int, knobs: dict) -> dict:
     inner = accelerator.unwrap_model(model)
     fp8_calls = []
     for module in inner.modules():
-        if type(module).__name__ == "Float8Linear":
+        if type(module).__name__ == "Float8Linear" or type(module).__module__ == "lowprec.backends.te.modules":
             module.register_forward_hook(lambda *_: fp8_calls.append(1))
     plan = accelerator.precision_plan
     config = accelerator.state.deepspeed_plugin.deepspeed_config
     record = {
         "engine": plan.engine, "wrapped": type(model).__name__,
-        "fp8_linears": sum(type(m).__name__ == "Float8Linear" for m in inner.modules()),
+        "fp8_linears": sum(type(m).__name__ == "Float8Linear" or type(m).__module__ == "lowprec.backends.te.modules"
+                           for m in inner.modules()),
         "optimizer": type(getattr(optimizer.optimizer, "optimizer", None)).__name__,
         "zero_optimizer": type(optimizer.optimizer).__name__,
         "grad_comm": plan.tensor("grad_comm").dtype,
@@ -113,6 +154,8 @@ def scenario(stage: int, knobs: dict) -> dict:
     record["fp8_forward_calls"] = len(fp8_calls)
     if stage < 3:  # replicated weights: every rank must hold the same ones
         record["params"] = digest(*[p.detach().float() for p in inner.parameters()])
+    if not checkpoint:
+        return record
     # A checkpoint mid-run: resuming from it must give the same losses as going on.
     with tempfile.TemporaryDirectory() as shared:
         path = [shared]
