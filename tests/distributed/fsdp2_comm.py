@@ -115,6 +115,71 @@ def train(grad_comm_dtype: str | None) -> dict:
             "param_sums": params}
 
 
+def _fp8_fsdp2_model(world: int):
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+    recipe = FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, skip_first_last=False, grad_comm_dtype="fp8")
+    context = RunContext(device=device_info("cpu"), engine="fsdp2", world_size=world)
+    backend = create_backend(recipe, context)
+    model = backend.convert(model, build_plan(model, recipe, context=context, backend=backend))
+    for module in model:
+        if isinstance(module, nn.Linear):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    backend.setup_grad_comm(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=3e-3), backend.post_optimizer_step(model)
+
+
+def _steps(model, optimizer, hook, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+        x = torch.randn(16, 32, generator=g)
+        loss = nn.functional.mse_loss(model(x), torch.tanh(x[:, :16]))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        hook()
+        losses.append(loss.item())
+    return losses
+
+
+def checkpoint() -> dict:
+    """A sharded FP8 run (torchao weights all-gathered in FP8, FP8 reduce-scatter) through torch's
+    distributed state-dict API: the full model state dict loads into the plain model on one process,
+    and the sharded state dicts resume training with the same losses."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    world = dist.get_world_size()
+    model, optimizer, hook = _fp8_fsdp2_model(world)
+    _steps(model, optimizer, hook, range(5))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sharded = StateDictOptions()
+    model_state = copy.deepcopy(get_model_state_dict(model, options=sharded))
+    optim_state = copy.deepcopy(get_optimizer_state_dict(model, optimizer, options=sharded))
+    continued = _steps(model, optimizer, hook, range(5, 8))
+    record = {"continued": continued}
+    if dist.get_rank() == 0:
+        plain = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+        plain.load_state_dict(full, strict=True)
+        record["full_types"] = sorted({type(v).__name__ for v in full.values()})
+        record["full_keys"] = sorted(full)
+    model2, optimizer2, hook2 = _fp8_fsdp2_model(world)
+    set_model_state_dict(model2, model_state, options=sharded)
+    set_optimizer_state_dict(model2, optimizer2, optim_state, options=sharded)
+    record["resumed"] = _steps(model2, optimizer2, hook2, range(5, 8))
+    return record
+
+
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -122,6 +187,7 @@ def main(out_path: str) -> None:
     result = {"numerics": comm_numerics(), "train": {}}
     for choice in (None, "bf16", "fp32", "fp8"):
         result["train"][str(choice)] = train(choice)
+    result["checkpoint"] = checkpoint()
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, result)
     if rank == 0:

@@ -74,3 +74,11 @@ def test_fsdp2_trains_with_each_grad_comm_dtype(ranks, choice, row, comm):
                    for r in ranks)
     # sharded parameters, gathered: the same model on both ranks
     assert ranks[0]["train"][choice]["param_sums"] == ranks[1]["train"][choice]["param_sums"]
+
+
+def test_a_sharded_fp8_run_checkpoints_into_the_plain_model_and_resumes_exactly(ranks):
+    for r in ranks:
+        assert r["checkpoint"]["resumed"] == r["checkpoint"]["continued"]  # sharded state dicts: bit for bit
+    rank0 = ranks[0]["checkpoint"]
+    assert rank0["full_types"] == ["Tensor"]  # no FP8 weight subclass leaks into the full state dict
+    assert rank0["full_keys"] == sorted(f"{i}.{p}" for i in (0, 2, 4) for p in ("bias", "weight"))
