@@ -75,13 +75,13 @@ def comm_numerics() -> dict:
     return out
 
 
-def train(grad_comm_dtype: str | None) -> dict:
+def train(grad_comm_dtype: str | None, optimizer_states: str | None = None) -> dict:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
     recipe = FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, skip_first_last=False,
-                             grad_comm_dtype=grad_comm_dtype)
+                             grad_comm_dtype=grad_comm_dtype, optimizer_states=optimizer_states)
     context = RunContext(device=device_info("cpu"), engine="fsdp2", world_size=world)
     backend = create_backend(recipe, context)
     plan = build_plan(model, recipe, context=context, backend=backend)
@@ -93,7 +93,7 @@ def train(grad_comm_dtype: str | None) -> dict:
             fully_shard(module, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     backend.setup_grad_comm(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = backend.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), plan)
     hook = backend.post_optimizer_step(model)
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(64, 32, generator=g), torch.tanh(torch.randn(64, 16, generator=g))
@@ -112,7 +112,9 @@ def train(grad_comm_dtype: str | None) -> dict:
             "comm_calls": getattr(comm, "calls", None),
             "nonfinite_blocks": int(comm.nonfinite_blocks) if getattr(comm, "nonfinite_blocks", None) is not None
             else None,
-            "param_sums": params}
+            "param_sums": params, "optimizer": type(optimizer).__name__,
+            "state": sorted({f"{type(v).__name__} {v.dtype}" for s in optimizer.state.values() for k, v in s.items()
+                             if k.startswith("exp_avg") and not k.endswith("scale")})}
 
 
 def _fp8_fsdp2_model(world: int):
@@ -187,6 +189,7 @@ def main(out_path: str) -> None:
     result = {"numerics": comm_numerics(), "train": {}}
     for choice in (None, "bf16", "fp32", "fp8"):
         result["train"][str(choice)] = train(choice)
+    result["train"]["fp8_states"] = train("fp8", optimizer_states="fp8")
     result["checkpoint"] = checkpoint()
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, result)

@@ -82,3 +82,15 @@ def test_a_sharded_fp8_run_checkpoints_into_the_plain_model_and_resumes_exactly(
     rank0 = ranks[0]["checkpoint"]
     assert rank0["full_types"] == ["Tensor"]  # no FP8 weight subclass leaks into the full state dict
     assert rank0["full_keys"] == sorted(f"{i}.{p}" for i in (0, 2, 4) for p in ("bias", "weight"))
+
+
+def test_fp8_optimizer_states_are_sharded_with_the_parameters(ranks):
+    # optimizer_states="fp8" under FSDP2: lowprec's LowBitAdamW keeps E4M3 + FP16 moments as DTensor shards
+    reference = [r["train"]["fp8"]["losses"] for r in ranks]
+    for r, ref in zip(ranks, reference):
+        run = r["train"]["fp8_states"]
+        assert run["optimizer"] == "LowBitAdamW"
+        assert run["state"] == ["DTensor torch.float16", "DTensor torch.float8_e4m3fn"]
+        assert run["losses"][-1] < 0.9 * run["losses"][0]
+        assert max(abs(a - b) for a, b in zip(run["losses"], ref)) < 0.02 * ref[0]
+    assert ranks[0]["train"]["fp8_states"]["param_sums"] == ranks[1]["train"]["fp8_states"]["param_sums"]
