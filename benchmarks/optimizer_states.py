@@ -43,6 +43,20 @@ def state_bytes(optimizer) -> int:
                if k != "step" and isinstance(t, torch.Tensor))
 
 
+def step_times_ms(optimizer, steps: int, warmup: int) -> list[float]:
+    """CUDA-event times of `steps` optimizer steps after `warmup` untimed ones."""
+    times = []
+    for i in range(warmup + steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        optimizer.step()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return times
+
+
 def measure(name: str, size: str, steps: int, warmup: int) -> dict:
     from lowprec.demo.model import PRESETS, build_model
 
@@ -54,15 +68,7 @@ def measure(name: str, size: str, steps: int, warmup: int) -> dict:
     for p in params:
         p.grad = torch.randn(p.shape, device="cuda", generator=gen) * 1e-3
     optimizer = make_optimizer(name, params)
-    times = []
-    for i in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        optimizer.step()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
+    times = step_times_ms(optimizer, steps, warmup)
     weights = sum(p.numel() * p.element_size() for p in params)
     grads = sum(p.grad.numel() * p.grad.element_size() for p in params)
     states = state_bytes(optimizer)

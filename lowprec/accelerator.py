@@ -93,9 +93,10 @@ class Accelerator(_Accelerator):
         if recipe is not None:
             # Fail here, not at prepare(): a missing package, no FP8 hardware with emulate=False, a
             # recipe this device or engine cannot run. The backend is made again per model in prepare().
-            context = self.run_context()
-            # The engines' own reduction dtype, set before they wrap the model; the plan reads it back.
-            apply_grad_comm_dtype(recipe.grad_comm_dtype, context.engine, self._engine_plugin(context.engine))
+            # The engines' own reduction dtype, set before they wrap the model; the context the backend is
+            # made with reads it back from the plugin.
+            engine = self.run_context().engine
+            apply_grad_comm_dtype(recipe.grad_comm_dtype, engine, self._engine_plugin(engine))
             backend = create_backend(recipe, self.run_context())
             warn_unapplied_launcher_defaults(recipe, backend)
 

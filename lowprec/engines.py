@@ -86,9 +86,8 @@ def deepspeed_precision(config: dict) -> EnginePrecision:
 
 
 # ----- grad_comm_dtype: what each engine does with it ------------------------------------------------
-GRAD_COMM_CHOICES = ("fp32", "bf16", "fp8")
-
-# (engine, choice) -> how it is done, for the plan's gradient-communication row
+# (engine, choice) -> how it is done, for the plan's gradient-communication row; a pair not here is
+# refused (grad_comm_problem). One process sends nothing, whatever the choice.
 GRAD_COMM_MEANS = {
     ("ddp", "fp32"): "DDP comm hook (all-reduce in FP32)",
     ("ddp", "bf16"): "DDP comm hook (all-reduce in BF16)",
@@ -102,16 +101,11 @@ GRAD_COMM_MEANS = {
     ("fsdp1", "bf16"): "the FSDP MixedPrecision's reduce_dtype",
     ("deepspeed", "fp32"): "DeepSpeed's communication_data_type",
     ("deepspeed", "bf16"): "DeepSpeed's communication_data_type",
-    ("single", "fp32"): "one process: nothing is sent",
-    ("single", "bf16"): "one process: nothing is sent",
-    ("single", "fp8"): "one process: nothing is sent",
 }
 
 
 def comm_dtype_name(choice: str, engine: str) -> str:
-    """The plan's name for what `grad_comm_dtype=choice` sends under `engine`."""
-    if engine == "single":
-        return "N/A (one process)"
+    """The plan's name for what `grad_comm_dtype=choice` sends under a multi-process `engine`."""
     if choice == "fp8":
         return "FP8 E4M3, block scales" if engine == "fsdp2" else "FP8 E4M3, shared scale"
     return dtype_name(choice)
@@ -128,13 +122,15 @@ def supports_custom_reduce_scatter() -> bool:
 
 def grad_comm_problem(choice: str | None, engine: str) -> str | None:
     """Why `grad_comm_dtype=choice` cannot be honoured under `engine`, or None."""
-    if choice is None or (engine, choice) in GRAD_COMM_MEANS and (engine, choice) != ("fsdp2", "fp8"):
+    if choice is None or engine == "single":
         return None
-    if engine == "fsdp2":
+    if (engine, choice) == ("fsdp2", "fp8"):
         if supports_custom_reduce_scatter():
             return None
         return (f"grad_comm_dtype='fp8' under FSDP2 needs FSDPModule.set_custom_reduce_scatter, which torch "
                 f"{torch.__version__} lacks (torch >= 2.8 has it); use grad_comm_dtype='bf16' or 'fp32' there")
+    if (engine, choice) in GRAD_COMM_MEANS:
+        return None
     if engine == "fsdp1":
         return ("grad_comm_dtype='fp8' needs FSDP2 (fsdp_version: 2): FSDP1 has no way to replace its "
                 "reduce-scatter; use FSDP2, or grad_comm_dtype='bf16'/'fp32' under FSDP1")

@@ -104,6 +104,13 @@ def inf_to_nan(tensor: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(tensor), torch.full_like(tensor, float("nan")), tensor)
 
 
+def nan_to_inf(amax: torch.Tensor) -> torch.Tensor:
+    """`amax` with NaN replaced by +inf, before a MAX all-reduce (MAX over NaN depends on operand order
+    on some backends). Not `torch.nan_to_num`: it would also turn +inf into the largest finite float, and
+    an overflowed gradient would then be cast as if it were finite."""
+    return torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)
+
+
 def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (data.float() / scale).to(dtype)
 

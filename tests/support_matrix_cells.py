@@ -60,17 +60,8 @@ def _te_available():
         import fake_te
     finally:
         sys.path.pop(0)
-    from lowprec.backends.te import modules as te_modules
-
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        availability.cache_clear()
-        te_modules.module_classes.cache_clear()
-        fake_te.install(monkeypatch)
-        try:
-            yield
-        finally:
-            availability.cache_clear()
-            te_modules.module_classes.cache_clear()
+    with pytest.MonkeyPatch.context() as monkeypatch, fake_te.installed(monkeypatch):
+        yield
 
 
 def evaluate(backend: str, level: str | None, engine: str) -> dict:

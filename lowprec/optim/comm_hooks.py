@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..scaling import compute_scale, format_max
+from ..scaling import compute_scale, format_max, inf_to_nan, nan_to_inf
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 1024
@@ -57,9 +57,7 @@ def _blocks(flat: torch.Tensor, n: int, block: int) -> torch.Tensor:
 
 def _global_amax(blocks: torch.Tensor, group) -> torch.Tensor:
     """Every block's amax, the MAX over ranks ([n, blocks]); NaN counts as inf."""
-    amax = blocks.abs().amax(dim=-1)
-    # NaN becomes inf before the MAX: MAX over NaN depends on operand order on some backends
-    amax = torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)
+    amax = nan_to_inf(blocks.abs().amax(dim=-1))
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 
@@ -67,9 +65,8 @@ def _global_amax(blocks: torch.Tensor, group) -> torch.Tensor:
 def _cast(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`values` [..., blocks, block] to E4M3 with one scale per block; inf becomes NaN."""
     limit = format_max(E4M3)
-    scaled = (values * scale.unsqueeze(-1)).clamp(-limit, limit)
-    # clamp keeps NaN but turns inf into +-448, a finite lie: inf goes over as NaN (E4M3 has no inf)
-    return torch.where(torch.isinf(values), torch.full_like(scaled, float("nan")), scaled).to(E4M3)
+    # clamp keeps NaN but would turn inf into a finite +-448: inf goes over as NaN (E4M3 has no inf)
+    return (inf_to_nan(values) * scale.unsqueeze(-1)).clamp(-limit, limit).to(E4M3)
 
 
 def _reduce_scatter_blocks(blocks: torch.Tensor, scale: torch.Tensor, group) -> torch.Tensor:

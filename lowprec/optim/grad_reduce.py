@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..scaling import compute_scale, format_max
+from ..scaling import compute_scale, format_max, nan_to_inf
 from .comm_hooks import all_gather_flat
 
 E4M3 = torch.float8_e4m3fn
@@ -76,7 +76,7 @@ class FP8GradReducer:
         # (the smallest) when the global amax is not finite.
         valid = torch.stack([layer.fp8_grad_valid for layer in layers])
         amax = torch.stack([layer.fp8_grad_amax for layer in layers])
-        amax = torch.where(valid > 0, _nan_to_inf(amax), torch.zeros_like(amax))
+        amax = torch.where(valid > 0, nan_to_inf(amax), torch.zeros_like(amax))
         local_scale = torch.stack([layer.fp8_grad_scale for layer in layers])
         stats = torch.stack([amax, valid, -local_scale])
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
@@ -128,8 +128,3 @@ def all_to_all_mean(flat: torch.Tensor, world_size: int, group=None) -> torch.Te
     all_gather_flat(out, shard.view(torch.uint8), group=group)
     return out.view(E4M3)
 
-
-def _nan_to_inf(amax: torch.Tensor) -> torch.Tensor:
-    # not torch.nan_to_num: it would also turn +inf into the largest finite float, and an
-    # overflowed gradient would then be cast as if it were finite
-    return torch.where(torch.isnan(amax), torch.full_like(amax, float("inf")), amax)

@@ -1,6 +1,6 @@
 """Choose the fused low-bit Adam kernel's launch shape on this GPU (lowprec/kernels/adam.py).
 
-    python scripts/gpu/tune_adam.py --out tune_adam.json
+    PYTHONPATH=$PWD python scripts/gpu/tune_adam.py --out tune_adam.json
 
 On the d4096 proxy's parameters (FP32, random gradients), times torch's fused AdamW and the fused
 LowBitAdamW step with FP32 states and with FP8 states (E4M3 + FP16) for each (CHUNK, BLOCK,
@@ -16,21 +16,13 @@ import statistics
 
 import torch
 
+from benchmarks.optimizer_states import step_times_ms  # run from the repository root (PYTHONPATH=$PWD)
 from lowprec.kernels import adam
 from lowprec.optim import LowBitAdamW
 
 
 def timed(optimizer, steps: int, warmup: int = 3) -> float:
-    times = []
-    for i in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        optimizer.step()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(step_times_ms(optimizer, steps, warmup))
 
 
 def main() -> None:

@@ -277,18 +277,28 @@ def install(monkeypatch) -> types.ModuleType:
     return pytorch
 
 
-# ---- fixtures (imported by the test modules that use them) -------------------------------------
-@pytest.fixture
-def fake_te(monkeypatch):
-    """This double as `transformer_engine` for one test; lowprec's cached look-ups are cleared around it."""
+@contextlib.contextmanager
+def installed(monkeypatch):
+    """This double as `transformer_engine` while the block runs (`monkeypatch` takes it out afterwards);
+    lowprec's cached look-ups are cleared around it."""
     from lowprec.backends.te import modules as te_modules
     from lowprec.utils import imports
 
     imports.availability.cache_clear()
     te_modules.module_classes.cache_clear()
-    yield install(monkeypatch)
-    imports.availability.cache_clear()
-    te_modules.module_classes.cache_clear()
+    try:
+        yield install(monkeypatch)
+    finally:
+        imports.availability.cache_clear()
+        te_modules.module_classes.cache_clear()
+
+
+# ---- fixtures (imported by the test modules that use them) -------------------------------------
+@pytest.fixture
+def fake_te(monkeypatch):
+    """This double as `transformer_engine` for one test."""
+    with installed(monkeypatch) as module:
+        yield module
 
 
 @pytest.fixture

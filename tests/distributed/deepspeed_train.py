@@ -111,20 +111,11 @@ def _fake_te_on_an_h100():
     import fake_te
     import pytest
 
-    from lowprec.backends.te import modules
     from lowprec.hardware import DeviceInfo
-    from lowprec.utils import imports
 
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        imports.availability.cache_clear()
-        modules.module_classes.cache_clear()
-        fake_te.install(monkeypatch)
+    with pytest.MonkeyPatch.context() as monkeypatch, fake_te.installed(monkeypatch):
         monkeypatch.setattr("lowprec.accelerator.device_info", lambda *_a, **_k: DeviceInfo("cuda", "H100", (9, 0)))
-        try:
-            yield
-        finally:
-            imports.availability.cache_clear()
-            modules.module_classes.cache_clear()
+        yield
 
 
 def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:

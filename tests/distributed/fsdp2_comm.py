@@ -75,7 +75,10 @@ def comm_numerics() -> dict:
     return out
 
 
-def train(grad_comm_dtype: str | None, optimizer_states: str | None = None) -> dict:
+def sharded_fp8_model(grad_comm_dtype: str | None = "fp8", optimizer_states: str | None = None):
+    """The MLP converted by lowprec's torchao adapter for FSDP2, each Linear and the root `fully_shard`-ed
+    with the reduce dtype Accelerate's plugin would carry, lowprec's communication and optimizer in place.
+    Returns (model, optimizer, post-step hook, backend, plan)."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
@@ -94,7 +97,11 @@ def train(grad_comm_dtype: str | None, optimizer_states: str | None = None) -> d
     fully_shard(model, mesh=mesh, mp_policy=policy)
     backend.setup_grad_comm(model)
     optimizer = backend.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), plan)
-    hook = backend.post_optimizer_step(model)
+    return model, optimizer, backend.post_optimizer_step(model), backend, plan
+
+
+def train(grad_comm_dtype: str | None, optimizer_states: str | None = None) -> dict:
+    model, optimizer, hook, backend, plan = sharded_fp8_model(grad_comm_dtype, optimizer_states)
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(64, 32, generator=g), torch.tanh(torch.randn(64, 16, generator=g))
     losses = []
@@ -115,22 +122,6 @@ def train(grad_comm_dtype: str | None, optimizer_states: str | None = None) -> d
             "param_sums": params, "optimizer": type(optimizer).__name__,
             "state": sorted({f"{type(v).__name__} {v.dtype}" for s in optimizer.state.values() for k, v in s.items()
                              if k.startswith("exp_avg") and not k.endswith("scale")})}
-
-
-def _fp8_fsdp2_model(world: int):
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
-    recipe = FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, skip_first_last=False, grad_comm_dtype="fp8")
-    context = RunContext(device=device_info("cpu"), engine="fsdp2", world_size=world)
-    backend = create_backend(recipe, context)
-    model = backend.convert(model, build_plan(model, recipe, context=context, backend=backend))
-    for module in model:
-        if isinstance(module, nn.Linear):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    backend.setup_grad_comm(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=3e-3), backend.post_optimizer_step(model)
 
 
 def _steps(model, optimizer, hook, steps: range) -> list[float]:
@@ -161,8 +152,7 @@ def checkpoint() -> dict:
         set_optimizer_state_dict,
     )
 
-    world = dist.get_world_size()
-    model, optimizer, hook = _fp8_fsdp2_model(world)
+    model, optimizer, hook, _, _ = sharded_fp8_model()
     _steps(model, optimizer, hook, range(5))
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     sharded = StateDictOptions()
@@ -175,7 +165,7 @@ def checkpoint() -> dict:
         plain.load_state_dict(full, strict=True)
         record["full_types"] = sorted({type(v).__name__ for v in full.values()})
         record["full_keys"] = sorted(full)
-    model2, optimizer2, hook2 = _fp8_fsdp2_model(world)
+    model2, optimizer2, hook2, _, _ = sharded_fp8_model()
     set_model_state_dict(model2, model_state, options=sharded)
     set_optimizer_state_dict(model2, optimizer2, optim_state, options=sharded)
     record["resumed"] = _steps(model2, optimizer2, hook2, range(5, 8))
