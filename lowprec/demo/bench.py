@@ -44,8 +44,9 @@ def parse_config(text: str) -> dict:
     return {"name": text, "backend": parts[0], "recipe": parts[1], "opt_level": level}
 
 
-def available_configs(compiled: bool) -> list[str]:
-    """Every backend x recipe x level that can run on this machine, as lowprec would decide it."""
+def available_configs(compiled: bool, skipped: dict[str, str] | None = None) -> list[str]:
+    """Every backend x recipe x level that can run on this machine, as lowprec would decide it; with
+    `skipped`, each configuration left out is recorded there with lowprec's reason."""
     from ..backends import BackendUnavailableError, RunContext, create_backend, registered_backends
     from ..hardware import device_info
     from ..recipe import FP8RecipeKwargs
@@ -57,7 +58,9 @@ def available_configs(compiled: bool) -> list[str]:
             for level in LEVELS:
                 try:
                     create_backend(FP8RecipeKwargs(backend=cls.name, recipe=recipe, opt_level=level), context)
-                except (ValueError, BackendUnavailableError):
+                except (ValueError, BackendUnavailableError) as exc:
+                    if skipped is not None:
+                        skipped[f"{cls.name}:{recipe}" + (f":{level}" if level else "")] = str(exc)
                     continue
                 names.append(f"{cls.name}:{recipe}" + (f":{level}" if level else ""))
     return names
@@ -197,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     size = args.size or default_size()
     steps = args.steps or (300 if args.convergence else 30)
     compiled = cuda if args.compile is None else args.compile
-    configs = args.configs or [parse_config(name) for name in available_configs(compiled)]
+    skipped: dict[str, str] = {}
+    configs = args.configs or [parse_config(name) for name in available_configs(compiled, skipped)]
+    for reason in sorted(set(skipped.values())):  # said, not silently dropped: a missing package, no FP8 GPU
+        names = [name for name, why in skipped.items() if why == reason]
+        print(f"lowprec bench: not run here ({', '.join(names)}): {reason}", file=sys.stderr)
     if not any(c["name"] == "bf16" for c in configs):
         configs.insert(0, parse_config("bf16"))  # every ratio is against BF16 measured the same way
     out = args.out or tempfile.mkdtemp(prefix="lowprec-bench-")
