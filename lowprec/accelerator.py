@@ -224,7 +224,7 @@ class Accelerator(_Accelerator):
                     if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
                         _track_step_for_scheduler(obj.optimizer)
         for _, backend, _ in self._lowprec:
-            backend.before_engine_prepare(args)
+            backend.before_engine_prepare(args, self)
         result = super().prepare(*args, device_placement=device_placement)
         # One prepared object comes back bare; several as a tuple (or a list on the FSDP2 path).
         results = tuple(result) if isinstance(result, (tuple, list)) and len(args) > 1 else (result,)

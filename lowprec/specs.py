@@ -120,6 +120,8 @@ class BackendSpec:
                 "A level fixes a whole row (weight, weight-gradient, gradient-communication and optimizer-state "
                 "precision) and is accepted only where every part is honoured; its parts are also knobs of their "
                 "own: weight_dtype, weight_grad_dtype, optimizer_states"
+                + ("; O3 (FP8 weights, FP16 masters and O2 states sharded across ranks) is backend='msamp' under "
+                   "FSDP2" if recipe.opt_level == "O3" else "")
             )
         if recipe.use_autocast_during_eval is not None and not self.eval_fp8_configurable:
             if recipe.use_autocast_during_eval != self.eval_fp8_default:
@@ -280,7 +282,7 @@ register_backend(BackendSpec(
         ),
     },
     supports_emulation=True,
-    opt_levels=(None, "O1", "O2"),
+    opt_levels=(None, "O1", "O2", "O3"),
     eval_fp8_default=True,  # MS-AMP's FP8Linear has no high-precision eval mode
     eval_fp8_configurable=True,
     weight_dtypes=("fp32", "fp16", "bf16"),

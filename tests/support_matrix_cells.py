@@ -31,7 +31,8 @@ EVIDENCE = {
               "tests/backends/test_msamp*.py, tests/gpu/ and results/gpu/2026-11-23-h100-levels (H100)",
     "ddp": "tests/optim/test_grad_store_ddp.py (torchao O1/O2 and grad_comm_dtype), tests/backends/test_msamp_comm.py "
            "(msamp O1/O2), two CPU processes; results/gpu/2026-11-22-h200x2-engines (te, torchao on two H200s)",
-    "fsdp2": "tests/optim/test_fsdp_comm.py and tests/backends/test_torchao.py (fully_shard on two CPU processes); "
+    "fsdp2": "tests/optim/test_fsdp_comm.py, tests/backends/test_torchao.py and tests/backends/test_msamp_o3.py (msamp "
+             "O3: FP8 all-gather, FP8 reduce-scatter, sharded masters and states; fully_shard on two CPU processes); "
              "results/gpu/2026-11-22-h200x2-engines (te, torchao through Accelerate on two H200s)",
     "deepspeed": "tests/test_deepspeed.py (ZeRO-1, -2 and -3 through Accelerate's plugin, two CPU processes: "
                  "torchao, optimizer_states, grad_comm_dtype, checkpoints, and the refusals)",

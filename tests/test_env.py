@@ -177,6 +177,8 @@ def test_opt_level_o2_with_lowprec_prefix_always_counts(monkeypatch):
     setenv(monkeypatch, {**LAUNCHER_ENV, "ACCELERATE_FP8_BACKEND": "msamp", "ACCELERATE_FP8_LOWPREC_OPT_LEVEL": "O2"})
     assert FP8RecipeKwargs().opt_level == "O2"
     monkeypatch.setenv("ACCELERATE_FP8_LOWPREC_OPT_LEVEL", "O3")
+    assert FP8RecipeKwargs().opt_level == "O3"
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "torchao")  # a level torchao lacks: the key is named
     with pytest.raises(ValueError, match="FP8RecipeKwargs.opt_level='O3'.*ACCELERATE_FP8_LOWPREC_OPT_LEVEL"):
         FP8RecipeKwargs()
 

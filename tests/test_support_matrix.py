@@ -41,7 +41,9 @@ def test_levels_refused_only_where_their_parts_are_not_there_yet():
             for level in ("O1", "O2"):
                 assert cells[backend, level, engine]["status"] == "works", (backend, level, engine)
         for engine in ENGINES:
-            assert cells[backend, "O3", engine]["status"] == "refused"  # O3 is not built yet
+            # O3 shards masters and states: msamp under FSDP2 only (DeepSpeed does not host it yet)
+            expected = "works" if (backend, engine) == ("msamp", "fsdp2") else "refused"
+            assert cells[backend, "O3", engine]["status"] == expected, (backend, engine)
 
 
 def test_the_docs_page_is_generated_from_these_cells():

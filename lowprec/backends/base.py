@@ -143,9 +143,14 @@ class Backend(ABC):
         if not self.native_storage:
             self._check_storage_engine()
         self.comm_state = None  # the FP8 DDP hook's state, once registered
-        problem = grad_comm_problem(recipe.grad_comm_dtype, context.engine)
+        problem = grad_comm_problem(self.grad_comm_choice, context.engine)
         if problem is not None:
             raise BackendUnavailableError(problem)
+
+    @property
+    def grad_comm_choice(self) -> str | None:
+        """The gradient-communication dtype in force: `grad_comm_dtype`, or what the level sets."""
+        return self.recipe.grad_comm_dtype
 
     # ----- storage knobs: weight_dtype, weight_grad_dtype (see lowprec.optim.grad_store) ------------
     @property
@@ -247,7 +252,7 @@ class Backend(ABC):
         """Put in place the gradient communication `grad_comm_dtype` asks for: a communication hook on
         the DDP wrapper, or FP8 reduce-scatters on FSDP2's sharded modules. (FP32/BF16 under FSDP and
         DeepSpeed are the engines' own settings, applied before they wrap: `engines.apply_grad_comm_dtype`.)"""
-        choice = self.recipe.grad_comm_dtype
+        choice = self.grad_comm_choice
         engine = self.context.engine
         if choice == "fp8" and engine == "fsdp2":
             from ..optim.comm_hooks import install_fp8_reduce_scatter
@@ -477,9 +482,10 @@ class Backend(ABC):
             return f"of converted Linears in {self.grad_stores[0].dtype} gradient stores, not in .grad"
         return None
 
-    def before_engine_prepare(self, objects: list) -> None:
+    def before_engine_prepare(self, objects: list, accelerator=None) -> None:
         """Adjust, in place, the objects about to be handed to Accelerate's `prepare()` (after
-        conversion, before the engine wraps them) where this backend's tensors need it."""
+        conversion, before the engine wraps them) where this backend's tensors need it.
+        `accelerator`: the lowprec Accelerator preparing them (its engine plugins)."""
 
     def setup_communication(self, model: nn.Module, plan: PrecisionPlan) -> None:
         """Install gradient / weight communication hooks on the wrapped model (DDP hook etc.)."""
@@ -581,7 +587,7 @@ class Backend(ABC):
 
         ep = self.context.engine_precision
         why = f"from {ep.source}" if ep.source else ""
-        choice = self.recipe.grad_comm_dtype
+        choice = self.grad_comm_choice
         if self.context.engine == "single":
             comm = TensorPrecision("grad_comm", "N/A (one process)")
         elif choice is not None:

@@ -34,7 +34,7 @@ class TorchAOBackend(Backend):
     # subclass reports 0 there, and Accelerate reads the inner tensor only for its own AO backend.
     accelerate_parameter_lookup = "AO"
 
-    def before_engine_prepare(self, objects: list) -> None:
+    def before_engine_prepare(self, objects: list, accelerator=None) -> None:
         """Under FSDP2, let Accelerate's optimizer remap find every parameter.
 
         Accelerate keys parameters by `data_ptr()` when it swaps an optimizer onto the sharded

@@ -7,22 +7,26 @@ from torch import nn
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
+    """Bytes this process holds for `t`: a DTensor's local shard, a wrapper subclass's inner data."""
     if t is None:
         return 0
-    inner = getattr(t, "_tensor", None)  # wrapper subclasses (torchao) report their data here
+    local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2): this rank's shard
+    t = local if isinstance(local, torch.Tensor) else t
+    inner = getattr(t, "_tensor", None)  # wrapper subclasses (torchao, msamp O3's master) report their data here
     t = inner if isinstance(inner, torch.Tensor) else t
     return t.numel() * t.element_size()
 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, backend=None) -> dict:
-    """Bytes per parameter of weights, gradients, optimizer states (and master weights), measured.
+    """Bytes per parameter of weights, gradients, optimizer states (and master weights), measured on
+    this process (a sharded parameter counts its local shard, per parameter of the whole).
     `backend`: the lowprec backend that converted `model`; its converted Linear layers are the
     "linear weights" (without one, every nn.Linear)."""
     from ..backends.msamp.linear import FP8Linear
 
     inner_opt = getattr(optimizer, "optimizer", optimizer)
     # gradients kept outside .grad: msamp's FP8Linear, and the GradStore buffers of te/torchao layers
-    fp8_layers = {id(m.weight): m for m in model.modules() if isinstance(m, FP8Linear)}
+    fp8_layers = {id(m.weight): m for m in model.modules() if isinstance(m, FP8Linear) and not m.sharded_master}
     fp8_layers.update({id(s.weight): s for s in inner_opt.fp8_layers()} if hasattr(inner_opt, "fp8_layers") else {})
     # the backend says which modules are its converted Linears (TE's are lowprec subclasses of te.Linear)
     if backend is not None:

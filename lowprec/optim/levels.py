@@ -23,8 +23,9 @@ STATE_PRESETS: dict[str, tuple[torch.dtype, torch.dtype]] = {
     "fp8": (torch.float8_e4m3fn, torch.float16),
 }
 # Each MS-AMP level as values of FP8RecipeKwargs' storage knobs (the table in DESIGN.md): FP16
-# weights with no master copy, FP8 weight gradients, and the states msamp.initialize sets (O3
-# keeps O2's states; its FP8 weights and sharded masters are not knobs yet).
+# weights with no master copy, FP8 weight gradients, and the states msamp.initialize sets. O3 keeps
+# O2's states; its FP16 weight is the master that the engine shards and all-gathers in FP8
+# (lowprec.backends.msamp.fsdp), which no knob expresses.
 LEVEL_ROWS: dict[str, dict[str, str]] = {
     "O1": {"weight_dtype": "fp16", "weight_grad_dtype": "fp8", "optimizer_states": "fp32"},
     "O2": {"weight_dtype": "fp16", "weight_grad_dtype": "fp8", "optimizer_states": "fp8"},
@@ -32,7 +33,7 @@ LEVEL_ROWS: dict[str, dict[str, str]] = {
 }
 LEVEL_STATES = {level: row["optimizer_states"] for level, row in LEVEL_ROWS.items()}
 LEVEL_STATE_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
-    level: STATE_PRESETS[LEVEL_STATES[level]] for level in ("O1", "O2")
+    level: STATE_PRESETS[LEVEL_STATES[level]] for level in LEVEL_ROWS
 }
 
 
@@ -57,7 +58,7 @@ def parse_states(option: str, value) -> str:
 
 
 def state_pair(choice) -> tuple[torch.dtype, torch.dtype]:
-    """(exp_avg, exp_avg_sq) dtypes of a level ('O1', 'O2'), a preset ('fp8'), or a pair as it is."""
+    """(exp_avg, exp_avg_sq) dtypes of a level ('O1', 'O2', 'O3'), a preset ('fp8'), or a pair as it is."""
     if isinstance(choice, str):
         if choice in LEVEL_STATE_DTYPES:
             return LEVEL_STATE_DTYPES[choice]

@@ -544,9 +544,9 @@ def test_refused_optimizer_leaves_the_model_untouched(fresh_accelerate_state):
     assert torch.equal(model[0].weight, weight)
 
 
-def test_o3_is_refused_until_it_exists():
-    with pytest.raises(ValueError, match=r"opt_level='O3'.*'O1', 'O2'"):
-        FP8RecipeKwargs(backend="msamp", opt_level="O3")
+def test_o3_on_one_process_is_refused_by_the_accelerator_naming_o2():
+    with pytest.raises(BackendUnavailableError, match=r"opt_level='O3'.*runs under FSDP2.*opt_level='O2'"):
+        Accelerator(kwargs_handlers=[FP8RecipeKwargs(backend="msamp", opt_level="O3")])
 
 
 @pytest.mark.parametrize("value", ["fp8", "fp64", "int8"])

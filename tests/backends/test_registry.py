@@ -82,7 +82,6 @@ def test_auto_emulate_false_on_h100_is_torchao():
     [
         (dict(recipe="block"), "recipe", "not a recipe of backend 'torchao'"),
         (dict(recipe="rowwise", fp8_format="HYBRID"), "fp8_format", "'HYBRID' cannot be used"),
-        (dict(opt_level="O3"), "opt_level", "'O3' is not available"),
         (dict(recipe="rowwise", margin=1), "margin", "applies to delayed"),
     ],
 )

@@ -8,7 +8,12 @@ one shard unit per decoder layer). Evidence written by rank 0:
 - te: every TE Linear reported `fp8 == True` in its forward hook during training steps;
 - torchao: every Float8Linear ran, and under FSDP2 its weight is torchao's FP8 all-gather subclass
   with a precomputed scale (the post-step hook ran);
+- msamp O3 (FSDP2): the converted weights are FP16 master shards all-gathered as FP8, the optimizer
+  keeps sharded FP8+FP16 states, and the model-state bytes per parameter each rank holds;
 - parameters identical across ranks after training (DDP) / loss falling on both ranks.
+
+    torchrun --nproc_per_node 1 tests/distributed/gpu_engines.py --backend msamp --opt-level O3 --engine fsdp2 ...
+runs the FSDP2 cases on one GPU.
 """
 
 from __future__ import annotations
@@ -72,12 +77,22 @@ def main() -> None:
         for m in fp8_modules:
             m.register_forward_hook(lambda mod, i, o: fp8_flags.append(True))
 
-    losses, times = [], []
+    gathered_types: set[str] = set()
+    if plan.opt_level == "O3":
+        for m in fp8_modules:
+            m.register_forward_hook(lambda mod, i, o: gathered_types.add(type(mod.weight).__name__))
+
+    from lowprec.demo.memory import model_state_bytes
+    from lowprec.export import BACKEND_ATTR
+
+    losses, times, state_bytes = [], [], None
     model.train()
-    for ids in loader:
+    for step, ids in enumerate(loader):
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
+        if step == args.steps - 1:  # weights, gradients and states all held: the peak model state
+            state_bytes = model_state_bytes(inner, optimizer, getattr(inner, BACKEND_ATTR, None))
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
@@ -94,7 +109,19 @@ def main() -> None:
         flat = torch.cat([q.detach().float().flatten() for q in inner.parameters()])
         gathered = accelerator.gather(flat.unsqueeze(0))
         evidence["max_param_diff_across_ranks"] = (gathered[0] - gathered[1]).abs().max().item()
-    if plan.backend == "msamp":
+    if plan.opt_level == "O3":
+        opt = getattr(optimizer, "optimizer", optimizer)
+        evidence["o3"] = {
+            "master_locals": sorted({type(getattr(m.weight, "_local_tensor", m.weight)).__name__ for m in fp8_modules}),
+            "gathered_in_forward": sorted(gathered_types),
+            "optimizer": type(opt).__name__,
+            "state_types": sorted({f"{type(v).__name__} {v.dtype}" for s in opt.state.values() for k, v in s.items()
+                                   if k in ("exp_avg", "exp_avg_sq")}),
+            "model_state_bytes_per_param": state_bytes,
+            "planned_bytes_per_param": plan.model_state_bytes_per_param,
+            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        }
+    elif plan.backend == "msamp":
         # The last step's FP8 weight gradients, as reduced in FP8: identical bytes and scales on every rank.
         grads = torch.cat([torch.cat([m.fp8_grad_data.view(torch.uint8).flatten().float(), m.fp8_grad_scale.view(1)])
                            for m in fp8_modules])

@@ -36,7 +36,8 @@ def train(net, opt, steps=3):
 
 
 def test_level_state_dtypes_are_ms_amp_s():
-    assert LEVEL_STATE_DTYPES == {"O1": (torch.float32, torch.float32), "O2": (E4M3, torch.float16)}
+    assert LEVEL_STATE_DTYPES == {"O1": (torch.float32, torch.float32), "O2": (E4M3, torch.float16),
+                                  "O3": (E4M3, torch.float16)}
     assert state_description("O1") == "FP32+FP32"
     assert state_description("O2") == "FP8 E4M3+FP16"
 

@@ -1,11 +1,17 @@
-"""MS-AMP levels O1 and O2, implemented natively on current PyTorch (no `msamp` package).
+"""MS-AMP levels O1, O2 and O3, implemented natively on current PyTorch (no `msamp` package).
 
 The three jobs of the adapter:
 1. layer replacement: `nn.Linear` -> `FP8Linear` (FP16 weights, FP8 GEMMs, FP8 weight gradients);
 2. optimizer-state precision: Adam/AdamW -> `lowprec.optim.LowBitAdam(W)` with the level's state
-   dtypes (O1: FP32/FP32, O2: E4M3/FP16), reading the FP8 weight gradients;
+   dtypes (O1: FP32/FP32, O2 and O3: E4M3/FP16), reading the FP8 weight gradients;
 3. communication precision: under DDP the FP8 weight gradients are averaged in FP8 with a shared
    scale (`FP8GradReducer`); other gradients go through DDP as usual.
+
+O3 runs under FSDP2 only: the FP16 weights are masters that FSDP2 shards and all-gathers in E4M3
+(`fsdp.FP8MasterWeight`), gradients are reduce-scattered in FP8 and kept sharded in `.grad`, and the
+O2 states are sharded with them. Every converted layer is a FSDP2 group of its own
+(`fully_shard_fp8_layers`): FSDP2 needs one parameter dtype per group, and the rest of the model
+keeps its own.
 """
 
 from __future__ import annotations
@@ -33,22 +39,41 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LEVEL = "O2"
 DEFAULT_WINDOW = 16  # MS-AMP's DEFAULT_WINDOW_SIZE for input and output-gradient scales
+# Where each level runs: O1/O2 keep whole FP8 gradients on every rank, O3 needs an engine that shards.
+LEVEL_ENGINES: dict[str, tuple[str, ...]] = {"O1": ("single", "ddp"), "O2": ("single", "ddp"), "O3": ("fsdp2",)}
+
+
+def _engine_problem(level: str, engine: str) -> str | None:
+    if engine in LEVEL_ENGINES[level]:
+        return None
+    if level == "O3":
+        if engine == "deepspeed":
+            where = ("DeepSpeed ZeRO does not host it in this version of lowprec (its ZeRO optimizer keeps its own "
+                     "BF16/FP32 copies of every weight); use FSDP2 (fsdp_version: 2)")
+        elif engine == "fsdp1":
+            where = "FSDP1 has no all-gather extension to send FP8 weights; use FSDP2 (fsdp_version: 2)"
+        else:
+            where = ("with nothing to shard across, use opt_level='O2' (FP16 weights, FP8 gradients, FP8+FP16 states: "
+                     "6 bytes per parameter), or run under FSDP2")
+        return (f"FP8RecipeKwargs(backend='msamp', opt_level='O3') shards FP16 master weights and the O2 optimizer "
+                f"states across ranks and all-gathers the weights in FP8: it runs under FSDP2; under {engine!r} "
+                f"{where}")
+    return (f"backend 'msamp' at level {level} (FP8 weight gradients kept whole on its layers) runs on one process or "
+            f"under DDP; engine {engine!r} is not supported at this level. Use opt_level='O3' under FSDP2 (sharded "
+            "FP16 masters, FP8 all-gather and reduce-scatter), or backend='te' / 'torchao' with FSDP2 / DeepSpeed")
 
 
 class MSAMPBackend(Backend):
     spec = backend_spec("msamp")
     native_storage = True
-    ENGINES: ClassVar[tuple[str, ...]] = ("single", "ddp")
+    ENGINES: ClassVar[tuple[str, ...]] = ("single", "ddp", "fsdp2")
 
     def __init__(self, recipe, context):
-        super().__init__(recipe, context)
-        if context.engine not in self.ENGINES:
-            raise BackendUnavailableError(
-                f"backend 'msamp' (FP8 weight gradients on its layers, level O1 or O2, O2 by default) runs on one "
-                f"process or under DDP; engine {context.engine!r} is not supported in this version of lowprec. Use "
-                "backend='te' or backend='torchao' with FSDP2 / DeepSpeed"
-            )
         self.level: str = recipe.opt_level or DEFAULT_LEVEL
+        problem = _engine_problem(self.level, context.engine)
+        if problem is not None:
+            raise BackendUnavailableError(problem)
+        super().__init__(recipe, context)
         self.weight_dtype = WEIGHT_DTYPES[self.storage["weight_dtype"] or "fp16"]
         self.layers: list[FP8Linear] = []
         self._original_dtypes: dict[str, torch.dtype] = {}
@@ -57,6 +82,16 @@ class MSAMPBackend(Backend):
     @property
     def opt_level(self) -> str:
         return self.level
+
+    @property
+    def sharded(self) -> bool:
+        """Level O3: FP16 master shards, FP8 all-gather (under FSDP2)."""
+        return self.level == "O3"
+
+    @property
+    def grad_comm_choice(self) -> str | None:
+        # O3's row: gradients reduce-scattered in FP8 unless the recipe names another dtype
+        return self.recipe.grad_comm_dtype or ("fp8" if self.sharded else None)
 
     def candidate_kind(self, module: nn.Module) -> str | None:
         if isinstance(module, nn.Linear) and not _is_mha_projection(module):
@@ -92,12 +127,19 @@ class MSAMPBackend(Backend):
         opts = self.effective_options()
         options = dict(weight_dtype=self.weight_dtype, fp8_format=self.fp8_format,
                        amax_history_len=opts["amax_history_len"], amax_compute_algo=opts["amax_compute_algo"],
-                       margin=opts["margin"], emulate=self.emulated, fp8_eval=opts["use_autocast_during_eval"])
+                       margin=opts["margin"], emulate=self.emulated, fp8_eval=opts["use_autocast_during_eval"],
+                       sharded_master=self.sharded)
         for decision in plan.converted:
-            module = model.get_submodule("" if decision.fqn == "<root>" else decision.fqn)
-            self._original_dtypes[decision.fqn] = module.weight.dtype
+            fqn = "" if decision.fqn == "<root>" else decision.fqn
+            module = model.get_submodule(fqn)
+            prefix = fqn + "." if fqn else ""
+            self._original_dtypes[prefix + "weight"] = module.weight.dtype
+            if self.sharded and module.bias is not None:  # O3 stores the bias in the weight's dtype too
+                self._original_dtypes[prefix + "bias"] = module.bias.dtype
         root = swap_planned_modules(model, plan, lambda module, _: FP8Linear.from_float(module, **options))
         self.layers = list({id(m): m for m in root.modules() if isinstance(m, FP8Linear)}.values())
+        if self.sharded:
+            return root  # gradients go through FSDP2's .grad; no stores, nothing for DDP
         # The layers hold their FP8 weight gradients as gradient stores do: the base adapter's
         # optimizer swap, clipping, zero_grad and DDP reduction (FP8GradReducer) serve both.
         self.grad_stores = self.layers
@@ -105,6 +147,50 @@ class MSAMPBackend(Backend):
         ignore_in_ddp(root, self.layers, buffer_prefix="")
         clear_in_zero_grad(root, self.layers)
         return root
+
+    # ----- engine ----------------------------------------------------------------------------------
+    def before_engine_prepare(self, objects: list, accelerator=None) -> None:
+        """O3 under Accelerate's FSDP2 plugin: shard each converted layer as a FSDP2 group of its own,
+        with the plugin's settings, before Accelerate shards the rest around them (FSDP2 needs one
+        parameter dtype per group), and point the optimizer at the sharded parameters.
+
+        While Accelerate prepares, the layers' parameters are frozen: under mixed precision it upcasts
+        every trainable parameter that is not FP32, which would make FP32 masters of the FP16 ones.
+        `setup_communication` thaws them once Accelerate is done."""
+        if not self.sharded or accelerator is None:
+            return
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from .fsdp import fully_shard_fp8_layers
+
+        plugin = accelerator.state.fsdp_plugin
+        if plugin.cpu_ram_efficient_loading:
+            raise ValueError(
+                "FP8RecipeKwargs(backend='msamp', opt_level='O3') cannot be used with the FSDP plugin's "
+                "cpu_ram_efficient_loading=True in this version of lowprec (that path rebuilds the model on the meta "
+                "device and reloads a full state dict around lowprec's FP8 layers); set "
+                "fsdp_cpu_ram_efficient_loading: false"
+            )
+        mesh = getattr(accelerator, "torch_device_mesh", None)
+        if mesh is not None:
+            mesh = mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)]
+        kwargs = dict(mesh=mesh, reshard_after_forward=plugin.reshard_after_forward, offload_policy=plugin.cpu_offload,
+                      mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
+        before = {id(p): (layer, name) for layer in self.layers for name, p in layer.named_parameters(recurse=False)}
+        for model in (o for o in objects if isinstance(o, nn.Module)):
+            fully_shard_fp8_layers(model, **kwargs)
+        for opt in (o for o in objects if isinstance(o, torch.optim.Optimizer)):
+            for group in opt.param_groups:
+                group["params"] = [getattr(*before[id(p)]) if id(p) in before else p for p in group["params"]]
+        self._frozen = [p for layer in self.layers for p in layer.parameters(recurse=False) if p.requires_grad]
+        for p in self._frozen:
+            p.requires_grad_(False)
+
+    def setup_communication(self, model: nn.Module, plan: PrecisionPlan) -> None:
+        super().setup_communication(model, plan)
+        for p in getattr(self, "_frozen", ()):
+            p.requires_grad_(True)
+        self._frozen = []
 
     # ----- step hooks -------------------------------------------------------------------------------
     def post_optimizer_step(self, model: nn.Module) -> Callable[[], None] | None:
@@ -123,11 +209,10 @@ class MSAMPBackend(Backend):
         return {"input": scale_x, "output_grad": scale_g}  # the weight's scale is current
 
     def gradients_outside_grad(self) -> str | None:
-        return "in FP8 on its layers (FP8Linear)"
+        return None if self.sharded else "in FP8 on its layers (FP8Linear)"
 
     def portable_state_dict(self, state_dict: dict) -> dict:
-        dtypes = {("" if fqn == "<root>" else fqn + ".") + "weight": dtype
-                  for fqn, dtype in self._original_dtypes.items()}
+        dtypes = self._original_dtypes  # state-dict key -> the dtype the unconverted model had
         state_dict = {k: v.to(dtypes[k]) if k in dtypes and isinstance(v, torch.Tensor) else v
                       for k, v in state_dict.items()}
         return self.strip_state_dict(state_dict)
@@ -157,6 +242,21 @@ class MSAMPBackend(Backend):
         if self.context.engine == "ddp":
             comm = TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (Linear), {comm.dtype} (rest)",
                                    "weight grads: amax all-reduced (MAX), FP8 all_to_all, FP32 sum, FP8 all_gather")
+        if self.sharded:
+            n = self.context.world_size
+            return [
+                TensorPrecision("gemm", gemm, scaling.replace("weights from their current amax",
+                                                               "weights as all-gathered")),
+                comm,
+                TensorPrecision("weight", f"FP8 E4M3 (Linear), {hp} (rest)",
+                                "all-gathered per use from the FP16 masters, one power-of-2 scale per tensor from "
+                                "its amax over all ranks; freed when FSDP2 reshards"),
+                TensorPrecision("master_weight", f"FP16 (Linear), sharded over {n} ranks by FSDP2",
+                                "the FSDP2 parameter itself; LowBitAdamW updates it"),
+                TensorPrecision("weight_grad", f"FP16 shards (Linear), {hp} (rest)",
+                                "from autograd to FSDP2's reduce-scatter (see grad comm), kept sharded in .grad"),
+                self.optimizer_state_precision(hp),
+            ]
         return [
             TensorPrecision("gemm", gemm, scaling),
             comm,
@@ -170,6 +270,15 @@ class MSAMPBackend(Backend):
     def model_state_bytes(self, plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
         share = plan.fp8_param_share
         size = param_dtype.itemsize
+        if self.sharded:
+            # per rank: FSDP2 shards everything; the FP8 weight exists only while a layer runs
+            n = self.context.world_size
+            return {
+                "weight": (1 - share) * size / n,
+                "weight_grad": (share * 2 + (1 - share) * size) / n,
+                "master_weight": share * 2 / n,
+                "optimizer_states": float(state_bytes(self.optimizer_states)) / n,
+            }
         return {
             "weight": share * self.weight_dtype.itemsize + (1 - share) * size,
             "weight_grad": share * 1 + (1 - share) * size,
@@ -178,11 +287,15 @@ class MSAMPBackend(Backend):
         }
 
     def notes(self, plan: PrecisionPlan) -> list[str]:
-        notes = [
-            f"level {self.level}: Adam/AdamW passed to prepare() becomes lowprec.optim.LowBitAdam(W); other "
-            "optimizers are refused (they cannot read FP8 weight gradients)",
-            "FP8 weight gradients are not in .grad: clip with accelerator.clip_grad_norm_ (it includes them)",
-        ]
+        notes = [f"level {self.level}: Adam/AdamW passed to prepare() becomes lowprec.optim.LowBitAdam(W) with "
+                 f"{'sharded ' if self.sharded else ''}FP8+FP16 states; other optimizers are refused"]
+        if self.sharded:
+            notes.append(f"O3 under FSDP2: model state {plan.model_state_bytes_per_param:.3g} bytes/param per rank "
+                         "(MS-AMP's ZeRO-2 O3: 1 + 6/N, whose FP8 weight copy stays on every rank); each converted "
+                         "Linear is a FSDP2 group of its own (its FP16 parameters cannot share one with FP32 norms)")
+        else:
+            notes.append("FP8 weight gradients are not in .grad: clip with accelerator.clip_grad_norm_ (it includes "
+                         "them)")
         if self.context.engine == "ddp":
             notes.append("DDP: FP8 weight gradients are averaged once per optimizer step, after the last backward")
         if not self.emulated:

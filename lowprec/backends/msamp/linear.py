@@ -36,6 +36,7 @@ from torch import nn
 from ...kernels import triton_available
 from ...optim.grad_store import accumulate_into
 from ...scaling import compute_scale, dequantize, format_max, tensor_amax
+from .fsdp import FP8GatheredWeight, FP8MasterWeight, master_view
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -121,9 +122,13 @@ class _FP8LinearFunction(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         s_x, xq, xqt, amax_x = _cast_with_scale(x2, scale_x, fwd_dtype, margin, in_time_input)
-        amax_w = tensor_amax(weight)
-        s_w = compute_scale(amax_w, fwd_dtype, margin, previous=scale_w)
-        wq, wqt, _ = cast_fp8(weight, s_w, fwd_dtype, transpose=True)
+        if isinstance(weight, FP8GatheredWeight):  # O3: FSDP2 all-gathered it in E4M3 already
+            wq, s_w = weight._data, weight._scale
+            wqt = wq.t().contiguous()
+        else:
+            amax_w = tensor_amax(weight)
+            s_w = compute_scale(amax_w, fwd_dtype, margin, previous=scale_w)
+            wq, wqt, _ = cast_fp8(weight, s_w, fwd_dtype, transpose=True)
         if record:
             with torch.no_grad():
                 _record(history[_INPUT], amax_x)
@@ -154,6 +159,8 @@ class _FP8LinearFunction(torch.autograd.Function):
         # dW = dY^T X: inner dimension = tokens, which FP8 GEMMs need in multiples of 16.
         wgrad = scaled_gemm(_pad_cols(gqt, 16), _pad_cols(xqt, 16).t(), s_g, s_x, torch.float32,
                             emulate=emulate, fast_accum=False)
+        if grad_data is None:  # O3: FSDP2 takes the gradient from autograd and reduce-scatters it
+            return (grad_x, wgrad) + (None,) * 9
         accumulate_into(grad_data, grad_scale, grad_amax, grad_valid, wgrad)
         return (grad_x,) + (None,) * 10
 
@@ -170,12 +177,15 @@ class FP8Linear(nn.Module):
         margin: extra power-of-two headroom of every scale.
         emulate: run the GEMMs in FP32 on dequantised operands (CPU, pre-Hopper GPUs).
         fp8_eval: run FP8 in eval mode too (otherwise eval uses a high-precision GEMM).
+        sharded_master: level O3 under FSDP2. The weight is an `FP8MasterWeight` (the FP16 master that
+            FSDP2 shards and all-gathers in E4M3, see `lowprec.backends.msamp.fsdp`) and its gradient
+            goes back through autograd for FSDP2 to reduce-scatter, instead of into FP8 buffers here.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  weight_dtype: torch.dtype = torch.float16, fp8_format: str = "HYBRID", amax_history_len: int = 16,
                  amax_compute_algo: str = "max", margin: int = 0, emulate: bool = False, fp8_eval: bool = True,
-                 device=None, bias_dtype: torch.dtype | None = None):
+                 device=None, bias_dtype: torch.dtype | None = None, sharded_master: bool = False):
         super().__init__()
         if weight_dtype not in WEIGHT_DTYPES.values():
             raise ValueError(f"FP8Linear.weight_dtype={weight_dtype} is not one of torch.float16, torch.bfloat16, "
@@ -189,7 +199,9 @@ class FP8Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.fp8_format, self.amax_history_len, self.amax_compute_algo = fp8_format, amax_history_len, amax_compute_algo
         self.margin, self.emulate, self.fp8_eval = margin, emulate, fp8_eval
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=weight_dtype, device=device))
+        self.sharded_master = sharded_master
+        weight = torch.empty(out_features, in_features, dtype=weight_dtype, device=device)
+        self.weight = nn.Parameter(FP8MasterWeight(weight, margin) if sharded_master else weight)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=bias_dtype or torch.float32, device=device))
                      if bias else None)
         # rows: input, output gradient; column 0 is the step in progress
@@ -197,27 +209,33 @@ class FP8Linear(nn.Module):
         for name in SCALE_NAMES:
             self.register_buffer(f"{META_PREFIX}scale_{name}", torch.ones((), device=device))
         self.register_buffer(META_PREFIX + "steps", torch.zeros((), dtype=torch.int64, device=device))
-        # The FP8 weight gradient; not part of checkpoints (like .grad).
-        self.register_buffer("fp8_grad_data", torch.zeros(out_features, in_features, dtype=E4M3, device=device),
-                             persistent=False)
-        self.register_buffer("fp8_grad_scale", torch.ones((), device=device), persistent=False)
-        self.register_buffer("fp8_grad_amax", torch.zeros((), device=device), persistent=False)
-        self.register_buffer("fp8_grad_valid", torch.zeros((), device=device), persistent=False)
+        # The FP8 weight gradient; not part of checkpoints (like .grad). O3 has none: FSDP2 keeps the
+        # gradient sharded in .grad.
+        if not sharded_master:
+            self.register_buffer("fp8_grad_data", torch.zeros(out_features, in_features, dtype=E4M3, device=device),
+                                 persistent=False)
+            self.register_buffer("fp8_grad_scale", torch.ones((), device=device), persistent=False)
+            self.register_buffer("fp8_grad_amax", torch.zeros((), device=device), persistent=False)
+            self.register_buffer("fp8_grad_valid", torch.zeros((), device=device), persistent=False)
         # Python mirrors of fp8_meta_steps: warm-up is decided without a device sync, and by a bool
         # that flips once, so torch.compile guards on it (two graphs), not on a step count.
         self._steps = 0
         self._in_time = True
-        self.weight.fp8_grad_owner = True  # marks parameters whose gradient lives in FP8 on the layer
+        if not sharded_master:
+            self.weight.fp8_grad_owner = True  # marks parameters whose gradient lives in FP8 on the layer
         self.register_load_state_dict_post_hook(_sync_steps)
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def from_float(cls, linear: nn.Linear, **options) -> FP8Linear:
         """Copy of `linear` (weights cast to the storage dtype, bias kept as is), on its device."""
+        bias_dtype = None if linear.bias is None else linear.bias.dtype
+        if options.get("sharded_master"):  # FSDP2 shards weight and bias as one group: one dtype
+            bias_dtype = options.get("weight_dtype", torch.float16)
         new = cls(linear.in_features, linear.out_features, linear.bias is not None, device=linear.weight.device,
-                  bias_dtype=None if linear.bias is None else linear.bias.dtype, **options)
+                  bias_dtype=bias_dtype, **options)
         with torch.no_grad():
-            new.weight.copy_(linear.weight)
+            (new.weight._tensor if new.sharded_master else new.weight).copy_(linear.weight)
             if linear.bias is not None:
                 new.bias.copy_(linear.bias)
         new.weight.requires_grad_(linear.weight.requires_grad)
@@ -230,6 +248,14 @@ class FP8Linear(nn.Module):
         return new
 
     # ---- state -----------------------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.sharded_master:
+            # The FP16 master as a plain tensor (a DTensor of plain shards under FSDP2), sharing its
+            # memory: checkpoint writers cannot serialise the all-gather wrapper, and loading copies
+            # into the wrapper's FP16 bytes either way.
+            destination[prefix + "weight"] = master_view(destination[prefix + "weight"])
+
     @property
     def amax_history(self) -> torch.Tensor:
         return getattr(self, META_PREFIX + "amax_history")
@@ -257,12 +283,13 @@ class FP8Linear(nn.Module):
 
     def weight_grad(self, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
         """The accumulated weight gradient, dequantised (None if there is none since the last reset)."""
-        if not bool(self.fp8_grad_valid):
+        if self.sharded_master or not bool(self.fp8_grad_valid):
             return None
         return dequantize(self.fp8_grad_data, self.fp8_grad_scale, dtype)
 
     def reset_fp8_grad(self) -> None:
-        self.fp8_grad_valid.zero_()
+        if not self.sharded_master:
+            self.fp8_grad_valid.zero_()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # A container's zero_grad() does not reach this; lowprec's conversion patches the model's.
@@ -280,11 +307,11 @@ class FP8Linear(nn.Module):
             fwd, bwd = self.fp8_dtypes
             in_time = self.in_time()
             cfg = (fwd, bwd, self.margin, in_time, in_time, self.emulate, out_dtype, self.training)
+            grad_buffers = (None,) * 4 if self.sharded_master else (
+                self.fp8_grad_data, self.fp8_grad_scale, self.fp8_grad_amax, self.fp8_grad_valid)
             with torch.autocast(device_type, enabled=False):
-                out = _FP8LinearFunction.apply(
-                    x, self.weight, self.amax_history, *self.scale_buffers(), self.fp8_grad_data, self.fp8_grad_scale,
-                    self.fp8_grad_amax, self.fp8_grad_valid, cfg,
-                )
+                out = _FP8LinearFunction.apply(x, self.weight, self.amax_history, *self.scale_buffers(), *grad_buffers,
+                                               cfg)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out

@@ -1,0 +1,184 @@
+"""MS-AMP O3 under FSDP2: FP16 master weights sharded by FSDP2 and all-gathered as FP8.
+
+O3 keeps the FP16 master copy of each converted weight, and its O2 optimizer states, sharded across
+the data-parallel ranks, and the weight itself in E4M3 with one power-of-two scale. Under FSDP2 the
+sharded parameter *is* the FP16 master: `FP8MasterWeight` wraps a converted layer's FP16 shard and,
+through FSDP2's all-gather extension (`fsdp_pre_all_gather` / `fsdp_post_all_gather`), has FSDP2
+send E4M3 bytes instead of FP16 ones, scaled from the weight's amax over all ranks (a MAX
+all-reduce of one scalar). The all-gather yields an `FP8GatheredWeight` (the bytes and the scale,
+freed again when FSDP2 reshards), which `FP8Linear` feeds to its GEMMs without casting again. The
+weight gradient goes back to FSDP2 through autograd, is reduce-scattered (in block-scaled FP8 when
+grad_comm_dtype is 'fp8', O3's default) and lands on the FP16 shard as its `.grad`, where
+`LowBitAdamW` reads it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from ...scaling import compute_scale, nan_to_inf, quantize, tensor_amax
+
+E4M3 = torch.float8_e4m3fn
+aten = torch.ops.aten
+
+# Ops whose result is still the master shard (FSDP2 builds and pads the shard with them, moves it
+# between devices); anything else (arithmetic, reductions, the optimizer's math) sees the plain FP16
+# tensor and returns plain tensors.
+_MASTER_OPS = {
+    aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor, aten.copy_.default, aten.view.default,
+    aten.as_strided.default, aten._to_copy.default, aten._pin_memory.default, aten.split.Tensor,
+    aten.clone.default, aten.detach.default, aten.alias.default,
+}
+# Ops that keep the gathered weight in FP8: views of its bytes, which share its scale.
+_GATHERED_VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten.view.default,
+                   aten.t.default, aten._unsafe_view.default}
+
+
+class FP8MasterWeight(torch.Tensor):
+    """A converted layer's FP16 weight (FSDP2 shards it: the master copy) that FSDP2 all-gathers in FP8.
+
+    `margin` is the layer's power-of-two headroom. The scale of the last gather stays on the shard
+    (`_scale`): a gather whose amax is zero or not finite keeps it, so NaN never becomes a scale.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, margin: int = 0, scale: torch.Tensor | None = None):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(), dtype=tensor.dtype,
+            layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor, margin: int = 0, scale: torch.Tensor | None = None):
+        self._tensor = tensor
+        self._margin = margin
+        self._scale = scale if scale is not None else torch.ones((), device=tensor.device)
+
+    def __repr__(self) -> str:
+        return f"FP8MasterWeight({self._tensor!r}, margin={self._margin})"
+
+    def __deepcopy__(self, memo):
+        return FP8MasterWeight(copy.deepcopy(self._tensor, memo), self._margin, copy.deepcopy(self._scale, memo))
+
+    def data_ptr(self) -> int:
+        # The FP16 bytes' address: Accelerate's FSDP2 optimizer remap keys parameters by data_ptr(),
+        # and a wrapper without storage would report 0 for all of them.
+        return self._tensor.data_ptr()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        master = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, FP8MasterWeight))
+        args, kwargs = pytree.tree_map_only(FP8MasterWeight, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _MASTER_OPS:
+            return out
+        return pytree.tree_map_only(torch.Tensor, lambda t: FP8MasterWeight(t, master._margin, master._scale), out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor", "_scale"], {"margin": self._margin}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return FP8MasterWeight(inner["_tensor"], meta["margin"], inner["_scale"])
+
+    # ----- FSDP2's all-gather extension ------------------------------------------------------------
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """E4M3 bytes of this shard (padded to FSDP2's shard length) scaled from the global amax."""
+        shard = self._tensor
+        amax = nan_to_inf(tensor_amax(shard))  # NaN: MAX over it is operand-order dependent
+        for dim in range(mesh.ndim):  # replicas hold equal weights: MAX over the whole mesh is the global amax
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        scale = compute_scale(amax, E4M3, self._margin, previous=self._scale)
+        self._scale.copy_(scale)
+        data = quantize(shard, scale, E4M3)
+        rows = -(-outer_size[0] // mesh.size(mesh.ndim - 1))
+        if data.shape[0] < rows:  # the last ranks' shards are shorter (or empty): zero bytes pad them
+            data = torch.cat([data, data.new_zeros((rows - data.shape[0], *data.shape[1:]))])
+        # As bytes: FSDP2 gathers a group of one dtype in that dtype, and gloo has no FP8 type
+        return (data.view(torch.uint8),), (scale.clone(),)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (data,), (scale,) = outputs, metadata
+        if out is not None:  # FSDP2 refilled the same bytes buffer: only the scale is new
+            out._scale = scale
+            return None
+        return FP8GatheredWeight(data.view(E4M3), scale, param_dtype), (data,)
+
+
+class FP8GatheredWeight(torch.Tensor):
+    """The unsharded weight as FSDP2 gathered it: E4M3 `_data` with `_scale` (value = _data / _scale),
+    reporting the dtype it stands for. `FP8Linear` reads the bytes directly; any other use sees the
+    dequantised tensor."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
+            layout=data.layout, device=data.device, requires_grad=False,
+        )
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        self._data = data
+        self._scale = scale
+
+    def __repr__(self) -> str:
+        return f"FP8GatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, scale={self._scale})"
+
+    def dequantize(self) -> torch.Tensor:
+        return (self._data.float() / self._scale).to(self.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _GATHERED_VIEWS and isinstance(args[0], FP8GatheredWeight):
+            weight = args[0]
+            data = func(weight._data, *args[1:], **(kwargs or {}))
+            return FP8GatheredWeight(data, weight._scale, weight.dtype)
+        args, kwargs = pytree.tree_map_only(FP8GatheredWeight, lambda t: t.dequantize(), (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], {"dtype": self.dtype}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return FP8GatheredWeight(inner["_data"], inner["_scale"], meta["dtype"])
+
+
+torch.serialization.add_safe_globals([FP8MasterWeight, FP8GatheredWeight])
+
+
+def master_view(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (an `FP8MasterWeight`, or a DTensor of one) as a plain FP16 tensor on the same memory."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor) and isinstance(weight._local_tensor, FP8MasterWeight):
+        local = weight._local_tensor._tensor
+        plain = DTensor.from_local(local, weight.device_mesh, weight.placements, run_check=False,
+                                   shape=weight.shape, stride=weight.stride())
+        return plain.requires_grad_(weight.requires_grad) if weight.requires_grad else plain
+    if isinstance(weight, FP8MasterWeight):
+        return weight._tensor
+    return weight
+
+
+def fully_shard_fp8_layers(model: torch.nn.Module, **fsdp_kwargs) -> list[torch.nn.Module]:
+    """`fully_shard` every O3 `FP8Linear` of `model` as a FSDP2 group of its own, with `fsdp_kwargs`
+    (mesh, mp_policy, reshard_after_forward, ...). Call it before sharding the blocks and the root:
+    FSDP2 needs one parameter dtype per group, and the layers' FP16 masters would otherwise share a
+    group with the model's FP32 norms. Returns the layers sharded."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from .linear import FP8Linear
+
+    layers = [m for m in model.modules()
+              if isinstance(m, FP8Linear) and m.sharded_master and not isinstance(m, FSDPModule)]
+    for layer in layers:
+        fully_shard(layer, **fsdp_kwargs)
+    return layers

@@ -1,0 +1,163 @@
+"""MS-AMP O3 (FP16 master shards all-gathered in FP8, FP8 reduce-scatter, sharded O2 states) under FSDP2.
+
+One torchrun launch of tests/distributed/fsdp2_o3.py on two CPU processes (gloo), checked against
+MS-AMP's O3 expectations (reference/msamp.md 2.3: E4M3 weights with one scale per tensor, FP16
+masters and FP8+FP16 states on their owner rank only, FP8 gradient reduction) and against O2 on one
+process over the same global batches. Where O3 may run, and the plan it prints, are checked here too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec import FP8RecipeKwargs, RunContext, build_plan
+from lowprec.backends import BackendUnavailableError, create_backend
+from lowprec.hardware import device_info
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "distributed", "fsdp2_o3.py")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    from conftest import free_port
+
+    out = tmp_path_factory.mktemp("fsdp2_o3") / "result.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           SCRIPT, str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result) == 2
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", ["48", "33"])
+def test_weights_are_all_gathered_as_the_e4m3_cast_of_the_whole_master(ranks, rows):
+    shard_rows = [r["gather"][rows]["local_rows"] for r in ranks]
+    assert sum(shard_rows) == int(rows)  # 33: rank 0 holds 17 rows, rank 1 16 (FSDP2 pads its input)
+    for r in ranks:
+        g = r["gather"][rows]
+        assert (g["local_type"], g["local_dtype"]) == ("FP8MasterWeight", "torch.float16")
+        assert (g["gathered_type"], g["gathered_dtype"]) == ("FP8GatheredWeight", "torch.float8_e4m3fn")
+        # one power-of-two scale from the amax over both ranks: the very bytes of casting the whole master
+        assert g["scale"] == g["expected_scale"] and g["bytes_equal"]
+        assert 0.005 < g["dequantised_rel_err"] < 0.04  # E4M3's rounding, not FP16's
+
+
+@pytest.mark.slow
+def test_a_nan_in_one_shard_keeps_the_last_scale(ranks):
+    for r in ranks:
+        assert r["gather"]["nan"]["scale"] == r["gather"]["nan"]["previous"]
+
+
+@pytest.mark.slow
+def test_o3_on_two_ranks_trains_like_o2_on_one_process(ranks):
+    train = ranks[0]["train"]
+    assert train["o3"] == ranks[1]["train"]["o3"]  # the global batch's loss, on both ranks
+    o3, o2, fp32 = train["o3"], train["o2_single"], train["fp32_single"]
+    assert o3[-1] < 0.7 * o3[0]
+    for a, b, c in zip(o3, o2, fp32):
+        assert abs(a - b) / b < 0.01, (o3, o2)  # same FP8 GEMMs; FP8 reduction and FP16 gradients differ
+        assert abs(a - c) / c < 0.02, (o3, fp32)
+    assert ranks[0]["train"]["param_sums"] == ranks[1]["train"]["param_sums"]
+
+
+@pytest.mark.slow
+def test_o3_keeps_masters_gradients_and_states_sharded(ranks):
+    for r in ranks:
+        train = r["train"]
+        assert train["optimizer"] == "LowBitAdamW"
+        assert train["state_types"] == ["DTensor torch.float16", "DTensor torch.float8_e4m3fn"]
+        assert train["grad_types"] == ["DTensor torch.float16", "DTensor torch.float32"]  # Linear / LayerNorm
+        assert train["param_locals"] == ["FP8MasterWeight", "Tensor"]
+        # 3 Linear groups + the root, 13 backwards
+        assert train["comm"] == "FP8ReduceScatter" and train["comm_calls"] == 4 * 13
+        linear = train["state_bytes"]["linear_weights"]
+        # per rank, per parameter: FP16 master 2/2, FP16 gradient 2/2, E4M3 + FP16 states 3/2 (+ their scales)
+        assert linear["weight"] == pytest.approx(1.0) and linear["grad"] == pytest.approx(1.0)
+        assert linear["optimizer_states"] == pytest.approx(1.5, abs=0.01)
+        assert linear["total"] <= 1 + 6 / 2  # MS-AMP's O3 under ZeRO-2: 1 + 6/N
+
+
+@pytest.mark.slow
+def test_o3_checkpoints_load_into_the_plain_model_and_resume_exactly(ranks):
+    first = ranks[0]["checkpoint"]
+    assert first["plain_matches"]
+    assert first["portable_types"] == ["Tensor torch.float32"]  # the plain model's own dtypes again
+    assert "Tensor torch.float16" in first["full_types"]
+    for r in ranks:
+        assert r["checkpoint"]["resumed"] == r["checkpoint"]["continued"]
+        assert r["checkpoint"]["master_type_after_load"] == "FP8MasterWeight"
+
+
+def _backend(engine: str, **kw):
+    recipe = FP8RecipeKwargs(backend="msamp", opt_level="O3", **kw)
+    return create_backend(recipe, RunContext(device=device_info("cpu"), engine=engine, world_size=4))
+
+
+@pytest.mark.parametrize("engine, hint", [("single", "opt_level='O2'"), ("ddp", "opt_level='O2'"),
+                                          ("deepspeed", "use FSDP2"), ("fsdp1", "use FSDP2")])
+def test_o3_outside_fsdp2_names_what_to_use(engine, hint):
+    with pytest.raises(BackendUnavailableError, match="opt_level='O3'") as err:
+        _backend(engine)
+    assert hint in str(err.value) and "FSDP2" in str(err.value)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_o1_o2_under_fsdp2_point_at_o3(level):
+    with pytest.raises(BackendUnavailableError, match="opt_level='O3' under FSDP2"):
+        create_backend(FP8RecipeKwargs(backend="msamp", opt_level=level),
+                       RunContext(device=device_info("cpu"), engine="fsdp2", world_size=2))
+
+
+def test_o3_plan_shows_sharded_masters_fp8_weights_and_fp8_reduce_scatter():
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64))
+    recipe = FP8RecipeKwargs(backend="msamp", opt_level="O3", skip_first_last=False)
+    context = RunContext(device=device_info("cpu"), engine="fsdp2", world_size=4)
+    backend = create_backend(recipe, context)
+    plan = build_plan(model, recipe, context=context, backend=backend)
+    assert plan.tensor("weight").dtype.startswith("FP8 E4M3 (Linear)")
+    assert plan.tensor("master_weight").dtype == "FP16 (Linear), sharded over 4 ranks by FSDP2"
+    assert plan.tensor("grad_comm").dtype.startswith("FP8")
+    assert plan.tensor("optimizer_states").dtype == "FP8 E4M3+FP16"
+    share = plan.fp8_param_share
+    expected = (share * (2 + 2 + 3) + (1 - share) * (4 + 4 + 3)) / 4
+    assert plan.model_state_bytes_per_param == pytest.approx(expected)
+    converted = backend.convert(model, plan)
+    assert converted[0].sharded_master and converted[0].weight.dtype == torch.float16
+    assert converted[0].bias.dtype == torch.float16  # one dtype per FSDP2 group
+    assert backend.gradients_outside_grad() is None and not backend.grad_stores
+
+
+def test_o3_grad_comm_dtype_can_be_named_explicitly():
+    assert _backend("fsdp2").grad_comm_choice == "fp8"
+    assert _backend("fsdp2", grad_comm_dtype="bf16").grad_comm_choice == "bf16"
+
+
+@pytest.mark.parametrize("backend", ["te", "torchao"])
+def test_o3_on_other_backends_points_at_msamp(backend):
+    with pytest.raises(ValueError, match="O3 .* is backend='msamp' under FSDP2"):
+        FP8RecipeKwargs(backend=backend, opt_level="O3")
+
+
+@pytest.mark.slow
+def test_o3_through_accelerates_fsdp2_preparation(ranks):
+    # lowprec shards the 15 converted Linears of the 2-layer Llama first (frozen while Accelerate
+    # upcasts trainable non-FP32 parameters), Accelerate shards the decoder layers and the root.
+    for r in ranks:
+        acc = r["accelerate"]
+        assert acc["fp8_layers"] == acc["frozen_while_preparing"] == 15
+        assert acc["trainable_after"]
+        assert acc["master_locals"] == ["FP8MasterWeight torch.float16"]  # not upcast to FP32
+        assert acc["other_dtypes"] == ["torch.float32"]
+        assert acc["optimizer_holds_the_sharded_params"]  # Accelerate's data_ptr remap found every one
+        assert acc["losses"][-1] < acc["losses"][0] - 0.5

@@ -1,0 +1,261 @@
+"""Run under `torchrun --nproc_per_node 2` (gloo, CPU) by tests/backends/test_msamp_o3.py.
+
+MS-AMP O3 under FSDP2, driven as Accelerate's FSDP2 plugin would (its FSDP path needs GPUs):
+1. the FP8 all-gather: the gathered weight is the E4M3 cast of the whole FP16 master with one
+   power-of-two scale from the amax over both ranks, also for a weight FSDP2 shards unevenly; a
+   non-finite master keeps the last scale;
+2. training a small model (FP32 norm, O3 FP8Linears) against O2 on one process over the same global
+   batches, and against the FP32 model: loss curves, the optimizer's sharded FP8+FP16 states, the
+   FP8 reduce-scatter in use, and the model-state bytes per parameter each rank holds;
+3. checkpoints: the full state dict loads strict into the plain model; the sharded model and
+   optimizer state dicts resume with the same losses;
+4. the steps of Accelerate's FSDP2 preparation around lowprec's hooks, on a small Llama.
+"""
+
+import copy
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from lowprec import FP8RecipeKwargs, RunContext, build_plan
+from lowprec.backends import create_backend
+from lowprec.backends.msamp.fsdp import FP8GatheredWeight, FP8MasterWeight, fully_shard_fp8_layers
+from lowprec.backends.msamp.linear import FP8Linear
+from lowprec.demo.memory import model_state_bytes
+from lowprec.hardware import device_info
+from lowprec.scaling import compute_scale, quantize
+
+E4M3 = torch.float8_e4m3fn
+STEPS = 12
+
+
+def gather_numerics(mesh) -> dict:
+    out = {}
+    for rows in (48, 33):  # 33 rows: FSDP2 gives rank 0 17 and rank 1 16 (padded)
+        torch.manual_seed(1)
+        layer = FP8Linear(32, rows, bias=False, emulate=True, sharded_master=True)
+        with torch.no_grad():
+            layer.weight._tensor.copy_(torch.randn(rows, 32) * torch.logspace(-2, 0, rows)[:, None])
+        full = layer.weight._tensor.clone()
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        local = layer.weight._local_tensor
+        layer(torch.randn(4, 32))
+        gathered = layer.weight
+        scale = compute_scale(full.float().abs().amax(), E4M3)
+        out[str(rows)] = {
+            "local_type": type(local).__name__, "local_rows": local.shape[0], "local_dtype": str(local.dtype),
+            "gathered_type": type(gathered).__name__, "gathered_dtype": str(gathered._data.dtype),
+            "scale": float(gathered._scale), "expected_scale": float(scale),
+            "bytes_equal": bool(torch.equal(gathered._data.view(torch.uint8),
+                                            quantize(full, scale, E4M3).view(torch.uint8))),
+            "dequantised_rel_err": float((gathered.dequantize().float() - full.float()).norm() / full.float().norm()),
+        }
+        if rows == 48:
+            # A NaN in one rank's master shard: the scale stays the last finite one.
+            layer.reshard()
+            with torch.no_grad():
+                if dist.get_rank() == 1:
+                    layer.weight._local_tensor._tensor[0, 0] = float("nan")
+            layer(torch.randn(4, 32))
+            out["nan"] = {"scale": float(layer.weight._scale), "previous": float(scale)}
+    return out
+
+
+def build(level: str, engine: str, mesh=None):
+    """(model, optimizer, post-step hook, backend): O3 sharded as Accelerate's plugin would, or O2 / FP32
+    on one process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+    if level == "fp32":
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3), (lambda: None), None
+    recipe = FP8RecipeKwargs(backend="msamp", opt_level=level, skip_slow_shapes=False, skip_first_last=False)
+    context = RunContext(device=device_info("cpu"), engine=engine, world_size=dist.get_world_size() if mesh else 1)
+    backend = create_backend(recipe, context)
+    plan = build_plan(model, recipe, context=context, backend=backend)
+    model = backend.convert(model, plan)
+    optimizer = backend.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), plan)
+    if mesh is not None:
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # what Accelerate's plugin carries
+        before = {id(p): (m, n) for m in model.modules() for n, p in m.named_parameters(recurse=False)}
+        fully_shard_fp8_layers(model, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        for group in optimizer.param_groups:
+            group["params"] = [getattr(*before[id(p)]) for p in group["params"]]
+        backend.setup_grad_comm(model)
+    return model, optimizer, backend.post_optimizer_step(model), backend
+
+
+def batch(step: int, rank: int | None):
+    """Rank `rank`'s half of step `step`'s global batch, or the whole batch (rank None)."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(32, 32, generator=g)
+    y = torch.tanh(x[:, :16] * 2)
+    return (x, y) if rank is None else (x[16 * rank:16 * (rank + 1)], y[16 * rank:16 * (rank + 1)])
+
+
+def steps(model, optimizer, hook, span, rank) -> list[float]:
+    losses = []
+    for step in span:
+        x, y = batch(step, rank)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        hook()
+        total = loss.detach().clone()
+        if rank is not None:  # the global batch's loss: the mean of the ranks' halves
+            dist.all_reduce(total)
+            total /= dist.get_world_size()
+        losses.append(float(total))
+    return losses
+
+
+def train(mesh) -> dict:
+    rank = dist.get_rank()
+    model, optimizer, hook, backend = build("O3", "fsdp2", mesh)
+    o3 = steps(model, optimizer, hook, range(STEPS), rank)
+    x, y = batch(STEPS, rank)
+    nn.functional.mse_loss(model(x), y).backward()  # the bytes held between backward and step: gradients too
+    state = model_state_bytes(model, optimizer, backend)
+    grad_types = sorted({f"{type(p.grad).__name__} {p.grad.dtype}" for p in model.parameters()})
+    optimizer.zero_grad()
+    types = sorted({f"{type(v).__name__} {v.dtype}" for s in optimizer.state.values() for k, v in s.items()
+                    if k in ("exp_avg", "exp_avg_sq")})
+    locals_ = sorted({type(getattr(p, "_local_tensor", p)).__name__ for p in model.parameters()})
+    record = {"o3": o3, "state_bytes": state, "grad_types": grad_types, "state_types": types, "param_locals": locals_,
+              "comm": type(backend.comm_state).__name__, "comm_calls": backend.comm_state.calls,
+              "optimizer": type(optimizer).__name__,
+              "param_sums": [float(p.full_tensor().float().sum()) for p in model.parameters()]}
+    reference, ref_opt, ref_hook, _ = build("O2", "single")
+    record["o2_single"] = steps(reference, ref_opt, ref_hook, range(STEPS), None)
+    fp32, fp32_opt, fp32_hook, _ = build("fp32", "single")
+    record["fp32_single"] = steps(fp32, fp32_opt, fp32_hook, range(STEPS), None)
+    return record
+
+
+def checkpoint(mesh) -> dict:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    rank = dist.get_rank()
+    model, optimizer, hook, backend = build("O3", "fsdp2", mesh)
+    steps(model, optimizer, hook, range(5), rank)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sharded = StateDictOptions()
+    model_state = copy.deepcopy(get_model_state_dict(model, options=sharded))
+    optim_state = copy.deepcopy(get_optimizer_state_dict(model, optimizer, options=sharded))
+    record = {"continued": steps(model, optimizer, hook, range(5, 8), rank)}
+    if rank == 0:
+        portable = backend.portable_state_dict(full)
+        plain, _, _, _ = build("fp32", "single")
+        plain.load_state_dict(portable, strict=True)
+        record["full_types"] = sorted({f"{type(v).__name__} {v.dtype}" for v in full.values()})
+        record["portable_types"] = sorted({f"{type(v).__name__} {v.dtype}" for v in portable.values()})
+        record["plain_matches"] = all(torch.equal(plain.state_dict()[k], v.float()) for k, v in portable.items())
+    model2, optimizer2, hook2, _ = build("O3", "fsdp2", mesh)
+    set_model_state_dict(model2, model_state, options=sharded)
+    set_optimizer_state_dict(model2, optimizer2, optim_state, options=sharded)
+    record["resumed"] = steps(model2, optimizer2, hook2, range(5, 8), rank)
+    record["master_type_after_load"] = type(model2[0].weight._local_tensor).__name__
+    return record
+
+
+def through_accelerate_fsdp2() -> dict:
+    """The steps Accelerate's FSDP2 path takes, around lowprec's hooks: `before_engine_prepare` shards the
+    O3 layers with the plugin's settings and freezes them, Accelerate's own `fsdp2_prepare_model` (its
+    mixed-precision upcast included) shards the decoder layers and the root, `setup_communication`
+    thaws the layers, and training runs. (Accelerate itself builds FSDP only on GPUs.)"""
+    from types import SimpleNamespace
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import (
+        fsdp2_canonicalize_names,
+        fsdp2_prepare_model,
+        fsdp2_switch_optimizer_parameters,
+    )
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    model = LlamaForCausalLM(config)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="bf16",
+                                  is_main_process=rank == 0, torch_device_mesh=None, parallelism_config=None)
+    recipe = FP8RecipeKwargs(backend="msamp", opt_level="O3", skip_first_last=False)
+    context = RunContext(device=device_info("cpu"), engine="fsdp2", world_size=dist.get_world_size())
+    backend = create_backend(recipe, context)
+    plan = build_plan(model, recipe, context=context, backend=backend)
+    model = backend.convert(model, plan)
+    optimizer = backend.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), plan)
+    backend.before_engine_prepare([model, optimizer], accelerator)
+    frozen = sum(not p.requires_grad for p in model.parameters())
+    # Accelerate's _prepare_fsdp2 around fsdp2_prepare_model: the optimizer's parameters are keyed by
+    # data_ptr() (of a DTensor's local tensor) before wrapping and swapped for the wrapped ones by name.
+    def pointer(p):
+        return p._local_tensor.data_ptr() if isinstance(p, DTensor) else p.data_ptr()
+
+    old = fsdp2_canonicalize_names({n: pointer(p) for n, p in model.named_parameters()})
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            group["params"][i] = torch.empty(1)
+            group["params"][i].data_ptr = pointer(p)
+    model = fsdp2_prepare_model(accelerator, model)
+    new = fsdp2_canonicalize_names(dict(model.named_parameters()))
+    fsdp2_switch_optimizer_parameters(optimizer, {old[n]: new[n] for n in old})
+    backend.setup_communication(model, plan)
+    backend.setup_grad_comm(model)
+    hook = backend.post_optimizer_step(model)
+    losses = []
+    for step in range(8):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        ids = torch.randint(0, 64, (4, 32), generator=g)  # a small vocabulary: learnable in 8 steps
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        hook()
+        losses.append(float(loss))
+    layers = backend.layers
+    in_optimizer = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "frozen_while_preparing": frozen, "fp8_layers": len(layers),
+        "trainable_after": all(p.requires_grad for p in model.parameters()),
+        "master_locals": sorted({f"{type(m.weight._local_tensor).__name__} {m.weight.dtype}" for m in layers}),
+        "other_dtypes": sorted({str(p.dtype) for n, p in model.named_parameters() if "norm" in n}),
+        "optimizer_holds_the_sharded_params": sorted(in_optimizer) == sorted(id(p) for p in model.parameters()),
+        "losses": losses,
+    }
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    result = {"gather": gather_numerics(mesh), "train": train(mesh), "checkpoint": checkpoint(mesh),
+              "accelerate": through_accelerate_fsdp2(),
+              "master_class": FP8MasterWeight.__name__, "gathered_class": FP8GatheredWeight.__name__}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, result)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as fh:
+            json.dump(ranks, fh)
+    dist.barrier()  # gloo aborts a rank whose peer tears the group down while it is still shutting down
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
