@@ -31,3 +31,38 @@ def test_fp8_comm_benchmark_on_two_cpu_processes(tmp_path):
         assert comm["fp32"]["rel_l2"] < 1e-6 < comm["bf16"]["rel_l2"] < 0.005 < comm["fp8"]["rel_l2"] < 0.08
         assert comm["fp8"]["bytes_per_element"] < 0.26 * comm["fp32"]["bytes_per_element"]
         assert all(entry["ms"] > 0 for entry in comm.values())
+
+
+@pytest.mark.slow
+def test_widths_benchmark_on_cpu(tmp_path):
+    out = tmp_path / "widths.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
+    # aot_eager: dynamo and the regional compilation as on the GPU, without inductor's CPU code generation
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "widths.py"), "--widths", "tiny", "--vocab", "512",
+           "--steps", "3", "--warmup", "1", "--profile", "tiny", "--profile-steps", "1",
+           "--dynamo-backend", "aot_eager", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["widths"]["tiny"]["runs"]
+    assert list(runs) == ["bf16", "torchao default", "torchao all", "raw torchao", "msamp O2"]
+    for label, r in runs.items():
+        assert "error" not in r, (label, r.get("traceback"))
+        assert r["step_ms_median"] > 0 and abs(r["first_loss"] - 6.24) < 0.3, label  # ln(512): random ids
+        assert label == "bf16" or r["speedup_vs_bf16"] > 0
+    # The rule as it stands on a CPU (no measured slow shapes): the first and last Linear stay in BF16.
+    assert {r["plan"]["converted"] for label, r in runs.items() if "default" in label or "msamp" in label} == {13}
+    kept = [k["fqn"] for k in runs["torchao default"]["plan"]["kept"]]
+    assert kept == ["model.layers.0.self_attn.q_proj", "lm_head"]
+    assert (runs["torchao all"]["plan"]["converted"], runs["raw torchao"]["plan"]["converted"]) == (15, 14)
+    # Regional compilation: both decoder layers share one graph (embedding, rotary, layer, norm, lm_head, loss).
+    assert runs["bf16"]["dynamo"]["stats"]["unique_graphs"] == 6
+    for label in ("bf16", "torchao default", "msamp O2"):
+        prof = runs[label]["profile"]
+        assert prof["kernel_ms_per_step"] > 0 and prof["top"]
+        text = (tmp_path / f"profile_tiny_{label.replace(' ', '_')}.txt").read_text()
+        assert "Self CPU" in text and "ms/step" in text
+    assert "profile" not in runs["torchao all"]
+    summary = subprocess.run([sys.executable, cmd[1], "--summarize", str(out)], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert summary.returncode == 0, summary.stderr[-3000:]
+    assert "| tiny | torchao default |" in summary.stdout and "- tiny msamp O2: kernels" in summary.stdout
