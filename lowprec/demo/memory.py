@@ -5,15 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..utils.tensors import local_data
+
 
 def _nbytes(t: torch.Tensor | None) -> int:
     """Bytes this process holds for `t`: a DTensor's local shard, a wrapper subclass's inner data."""
     if t is None:
         return 0
-    local = getattr(t, "_local_tensor", None)  # DTensor (FSDP2): this rank's shard
-    t = local if isinstance(local, torch.Tensor) else t
-    inner = getattr(t, "_tensor", None)  # wrapper subclasses (torchao, msamp O3's master) report their data here
-    t = inner if isinstance(inner, torch.Tensor) else t
+    t = local_data(t)
     return t.numel() * t.element_size()
 
 

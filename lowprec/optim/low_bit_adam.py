@@ -20,6 +20,7 @@ import torch
 
 from ..kernels.adam import SCALED, AdamItem, bucket_key, fused_low_bit_adam_step
 from ..scaling import compute_scale, format_max, tensor_amax
+from ..utils.tensors import local_data
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 _NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -175,7 +176,9 @@ class LowBitAdamW(torch.optim.Optimizer):
                 state = self._init_state(p, group)
                 state["step"] += 1
                 if self._use_fused(p, grad, group):
-                    item = AdamItem(p, grad, grad_scale, state)
+                    # the kernels take pointers: FSDP2's DTensor shards (and wrapped weights) by their bytes
+                    local_state = {k: local_data(v) if k != "step" else v for k, v in state.items()}
+                    item = AdamItem(local_data(p), local_data(grad), grad_scale, local_state)
                     buckets.setdefault(bucket_key(item), []).append(item)
                 else:
                     dense = grad.float() if grad_scale is None else grad.float() / grad_scale

@@ -25,6 +25,7 @@ import time
 import torch
 
 from lowprec import Accelerator, FP8RecipeKwargs
+from lowprec.export import BACKEND_ATTR
 
 
 def main() -> None:
@@ -73,7 +74,9 @@ def main() -> None:
         for m in fp8_modules:
             m.register_forward_hook(lambda mod, i, o: fp8_flags.append(bool(mod.fp8)))
     else:
-        fp8_modules = [m for m in inner.modules() if type(m).__name__ in ("Float8Linear", "FP8Linear")]
+        # by the backend, not the class name: fully_shard swaps a module's class for FSDP<name>
+        converted_by = getattr(inner, BACKEND_ATTR)
+        fp8_modules = [m for m in inner.modules() if converted_by.converted_kind(m) == "linear"]
         for m in fp8_modules:
             m.register_forward_hook(lambda mod, i, o: fp8_flags.append(True))
 
@@ -83,7 +86,6 @@ def main() -> None:
             m.register_forward_hook(lambda mod, i, o: gathered_types.add(type(mod.weight).__name__))
 
     from lowprec.demo.memory import model_state_bytes
-    from lowprec.export import BACKEND_ATTR
 
     losses, times, state_bytes = [], [], None
     model.train()

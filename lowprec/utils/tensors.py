@@ -1,0 +1,15 @@
+"""What a tensor's bytes are, behind the wrappers training engines put around them."""
+
+from __future__ import annotations
+
+import torch
+
+
+def local_data(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding `t`'s bytes on this process: a DTensor's local shard (FSDP2), and inside
+    it a wrapper subclass's inner tensor (torchao's FP8 all-gather weight, msamp O3's FP16 master).
+    Kernels that take raw pointers and byte counts need this: a wrapper reports no storage."""
+    local = getattr(t, "_local_tensor", None)
+    t = local if isinstance(local, torch.Tensor) else t
+    inner = getattr(t, "_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
