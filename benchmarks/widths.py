@@ -37,7 +37,12 @@ as layers.0 when skip_first_last keeps its q_proj in BF16, gets its own) and so 
 module (embedding, final norm, lm_head, rotary embedding); the causal-LM loss, which `transformers`
 computes outside those modules, is compiled as one function. That compiles one layer per
 configuration instead of all of them, which is what lets 20 configurations fit one device call.
-`--compile full` compiles the whole model as levels.py does.
+`--compile full` compiles the whole model as levels.py does. `--compile none` runs every model eager,
+as a user who sets no `dynamo_backend` does; lowprec then compiles each FP8 layer on its own
+(`compile_fp8_layers`, on by default for torchao), which "torchao eager layers" turns off:
+
+    timeout 500 python benchmarks/widths.py --compile none --widths d1024 d2048 d4096 d8192 \
+        --configs bf16 "torchao default" "torchao eager layers" --steps 16 --warmup 8 --out $OUT/eager.json
 
 Per run: median step time after `--warmup` steps, tokens/s, peak CUDA memory (reset after prepare,
 as levels.py), the first step's seconds (compilation), the CUDA memory still allocated when the run
@@ -90,6 +95,8 @@ CONFIGS: dict[str, dict | str | None] = {
     "torchao all": dict(backend="torchao", recipe="tensorwise", skip_first_last=False, skip_slow_shapes=False),
     "raw torchao": "raw",
     "msamp O2": dict(backend="msamp", opt_level="O2"),
+    # eager models (--compile none): lowprec's default compiles each FP8 layer (compile_fp8_layers); this one does not
+    "torchao eager layers": dict(backend="torchao", recipe="tensorwise", compile_fp8_layers=False),
 }
 
 PROFILE_CONFIGS = ["bf16", "torchao default", "msamp O2"]
@@ -215,7 +222,8 @@ def run_one(label: str, width: str, data: list[torch.Tensor], args, profile_path
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     torch._dynamo.utils.counters.clear()
-    dynamo = TorchDynamoPlugin(backend=args.dynamo_backend, use_regional_compilation=args.compile == "regional")
+    dynamo = (TorchDynamoPlugin(backend="no") if args.compile == "none" else
+              TorchDynamoPlugin(backend=args.dynamo_backend, use_regional_compilation=args.compile == "regional"))
     if spec is None:
         accelerator = Accelerator(mixed_precision="bf16", dynamo_plugin=dynamo)
     elif spec == "raw":
@@ -329,12 +337,14 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--widths", nargs="+", default=["d1024", "d2048", "d4096", "d8192"], choices=list(WIDTHS))
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+    p.add_argument("--configs", nargs="+", default=[c for c in CONFIGS if c != "torchao eager layers"],
+                   choices=list(CONFIGS),
                    help="run in this order within each width ('bf16' first: the ratios need it)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=10, help="steps left out of the timing (compile, warm-up)")
     p.add_argument("--vocab", type=int, default=VOCAB)
-    p.add_argument("--compile", choices=["regional", "full"], default="regional")
+    p.add_argument("--compile", choices=["regional", "full", "none"], default="regional",
+                   help="none: eager models, as a user who sets no dynamo_backend runs them")
     p.add_argument("--dynamo-backend", default="inductor")
     p.add_argument("--profile", nargs="*", default=[], choices=list(WIDTHS), help="widths to profile")
     p.add_argument("--profile-configs", nargs="+", default=PROFILE_CONFIGS, choices=list(CONFIGS))

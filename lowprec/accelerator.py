@@ -337,6 +337,7 @@ class Accelerator(_Accelerator):
         backend.setup_communication(prepared, plan)
         backend.setup_grad_stores(prepared)
         backend.setup_grad_comm(prepared)
+        backend.compile_layers(inner)
         context = backend.forward_context(inner)
         if context is not None:
             _wrap_forward(prepared, context)

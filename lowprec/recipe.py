@@ -150,6 +150,10 @@ class FP8RecipeKwargs(KwargsHandler):
             levels) are always averaged in FP8. FSDP2 and DeepSpeed set theirs in their own config.
         emulate: True forces emulation (FP8 numerics, high-precision matmuls); False forbids it
             (error without FP8 hardware); None emulates only where there is no FP8 hardware.
+        compile_fp8_layers: compile each converted layer with torch.compile when the model itself is
+            not compiled, so its casts, amaxes and transposes fuse instead of running as separate eager
+            kernels. None: on where measured to pay (torchao on an FP8 GPU, one process or DDP);
+            False: never. See docs/performance.md.
     """
 
     backend: str | None = None
@@ -173,6 +177,7 @@ class FP8RecipeKwargs(KwargsHandler):
     optimizer_states: str | tuple[str, str] | None = None
     weight_grad_dtype: str | None = None
     grad_comm_dtype: str | None = None
+    compile_fp8_layers: bool | None = None
 
     def __post_init__(self):
         env = read_fp8_env()

@@ -63,6 +63,9 @@ class BackendSpec:
     weight_dtypes: tuple[str, ...] = ()  # storage choices for converted weights
     weight_grad_dtypes: tuple[str, ...] = ()  # ... and for their gradients
     default_opt_level: str | None = None  # the level in force when the recipe names none
+    # compile_fp8_layers: None (not compilable one by one), or whether it is on by default in an eager
+    # model on an FP8 GPU (measured: results/gpu/2026-11-23-h100-eager-layers)
+    compiles_layers: bool | None = None
 
     def __post_init__(self):
         if self.default_recipe not in self.recipes:
@@ -140,6 +143,12 @@ class BackendSpec:
                 f"{field}.enable_fsdp_float8_all_gather=True cannot be honoured by {self.name} recipe {name!r}: "
                 "its weights are all-gathered in high precision"
             )
+        if recipe.compile_fp8_layers and self.compiles_layers is None:
+            raise ValueError(
+                f"{field}.compile_fp8_layers=True cannot be honoured by backend {self.name!r}: its layers run "
+                "fused kernels of their own and are not compiled one by one (backends that are: "
+                f"{', '.join(s.name for s in registered_specs() if s.compiles_layers is not None)})"
+            )
         if recipe.fp8_weights and not self.supports_fp8_weights:
             raise ValueError(
                 f"{field}.fp8_weights=True cannot be honoured by backend {self.name!r}: it keeps weights in high "
@@ -179,8 +188,17 @@ class BackendSpec:
 _SPECS: dict[str, BackendSpec] = {}
 _ALIASES: dict[str, str] = {}
 # "auto" tries these in order; the first that is available, supports the recipe and can run on the
-# device wins. TE first on FP8 GPUs: fused kernels without needing torch.compile.
+# device wins. Eager models: TE first, its fused kernels need no compiler (d4096 proxy on an H100: TE
+# delayed 1.29x eager BF16, torchao with its layers compiled 1.13x). Compiled models: torchao first
+# (torchao tensorwise 1.24x compiled BF16, TE current 1.18x: ../shared/reference/gpu-baselines.md,
+# results/gpu/2026-11-23-h100-widths). msamp last: it changes optimizer-state precision (level O2).
 AUTO_ORDER = ("te", "torchao", "msamp")
+AUTO_ORDER_COMPILED = ("torchao", "te", "msamp")
+
+
+def auto_order(compiled: bool) -> tuple[str, ...]:
+    """The order `backend="auto"` tries backends in, for an eager or a compiled model."""
+    return AUTO_ORDER_COMPILED if compiled else AUTO_ORDER
 
 
 def register_backend(spec: BackendSpec) -> None:
@@ -237,6 +255,7 @@ register_backend(BackendSpec(
     opt_levels=(None, "O1", "O2"),
     weight_dtypes=("fp32", "fp16", "bf16"),
     weight_grad_dtypes=("fp32", "bf16", "fp8"),
+    compiles_layers=True,  # eager d4096 proxy on an H100: 0.54x -> 1.20x BF16
 ))
 
 register_backend(BackendSpec(
@@ -288,4 +307,5 @@ register_backend(BackendSpec(
     weight_dtypes=("fp32", "fp16", "bf16"),
     weight_grad_dtypes=("fp8",),  # its FP8Linear writes FP8 weight gradients from its own backward
     default_opt_level="O2",
+    compiles_layers=False,  # its eager FP8Linear casts with fused Triton kernels already; not measured to pay
 ))

@@ -15,10 +15,13 @@ from dataclasses import dataclass
 
 from .hardware import DeviceInfo
 
-# The scaling kinds thresholds are measured for. A backend names the one its GEMMs use.
+# The scaling kinds thresholds are measured for. A backend names the one its GEMMs use, and how they
+# run: the casts around a GEMM cost far more as separate eager kernels than fused by torch.compile.
 PER_TENSOR = "per-tensor"
 PER_ROW = "per-row"
 MXFP8 = "MXFP8 1x32-block"
+PER_TENSOR_EAGER_LAYERS = "per-tensor in an eager model, each FP8 layer compiled"
+PER_TENSOR_EAGER = "per-tensor in an eager model, FP8 layers eager too"
 
 
 @dataclass(frozen=True)
@@ -29,10 +32,11 @@ class SlowRegion:
     bounds: tuple[tuple[str, int], ...]
 
     def describe(self, n: int, k: int) -> str | None:
-        """'K=256 <= 4096 and N=256 <= 1024' when (N, K) lies inside, else None."""
+        """'K=256 <= 4096 and N=256 <= 1024' when (N, K) lies inside, else None. No bounds: every shape."""
         dims = {"N": n, "K": k}
         if all(dims[d] <= bound for d, bound in self.bounds):
-            return " and ".join(f"{d}={dims[d]} <= {bound}" for d, bound in self.bounds)
+            where = " and ".join(f"{d}={dims[d]} <= {bound}" for d, bound in self.bounds)
+            return where or f"every shape (N={n}, K={k})"
         return None
 
 
@@ -59,6 +63,18 @@ MEASURED: dict[tuple[str, str], Measurement] = {
     ("sm_90", PER_ROW): Measurement(
         (_region(("N", 2048)), _region(("K", 1024)), _region(("N", 4096), ("K", 2048))),
         "torchao float8 microbenchmarks on H100 (torchao.float8._auto_filter_for_recipe, 'rowwise')",
+    ),
+    # Whole Llama-style models, B4 x T2048, against eager BF16: with a dimension <= 2048 FP8 lost
+    # (d1024 0.75x, d2048 0.86x), with none it won (d4096 1.13x, d8192 1.29x).
+    ("sm_90", PER_TENSOR_EAGER_LAYERS): Measurement(
+        (_region(("N", 2048)), _region(("K", 2048))),
+        "benchmarks/widths.py --compile none on H100, torchao tensorwise (results/gpu/2026-11-23-h100-eager-layers)",
+    ),
+    # Every width lost: 0.48x, 0.44x, 0.56x, 0.69x at d1024-d8192.
+    ("sm_90", PER_TENSOR_EAGER): Measurement(
+        (_region(),),
+        "benchmarks/widths.py --compile none on H100, torchao tensorwise with compile_fp8_layers=False "
+        "(results/gpu/2026-11-23-h100-eager-layers)",
     ),
 }
 

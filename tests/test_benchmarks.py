@@ -66,3 +66,28 @@ def test_widths_benchmark_on_cpu(tmp_path):
                              timeout=120)
     assert summary.returncode == 0, summary.stderr[-3000:]
     assert "| tiny | torchao default |" in summary.stdout and "- tiny msamp O2: kernels" in summary.stdout
+
+
+@pytest.mark.slow
+def test_widths_benchmark_eager_on_cpu(tmp_path):
+    out = tmp_path / "eager.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "widths.py"), "--compile", "none", "--widths", "tiny",
+           "--vocab", "512", "--configs", "bf16", "torchao default", "torchao eager layers", "--steps", "2",
+           "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["widths"]["tiny"]["runs"]
+    assert list(runs) == ["bf16", "torchao default", "torchao eager layers"]
+    for label, r in runs.items():
+        assert "error" not in r, (label, r.get("traceback"))
+        assert r["step_ms_median"] > 0 and not r["dynamo"].get("stats", {}).get("unique_graphs")  # nothing compiled
+
+
+def test_performance_plot_is_drawn_from_the_committed_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "performance.png"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plot_performance.py"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

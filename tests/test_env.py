@@ -58,6 +58,7 @@ EVERY_KEY = [
     ("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", "False", "enable_fsdp_float8_all_gather", False),
     ("ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", "True", "use_autocast_during_eval", True),
     ("ACCELERATE_FP8_EMULATE", "1", "emulate", True),
+    ("ACCELERATE_FP8_COMPILE_FP8_LAYERS", "false", "compile_fp8_layers", False),
     ("ACCELERATE_FP8_FP8_WEIGHTS", "true", "fp8_weights", True),
     ("ACCELERATE_FP8_WEIGHT_DTYPE", "bfloat16", "weight_dtype", "bf16"),
     ("ACCELERATE_FP8_WEIGHT_GRAD_DTYPE", "e4m3", "weight_grad_dtype", "fp8"),
@@ -451,4 +452,5 @@ def test_accelerate_launch_config_file(tmp_path):
         "grad_comm_dtype": None,
         "emulate": True,
         "optimizer_states": None,
+        "compile_fp8_layers": None,
     }

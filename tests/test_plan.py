@@ -232,7 +232,7 @@ def test_no_fp8_linear_on_hopper_names_each_rule_and_its_option():
 
     # Library defaults, planned for an H100/H200: first/last kept, the two middle ones too small.
     plan = build_plan(four_linears(), FP8RecipeKwargs(backend="torchao"),
-                      context=RunContext(device=assumed_device("9.0")))
+                      context=RunContext(device=assumed_device("9.0"), compiled=True))
     assert plan.shortfall() == [
         "no Linear layer (of 4) runs in FP8 on assumed GPU (sm_90): every GEMM stays in high precision. "
         "Kept in high precision:",

@@ -37,6 +37,7 @@ BAD_VALUES = [
     ("enable_fsdp_float8_all_gather", "y", ["'true'/'false'"]),
     ("use_autocast_during_eval", 0.0, ["'true'/'false'"]),
     ("emulate", "auto", ["'true'/'false'"]),
+    ("compile_fp8_layers", "sometimes", ["'true'/'false'"]),
     ("fp8_weights", "sometimes", ["'true'/'false'"]),
     ("weight_dtype", "fp8", ["'fp32'", "'fp16'", "'bf16'"]),
     ("weight_dtype", 16, ["'fp32'", "'fp16'", "'bf16'"]),

@@ -12,7 +12,8 @@ from lowprec.hardware import assumed_device, device_info
 from lowprec.selection import select_modules
 
 CPU = RunContext(device=device_info("cpu"))
-HOPPER = RunContext(device=assumed_device("9.0"))  # H100 and H200
+# H100 and H200, the model compiled (torchao's thresholds; an eager model has its own, tested below)
+HOPPER = RunContext(device=assumed_device("9.0"), compiled=True)
 
 
 def decide(model: nn.Module, *, context: RunContext = CPU, **recipe_kwargs) -> dict:
@@ -279,6 +280,25 @@ def test_thresholds_match_torchao_auto_filter():
         for n in dims:
             for k in dims:
                 assert one(n, k, recipe=recipe).convert == keep(meta_linear(n, k), "x"), (recipe, n, k)
+
+
+@pytest.mark.parametrize("n, k, slow", [(4096, 4096, None), (14336, 4096, None), (4096, 14336, None),
+                                         (8192, 2048, "K=2048 <= 2048"), (2048, 5632, "N=2048 <= 2048"),
+                                         (2816, 1024, "K=1024 <= 2048")])
+def test_eager_models_keep_layers_with_a_dimension_up_to_2048(n, k, slow):
+    # measured on whole models: d1024/d2048 layers lost even compiled one by one, d4096/d8192 ones won
+    d = one(n, k, context=RunContext(device=assumed_device("9.0")))
+    assert d.convert is (slow is None)
+    if slow:
+        assert d.reason == f"FP8 slower than BF16 on Hopper (sm_90) for {slow} (skip_slow_shapes=True)"
+
+
+def test_eager_layers_without_compilation_lose_at_every_shape():
+    d = one(8192, 8192, context=RunContext(device=assumed_device("9.0")), compile_fp8_layers=False)
+    assert not d.convert
+    assert d.reason == "FP8 slower than BF16 on Hopper (sm_90) for every shape (N=8192, K=8192) (skip_slow_shapes=True)"
+    assert one(8192, 8192, context=RunContext(device=assumed_device("9.0")), compile_fp8_layers=False,
+               skip_slow_shapes=False).convert
 
 
 @pytest.mark.parametrize("capability", ["cpu", "8.9", "10.0", "12.0"])

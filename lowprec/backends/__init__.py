@@ -7,7 +7,15 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ..hardware import DeviceInfo
-from ..specs import AUTO_ORDER, RecipeInfo, backend_spec, canonical_name, register_backend, registered_specs
+from ..specs import (
+    AUTO_ORDER,
+    RecipeInfo,
+    auto_order,
+    backend_spec,
+    canonical_name,
+    register_backend,
+    registered_specs,
+)
 from .base import Backend, BackendUnavailableError, RunContext
 
 if TYPE_CHECKING:
@@ -78,7 +86,7 @@ def resolve_backend(recipe: FP8RecipeKwargs, context: RunContext | DeviceInfo) -
     if recipe.backend != "auto":
         return backend_class(recipe.backend)
     reasons = []
-    for name in AUTO_ORDER:
+    for name in auto_order(context.compiled):
         cls = backend_class(name)
         why = _why_not(cls, recipe, context)
         if why is None:

@@ -482,6 +482,34 @@ class Backend(ABC):
             return f"of converted Linears in {self.grad_stores[0].dtype} gradient stores, not in .grad"
         return None
 
+    # ----- compile_fp8_layers ---------------------------------------------------------------------
+    LAYER_COMPILE_BACKEND: ClassVar[str] = "inductor"  # torch.compile backend of compile_layers
+
+    def layer_compile(self) -> tuple[bool, str]:
+        """(whether `prepare()` compiles each converted layer one by one, why): `compile_fp8_layers`."""
+        choice = self.recipe.compile_fp8_layers
+        if self.context.compiled:
+            return False, "the model is compiled whole (dynamo_backend)"
+        if choice is not None:
+            return choice, f"compile_fp8_layers={choice}"
+        if not self.compiles_layers:
+            return False, f"not measured to pay for backend {self.name!r}"
+        if self.emulated:
+            return False, "emulated: no FP8 speed to win"
+        if self.context.engine not in ("single", "ddp"):
+            return False, f"not measured under {self.context.engine}"
+        return True, "eager model on an FP8 GPU"
+
+    def compile_layers(self, model: nn.Module) -> int:
+        """Compile each converted layer of `model` (nn.Module.compile) where `layer_compile` says so;
+        layers of one shape share a compiled graph. Returns how many were compiled."""
+        if not self.layer_compile()[0]:
+            return 0
+        layers = [m for m in model.modules() if self.converted_kind(m) == "linear"]
+        for layer in layers:
+            layer.compile(backend=self.LAYER_COMPILE_BACKEND)
+        return len(layers)
+
     def before_engine_prepare(self, objects: list, accelerator=None) -> None:
         """Adjust, in place, the objects about to be handed to Accelerate's `prepare()` (after
         conversion, before the engine wraps them) where this backend's tensors need it.

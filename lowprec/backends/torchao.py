@@ -73,11 +73,15 @@ class TorchAOBackend(Backend):
 
     @property
     def speed_scaling(self) -> str:
-        from ..speed import PER_ROW, PER_TENSOR
+        from ..speed import PER_ROW, PER_TENSOR, PER_TENSOR_EAGER, PER_TENSOR_EAGER_LAYERS
 
         # rowwise_with_gw_hp has no thresholds of its own: its forward and input-gradient GEMMs are
         # rowwise's, so rowwise's are used.
-        return PER_TENSOR if self.recipe_name == "tensorwise" else PER_ROW
+        if self.recipe_name != "tensorwise":
+            return PER_ROW
+        if self.context.compiled:
+            return PER_TENSOR
+        return PER_TENSOR_EAGER_LAYERS if self.layer_compile()[0] else PER_TENSOR_EAGER
 
     # ----- configuration -------------------------------------------------------------------
     @property

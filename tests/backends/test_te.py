@@ -250,12 +250,24 @@ def test_te_without_a_recipe_under_torch_compile_uses_current_scaling():
     assert create_backend(te_kwargs(), RunContext(device=H100), require_package=False).recipe_name == "delayed"
 
 
-def test_auto_under_torch_compile_chooses_a_compilable_te_recipe(fake_te):
+def test_auto_under_torch_compile_chooses_a_compilable_te_recipe(fake_te, monkeypatch):
     # issue 16: auto picked TE's delayed recipe and then failed under compile (the demo on a GPU host)
+    from lowprec.backends.torchao import TorchAOBackend
+
+    monkeypatch.setattr(TorchAOBackend, "availability", classmethod(lambda cls: (False, "torchao is not installed")))
     backend = create_backend(FP8RecipeKwargs(), RunContext(device=H100, compiled=True))
     assert (backend.name, backend.recipe_name) == ("te", "current")
     backend = create_backend(FP8RecipeKwargs(), RunContext(device=H100))
     assert (backend.name, backend.recipe_name) == ("te", "delayed")
+
+
+def test_auto_takes_te_for_eager_models_and_torchao_for_compiled_ones(fake_te):
+    # measured on an H100 (lowprec.specs.AUTO_ORDER): TE's fused kernels win eager, torchao compiled
+    pytest.importorskip("torchao")
+    assert resolve_backend(FP8RecipeKwargs(), RunContext(device=H100)).name == "te"
+    assert resolve_backend(FP8RecipeKwargs(), RunContext(device=H100, compiled=True)).name == "torchao"
+    # what only TE offers still goes to TE under compile
+    assert resolve_backend(FP8RecipeKwargs(recipe="block"), RunContext(device=H100, compiled=True)).name == "te"
 
 
 def test_auto_with_delayed_asked_for_under_compile_moves_on_and_says_why(fake_te):

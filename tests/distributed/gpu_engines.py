@@ -83,7 +83,8 @@ def main() -> None:
     gathered_types: set[str] = set()
     if plan.opt_level == "O3":
         for m in fp8_modules:
-            m.register_forward_hook(lambda mod, i, o: gathered_types.add(type(mod.weight).__name__))
+            # a pre-hook: FSDP2's own post-forward hook reshards before a forward hook would look
+            m.register_forward_pre_hook(lambda mod, i: gathered_types.add(type(mod.weight).__name__))
 
     from lowprec.demo.memory import model_state_bytes
 

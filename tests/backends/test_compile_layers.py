@@ -1,0 +1,96 @@
+"""compile_fp8_layers: converted layers compiled one by one in an eager model (Backend.layer_compile /
+compile_layers), decided per backend, device, engine and compilation, and applied by prepare()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState, GradientState
+from torch import nn
+
+from lowprec import Accelerator, FP8RecipeKwargs, RunContext, build_plan
+from lowprec.backends import create_backend
+from lowprec.backends.base import Backend
+from lowprec.hardware import assumed_device, device_info
+
+H100 = assumed_device("9.0")
+
+
+def _decision(backend="torchao", device=H100, engine="single", compiled=False, **kw):
+    recipe = FP8RecipeKwargs(backend=backend, **kw)
+    context = RunContext(device=device, engine=engine, world_size=1 if engine == "single" else 2, compiled=compiled)
+    return create_backend(recipe, context, require_package=False).layer_compile()
+
+
+@pytest.mark.parametrize("kwargs, expected, why", [
+    (dict(), True, "eager model on an FP8 GPU"),
+    (dict(engine="ddp"), True, "eager model"),
+    (dict(compiled=True), False, "compiled whole"),
+    (dict(compiled=True, compile_fp8_layers=True), False, "compiled whole"),
+    (dict(device=device_info("cpu")), False, "emulated"),
+    (dict(device=device_info("cpu"), compile_fp8_layers=True), True, "compile_fp8_layers=True"),
+    (dict(compile_fp8_layers=False), False, "compile_fp8_layers=False"),
+    (dict(engine="fsdp2"), False, "not measured under fsdp2"),
+    (dict(backend="msamp"), False, "not measured to pay for backend 'msamp'"),
+    (dict(backend="msamp", compile_fp8_layers=True), True, "compile_fp8_layers=True"),
+])
+def test_where_layers_are_compiled(kwargs, expected, why):
+    on, reason = _decision(**kwargs)
+    assert on is expected and why in reason
+
+
+def test_te_refuses_compiled_layers_naming_the_backends_that_take_it():
+    with pytest.raises(ValueError, match=r"compile_fp8_layers=True cannot be honoured by backend 'te'.*torchao, msamp"):
+        FP8RecipeKwargs(backend="te", compile_fp8_layers=True)
+
+
+def test_the_environment_sets_it(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_FP8_COMPILE_FP8_LAYERS", "false")
+    assert FP8RecipeKwargs(backend="torchao").compile_fp8_layers is False
+
+
+def test_the_plan_says_when_layers_are_compiled():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    recipe = FP8RecipeKwargs(backend="torchao", skip_first_last=False, skip_slow_shapes=False)
+    plan = build_plan(model, recipe, context=RunContext(device=H100), backend=create_backend(
+        recipe, RunContext(device=H100), require_package=False))
+    assert any("each of the 3 FP8 layers is compiled" in note for note in plan.notes), plan.notes
+    compiled = RunContext(device=H100, compiled=True)
+    plan = build_plan(model, recipe, context=compiled,
+                      backend=create_backend(recipe, compiled, require_package=False))
+    assert not any("is compiled by torch.compile" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize("backend", ["torchao", "msamp"])
+def test_prepare_compiles_each_converted_layer_and_numerics_do_not_change(monkeypatch, backend):
+    if backend == "torchao":
+        pytest.importorskip("torchao")
+    # dynamo traces each layer as on a GPU; the "eager" backend runs the traced graph without code generation
+    monkeypatch.setattr(Backend, "LAYER_COMPILE_BACKEND", "eager")
+
+    def run(compile_layers: bool) -> tuple[list[float], int]:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        torch._dynamo.reset()
+        recipe = FP8RecipeKwargs(backend=backend, skip_first_last=False, skip_slow_shapes=False,
+                                 compile_fp8_layers=compile_layers)
+        accelerator = Accelerator(kwargs_handlers=[recipe])
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        compiled = sum(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
+        g = torch.Generator().manual_seed(1)
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 32, generator=g)
+        losses = []
+        for _ in range(4):
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, compiled
+
+    eager, none = run(False)
+    layered, compiled = run(True)
+    assert (none, compiled) == (0, 2)
+    assert layered == pytest.approx(eager, rel=1e-5)
