@@ -161,3 +161,12 @@ def test_o3_through_accelerates_fsdp2_preparation(ranks):
         assert acc["other_dtypes"] == ["torch.float32"]
         assert acc["optimizer_holds_the_sharded_params"]  # Accelerate's data_ptr remap found every one
         assert acc["losses"][-1] < acc["losses"][0] - 0.5
+
+
+@pytest.mark.slow
+def test_o3_accumulates_micro_batches_like_one_batch(ranks):
+    for r in ranks:
+        one, two = r["accumulation"]["1"], r["accumulation"]["2"]
+        assert two[-1] < 0.8 * two[0]
+        # the unreduced FP16 gradients of the first micro-batch add to the second's before the FP8 reduction
+        assert two == pytest.approx(one, rel=0.01)

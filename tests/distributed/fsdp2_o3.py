@@ -9,7 +9,8 @@ MS-AMP O3 under FSDP2, driven as Accelerate's FSDP2 plugin would (its FSDP path 
    FP8 reduce-scatter in use, and the model-state bytes per parameter each rank holds;
 3. checkpoints: the full state dict loads strict into the plain model; the sharded model and
    optimizer state dicts resume with the same losses;
-4. the steps of Accelerate's FSDP2 preparation around lowprec's hooks, on a small Llama.
+4. the steps of Accelerate's FSDP2 preparation around lowprec's hooks, on a small Llama;
+5. gradient accumulation over two micro-batches against one batch of both.
 """
 
 import copy
@@ -138,6 +139,30 @@ def train(mesh) -> dict:
     return record
 
 
+def accumulation(mesh) -> dict:
+    """Two micro-batches per step (FSDP2 holds the first's gradients unreduced, as Accelerate's
+    accumulate() makes it) against one batch of both: the same steps up to rounding."""
+    rank = dist.get_rank()
+    out = {}
+    for micro in (1, 2):
+        model, optimizer, hook, _ = build("O3", "fsdp2", mesh)
+        losses = []
+        for step in range(6):
+            x, y = batch(step, rank)
+            total = 0.0
+            for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+                model.set_requires_gradient_sync(i == micro - 1)
+                loss = nn.functional.mse_loss(model(xs), ys) / micro
+                loss.backward()
+                total += float(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            hook()
+            losses.append(total)
+        out[str(micro)] = losses
+    return out
+
+
 def checkpoint(mesh) -> dict:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -246,7 +271,7 @@ def main(out_path: str) -> None:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {"gather": gather_numerics(mesh), "train": train(mesh), "checkpoint": checkpoint(mesh),
-              "accelerate": through_accelerate_fsdp2(),
+              "accelerate": through_accelerate_fsdp2(), "accumulation": accumulation(mesh),
               "master_class": FP8MasterWeight.__name__, "gathered_class": FP8GatheredWeight.__name__}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, result)
