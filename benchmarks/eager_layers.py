@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 import traceback
 
 import torch
@@ -31,6 +30,7 @@ RUNS = {
 
 def run_one(spec: dict | None, compile_layers: bool, size: str, data: list[torch.Tensor], warmup: int) -> dict:
     from accelerate.state import AcceleratorState, GradientState
+    from levels import timed_steps
 
     from lowprec import Accelerator, FP8RecipeKwargs
     from lowprec.demo.model import PRESETS, build_model
@@ -57,16 +57,7 @@ def run_one(spec: dict | None, compile_layers: bool, size: str, data: list[torch
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for ids in data:
-        t0 = time.perf_counter()
-        ids = ids.to(accelerator.device, non_blocking=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
+    times, losses = timed_steps(accelerator, model, optimizer, data)
     median = statistics.median(times[warmup:])
     return {"step_ms_median": 1000 * median, "tokens_per_s": data[0].numel() / median, "first_step_s": times[0],
             "losses": losses, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,

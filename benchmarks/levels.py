@@ -50,6 +50,21 @@ def batches(size: str, steps: int, batch: int | None, seq: int | None) -> list[t
     return [torch.randint(0, 256, (b, t), generator=g) for _ in range(steps)]
 
 
+def timed_steps(accelerator, model, optimizer, data: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """(seconds, loss) of one training step per batch: forward with labels, backward, step, zero_grad."""
+    times, losses = [], []
+    for ids in data:
+        t0 = time.perf_counter()
+        ids = ids.to(accelerator.device, non_blocking=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # synchronises
+        times.append(time.perf_counter() - t0)
+    return times, losses
+
+
 def run_one(label: str, spec: dict | None, size: str, data: list[torch.Tensor], warmup: int) -> dict:
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import TorchDynamoPlugin
@@ -71,16 +86,7 @@ def run_one(label: str, spec: dict | None, size: str, data: list[torch.Tensor], 
     model, optimizer = accelerator.prepare(model, optimizer)
     torch.cuda.reset_peak_memory_stats()
 
-    times, losses = [], []
-    for ids in data:
-        t0 = time.perf_counter()
-        ids = ids.to(accelerator.device, non_blocking=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())  # synchronises
-        times.append(time.perf_counter() - t0)
+    times, losses = timed_steps(accelerator, model, optimizer, data)
     # Measured before zero_grad would drop them: one more backward so gradients exist.
     loss = model(input_ids=data[0].to(accelerator.device), labels=data[0].to(accelerator.device)).loss
     accelerator.backward(loss)

@@ -33,17 +33,21 @@ def test_fp8_comm_benchmark_on_two_cpu_processes(tmp_path):
         assert all(entry["ms"] > 0 for entry in comm.values())
 
 
-@pytest.mark.slow
-def test_widths_benchmark_on_cpu(tmp_path):
-    out = tmp_path / "widths.json"
+def _widths_on_cpu(out, *args: str) -> dict:
+    """benchmarks/widths.py at the CPU-sized width: its runs."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
-    # aot_eager: dynamo and the regional compilation as on the GPU, without inductor's CPU code generation
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "widths.py"), "--widths", "tiny", "--vocab", "512",
-           "--steps", "3", "--warmup", "1", "--profile", "tiny", "--profile-steps", "1",
-           "--dynamo-backend", "aot_eager", "--out", str(out)]
+           *args, "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads(out.read_text())["widths"]["tiny"]["runs"]
+    return json.loads(out.read_text())["widths"]["tiny"]["runs"]
+
+
+@pytest.mark.slow
+def test_widths_benchmark_on_cpu(tmp_path):
+    # aot_eager: dynamo and the regional compilation as on the GPU, without inductor's CPU code generation
+    runs = _widths_on_cpu(tmp_path / "widths.json", "--steps", "3", "--warmup", "1", "--profile", "tiny",
+                          "--profile-steps", "1", "--dynamo-backend", "aot_eager")
     assert list(runs) == ["bf16", "torchao default", "torchao all", "raw torchao", "msamp O2"]
     for label, r in runs.items():
         assert "error" not in r, (label, r.get("traceback"))
@@ -62,22 +66,17 @@ def test_widths_benchmark_on_cpu(tmp_path):
         text = (tmp_path / f"profile_tiny_{label.replace(' ', '_')}.txt").read_text()
         assert "Self CPU" in text and "ms/step" in text
     assert "profile" not in runs["torchao all"]
-    summary = subprocess.run([sys.executable, cmd[1], "--summarize", str(out)], env=env, capture_output=True, text=True,
-                             timeout=120)
+    summary = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "widths.py"), "--summarize",
+                              str(tmp_path / "widths.json")], env=dict(os.environ, PYTHONPATH=ROOT),
+                             capture_output=True, text=True, timeout=120)
     assert summary.returncode == 0, summary.stderr[-3000:]
     assert "| tiny | torchao default |" in summary.stdout and "- tiny msamp O2: kernels" in summary.stdout
 
 
 @pytest.mark.slow
 def test_widths_benchmark_eager_on_cpu(tmp_path):
-    out = tmp_path / "eager.json"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "widths.py"), "--compile", "none", "--widths", "tiny",
-           "--vocab", "512", "--configs", "bf16", "torchao default", "torchao eager layers", "--steps", "2",
-           "--warmup", "1", "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = json.loads(out.read_text())["widths"]["tiny"]["runs"]
+    runs = _widths_on_cpu(tmp_path / "eager.json", "--compile", "none", "--configs", "bf16", "torchao default",
+                          "torchao eager layers", "--steps", "2", "--warmup", "1")
     assert list(runs) == ["bf16", "torchao default", "torchao eager layers"]
     for label, r in runs.items():
         assert "error" not in r, (label, r.get("traceback"))
@@ -91,3 +90,17 @@ def test_performance_plot_is_drawn_from_the_committed_results(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_eager_layers_benchmark_on_cpu(tmp_path):
+    out = tmp_path / "eager_layers.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "eager_layers.py", "--size", "tiny", "--steps", "2", "--warmup", "1",
+           "--runs", "bf16 eager", "torchao eager", "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, cwd=os.path.join(ROOT, "benchmarks"), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert runs["bf16 eager"]["converted"] == 0 and runs["torchao eager"]["converted"] > 0
+    assert all(r["step_ms_median"] > 0 and len(r["losses"]) == 2 for r in runs.values())

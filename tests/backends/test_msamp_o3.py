@@ -8,10 +8,7 @@ process over the same global batches. Where O3 may run, and the plan it prints, 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -26,17 +23,9 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "distributed", "fsdp2_o3.
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    from conftest import free_port
+    from conftest import run_two_ranks
 
-    out = tmp_path_factory.mktemp("fsdp2_o3") / "result.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           SCRIPT, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert len(result) == 2
-    return result
+    return run_two_ranks(SCRIPT, tmp_path_factory.mktemp("fsdp2_o3") / "result.json")
 
 
 @pytest.mark.slow

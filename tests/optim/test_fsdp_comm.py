@@ -6,10 +6,7 @@ reduce-scatter, and FSDP2 training of a torchao-converted MLP with each grad_com
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -22,17 +19,9 @@ CASES = ["torch.float32-sum", "torch.float32-avg", "torch.bfloat16-sum", "torch.
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    from conftest import free_port
+    from conftest import run_two_ranks
 
-    out = tmp_path_factory.mktemp("fsdp2_comm") / "result.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           SCRIPT, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert len(result) == 2
-    return result
+    return run_two_ranks(SCRIPT, tmp_path_factory.mktemp("fsdp2_comm") / "result.json")
 
 
 @pytest.mark.parametrize("case", CASES)
