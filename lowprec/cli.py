@@ -78,10 +78,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         skip_slow_shapes=args.skip_slow_shapes,
         pad_inner_dim=args.pad_inner_dim,
         emulate=args.emulate,
+        compile_fp8_layers=args.compile_fp8_layers,
     )
     model, description = build_model_for_plan(args.model, args.config, dict(args.set or []))
     device = device_info() if args.capability is None else assumed_device(args.capability)
-    context = RunContext(device=device, engine=args.engine, world_size=args.world_size)
+    context = RunContext(device=device, engine=args.engine, world_size=args.world_size, compiled=args.compile)
     backend = create_backend(recipe, context, require_package=False)
     plan = build_plan(model, backend.recipe, context=context, backend=backend)
     if args.json:
@@ -166,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_flag(plan, "skip-slow-shapes", "keep Linear layers FP8 would slow down in high precision")
     _bool_flag(plan, "pad-inner-dim", "torchao: pad GEMM dims to multiples of 16")
     _bool_flag(plan, "emulate", "force (or forbid) emulation")
+    plan.add_argument("--compile", action="store_true",
+                      help="plan for a model compiled whole (dynamo_backend); default: an eager model")
+    _bool_flag(plan, "compile-fp8-layers", "eager model: compile each FP8 layer on its own")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     sub.add_parser("env", help="versions, backends available here, device, FP8 environment variables")

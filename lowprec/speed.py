@@ -22,6 +22,9 @@ PER_ROW = "per-row"
 MXFP8 = "MXFP8 1x32-block"
 PER_TENSOR_EAGER_LAYERS = "per-tensor in an eager model, each FP8 layer compiled"
 PER_TENSOR_EAGER = "per-tensor in an eager model, FP8 layers eager too"
+# How a slow-shape reason names the kinds measured in eager models (the same shape may pay compiled).
+_IN_EAGER = {PER_TENSOR_EAGER_LAYERS: " in an eager model (FP8 layers compiled one by one)",
+             PER_TENSOR_EAGER: " in an eager model with eager FP8 layers (compile_fp8_layers=False)"}
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ def slow_reason(device: DeviceInfo, scaling: str, n: int, k: int) -> str | None:
     for region in found.regions:
         where = region.describe(n, k)
         if where is not None:
-            return f"FP8 slower than BF16 on {generation(device)} for {where}"
+            return f"FP8 slower than BF16 on {generation(device)}{_IN_EAGER.get(scaling, '')} for {where}"
     return None
 
 

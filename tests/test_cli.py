@@ -130,3 +130,18 @@ def test_plan_shows_which_layers_of_a_split_pattern_each_line_holds(capsys):
     out = capsys.readouterr().out
     assert "model.layers.{2-3}.mlp.up_proj x2" in out and "model.layers.{0-1}.mlp.up_proj x2" in out
     assert "model.layers.*.mlp.up_proj" not in out
+
+
+def test_plan_for_an_eager_or_a_compiled_model(capsys):
+    # d2048 on an H100: eager (the layers compiled one by one) FP8 was measured slower there, compiled not
+    args = ["plan", "--backend", "torchao", "--config", "llama", "--set", "hidden_size=2048",
+            "--set", "intermediate_size=5632", "--set", "num_hidden_layers=2", "--capability", "9.0", "--json"]
+    assert main(args) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert main([*args, "--compile"]) == 0
+    compiled = json.loads(capsys.readouterr().out)
+    fp8 = [sum(m["convert"] for m in plan["modules"]) for plan in (eager, compiled)]
+    assert fp8[0] == 0 < fp8[1]
+    assert all("in an eager model (FP8 layers compiled one by one)" in m["reason"] for m in eager["modules"]
+               if m["rule"] == "skip_slow_shapes")
+    assert not any("compiled by torch.compile" in note for note in compiled["notes"])

@@ -290,13 +290,15 @@ def test_eager_models_keep_layers_with_a_dimension_up_to_2048(n, k, slow):
     d = one(n, k, context=RunContext(device=assumed_device("9.0")))
     assert d.convert is (slow is None)
     if slow:
-        assert d.reason == f"FP8 slower than BF16 on Hopper (sm_90) for {slow} (skip_slow_shapes=True)"
+        assert d.reason == ("FP8 slower than BF16 on Hopper (sm_90) in an eager model (FP8 layers compiled one by "
+                            f"one) for {slow} (skip_slow_shapes=True)")
 
 
 def test_eager_layers_without_compilation_lose_at_every_shape():
     d = one(8192, 8192, context=RunContext(device=assumed_device("9.0")), compile_fp8_layers=False)
     assert not d.convert
-    assert d.reason == "FP8 slower than BF16 on Hopper (sm_90) for every shape (N=8192, K=8192) (skip_slow_shapes=True)"
+    assert d.reason == ("FP8 slower than BF16 on Hopper (sm_90) in an eager model with eager FP8 layers "
+                        "(compile_fp8_layers=False) for every shape (N=8192, K=8192) (skip_slow_shapes=True)")
     assert one(8192, 8192, context=RunContext(device=assumed_device("9.0")), compile_fp8_layers=False,
                skip_slow_shapes=False).convert
 

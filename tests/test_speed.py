@@ -85,7 +85,7 @@ def test_backends_plan_with_the_device_thresholds(backend, recipe):
     r = FP8RecipeKwargs(backend=backend, recipe=recipe, skip_first_last=False)
     from lowprec.backends import create_backend
 
-    hopper = create_backend(r, RunContext(device=assumed_device("9.0")), require_package=False)
+    hopper = create_backend(r, RunContext(device=assumed_device("9.0"), compiled=True), require_package=False)
     plan = build_plan(four_linears(), r, context=hopper.context, backend=hopper)
     assert not plan.converted
     assert all(d.reason.startswith("FP8 slower than BF16 on Hopper (sm_90) for ") for d in plan.modules)

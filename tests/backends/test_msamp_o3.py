@@ -159,3 +159,13 @@ def test_o3_accumulates_micro_batches_like_one_batch(ranks):
         assert two[-1] < 0.8 * two[0]
         # the unreduced FP16 gradients of the first micro-batch add to the second's before the FP8 reduction
         assert two == pytest.approx(one, rel=0.01)
+
+
+def test_a_master_weight_moved_to_another_device_takes_its_scale_along():
+    # FSDP2 moves each shard to its GPU: reading the scale must not sync with the host afterwards
+    from lowprec.backends.msamp.fsdp import FP8MasterWeight
+
+    master = FP8MasterWeight(torch.randn(4, 4).half(), margin=1)
+    moved = master.to("meta")
+    assert isinstance(moved, FP8MasterWeight) and moved._scale.device.type == "meta" and moved._margin == 1
+    assert master[:2]._scale is master._scale  # a view on the same device shares it

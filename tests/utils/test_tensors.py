@@ -17,3 +17,4 @@ def test_a_wrapper_subclass_gives_its_inner_tensor_whose_pointer_kernels_can_use
     data = local_data(wrapped)
     assert data.data_ptr() == inner.data_ptr() != 0 and data.dtype == torch.float16
     assert wrapped.data_ptr() == inner.data_ptr()  # what Accelerate's FSDP2 optimizer remap keys on
+

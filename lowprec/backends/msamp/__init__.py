@@ -251,9 +251,9 @@ class MSAMPBackend(Backend):
                 TensorPrecision("weight", f"FP8 E4M3 (Linear), {hp} (rest)",
                                 "all-gathered per use from the FP16 masters, one power-of-2 scale per tensor from "
                                 "its amax over all ranks; freed when FSDP2 reshards"),
-                TensorPrecision("master_weight", f"FP16 (Linear), sharded over {n} ranks by FSDP2",
+                TensorPrecision("master_weight", f"{wdt} (Linear), sharded over {n} ranks by FSDP2",
                                 "the FSDP2 parameter itself; LowBitAdamW updates it"),
-                TensorPrecision("weight_grad", f"FP16 shards (Linear), {hp} (rest)",
+                TensorPrecision("weight_grad", f"{wdt} shards (Linear), {hp} (rest)",
                                 "from autograd to FSDP2's reduce-scatter (see grad comm), kept sharded in .grad"),
                 self.optimizer_state_precision(hp),
             ]
@@ -272,11 +272,11 @@ class MSAMPBackend(Backend):
         size = param_dtype.itemsize
         if self.sharded:
             # per rank: FSDP2 shards everything; the FP8 weight exists only while a layer runs
-            n = self.context.world_size
+            n, master = self.context.world_size, self.weight_dtype.itemsize
             return {
                 "weight": (1 - share) * size / n,
-                "weight_grad": (share * 2 + (1 - share) * size) / n,
-                "master_weight": share * 2 / n,
+                "weight_grad": (share * master + (1 - share) * size) / n,
+                "master_weight": share * master / n,
                 "optimizer_states": float(state_bytes(self.optimizer_states)) / n,
             }
         return {

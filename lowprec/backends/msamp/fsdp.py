@@ -77,7 +77,14 @@ class FP8MasterWeight(torch.Tensor):
         out = func(*args, **kwargs)
         if func not in _MASTER_OPS:
             return out
-        return pytree.tree_map_only(torch.Tensor, lambda t: FP8MasterWeight(t, master._margin, master._scale), out)
+
+        def rewrap(t: torch.Tensor) -> FP8MasterWeight:
+            # views and copies share the scale; a copy on another device (FSDP2 moving the shard to
+            # its GPU) gets the scale there, so reading it never syncs with the host
+            scale = master._scale if master._scale.device == t.device else master._scale.to(t.device)
+            return FP8MasterWeight(t, master._margin, scale)
+
+        return pytree.tree_map_only(torch.Tensor, rewrap, out)
 
     def __tensor_flatten__(self):
         return ["_tensor", "_scale"], {"margin": self._margin}
