@@ -161,6 +161,16 @@ def test_o3_accumulates_micro_batches_like_one_batch(ranks):
         assert two == pytest.approx(one, rel=0.01)
 
 
+
+@pytest.mark.slow
+def test_weight_scales_are_set_after_each_step_in_one_all_reduce(ranks):
+    for r in ranks:
+        pre = r["precomputed"]
+        assert all(pre["flags_after_step"]) and pre["scales"] == pre["expected"]  # the scale a gather would compute
+        assert pre["precompute_all_reduces"] == 1  # every weight of the mesh at once
+        assert pre["gather_all_reduces"] == 0  # three layers gathered, none all-reduced
+        assert pre["dropped_on_change"] and pre["gather_all_reduces_after_change"] == 1  # only the changed one
+
 def test_a_master_weight_moved_to_another_device_takes_its_scale_along():
     # FSDP2 moves each shard to its GPU: reading the scale must not sync with the host afterwards
     from lowprec.backends.msamp.fsdp import FP8MasterWeight

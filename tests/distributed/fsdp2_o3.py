@@ -10,7 +10,8 @@ MS-AMP O3 under FSDP2, driven as Accelerate's FSDP2 plugin would (its FSDP path 
 3. checkpoints: the full state dict loads strict into the plain model; the sharded model and
    optimizer state dicts resume with the same losses;
 4. the steps of Accelerate's FSDP2 preparation around lowprec's hooks, on a small Llama;
-5. gradient accumulation over two micro-batches against one batch of both.
+5. gradient accumulation over two micro-batches against one batch of both;
+6. the weight scales set after each step with one all-reduce, so that gathers need none.
 """
 
 import copy
@@ -137,6 +138,48 @@ def train(mesh) -> dict:
     fp32, fp32_opt, fp32_hook, _ = build("fp32", "single")
     record["fp32_single"] = steps(fp32, fp32_opt, fp32_hook, range(STEPS), None)
     return record
+
+
+def precomputed_scales(mesh) -> dict:
+    """After a step the post-step hook sets every weight's gather scale with one all-reduce: the next
+    gathers make none of their own, and use the scale a gather would have computed."""
+    from lowprec.backends.msamp.fsdp import precompute_weight_scales
+
+    rank = dist.get_rank()
+    model, optimizer, hook, backend = build("O3", "fsdp2", mesh)
+    steps(model, optimizer, hook, range(2), rank)
+    masters = [layer.weight._local_tensor for layer in backend.layers]
+    flags_after_step = [m._precomputed for m in masters]
+    scales = [float(m._scale) for m in masters]
+    expected = [float(compute_scale(layer.weight.full_tensor().float().abs().amax(), E4M3)) for layer in backend.layers]
+    calls = []
+    original = dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        x, y = batch(99, rank)
+        with torch.no_grad():
+            model(x)  # gathers every layer
+        gathers_with_precomputed = len(calls)
+        with torch.no_grad():
+            backend.layers[0].weight.mul_(1.0)  # any change to a master drops its precomputed scale
+        dropped = not backend.layers[0].weight._local_tensor._precomputed
+        calls.clear()
+        with torch.no_grad():
+            model(x)
+        gathers_after_change = len(calls)
+        calls.clear()
+        precompute_weight_scales([layer.weight for layer in backend.layers])
+        precompute_calls = len(calls)
+    finally:
+        dist.all_reduce = original
+    return {"flags_after_step": flags_after_step, "scales": scales, "expected": expected,
+            "gather_all_reduces": gathers_with_precomputed, "dropped_on_change": dropped,
+            "gather_all_reduces_after_change": gathers_after_change, "precompute_all_reduces": precompute_calls}
 
 
 def accumulation(mesh) -> dict:
@@ -272,6 +315,7 @@ def main(out_path: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {"gather": gather_numerics(mesh), "train": train(mesh), "checkpoint": checkpoint(mesh),
               "accelerate": through_accelerate_fsdp2(), "accumulation": accumulation(mesh),
+              "precomputed": precomputed_scales(mesh),
               "master_class": FP8MasterWeight.__name__, "gathered_class": FP8GatheredWeight.__name__}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, result)

@@ -196,6 +196,10 @@ class MSAMPBackend(Backend):
     def post_optimizer_step(self, model: nn.Module) -> Callable[[], None] | None:
         def after_step():
             update_delayed_scales(self.layers)
+            if self.sharded:  # O3: the next gathers' weight scales, in one all-reduce
+                from .fsdp import precompute_weight_scales
+
+                precompute_weight_scales([layer.weight for layer in self.layers])
             if self.store_reducer is not None:
                 self.store_reducer.mark_pending()
 

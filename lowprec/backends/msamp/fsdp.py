@@ -43,6 +43,8 @@ class FP8MasterWeight(torch.Tensor):
 
     `margin` is the layer's power-of-two headroom. The scale of the last gather stays on the shard
     (`_scale`): a gather whose amax is zero or not finite keeps it, so NaN never becomes a scale.
+    After an optimizer step `precompute_weight_scales` sets the scales of all weights with one
+    all-reduce (`_precomputed`); until then each gather all-reduces its own weight's amax.
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -58,6 +60,7 @@ class FP8MasterWeight(torch.Tensor):
         self._tensor = tensor
         self._margin = margin
         self._scale = scale if scale is not None else torch.ones((), device=tensor.device)
+        self._precomputed = False
 
     def __repr__(self) -> str:
         return f"FP8MasterWeight({self._tensor!r}, margin={self._margin})"
@@ -72,7 +75,11 @@ class FP8MasterWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        master = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, FP8MasterWeight))
+        masters = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, FP8MasterWeight)]
+        master = masters[0]
+        if func._schema.is_mutable:  # new values (a checkpoint loaded, an update): the scale must be new too
+            for m in masters:
+                m._precomputed = False
         args, kwargs = pytree.tree_map_only(FP8MasterWeight, lambda t: t._tensor, (args, kwargs or {}))
         out = func(*args, **kwargs)
         if func not in _MASTER_OPS:
@@ -97,11 +104,12 @@ class FP8MasterWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """E4M3 bytes of this shard (padded to FSDP2's shard length) scaled from the global amax."""
         shard = self._tensor
-        amax = nan_to_inf(tensor_amax(shard))  # NaN: MAX over it is operand-order dependent
-        for dim in range(mesh.ndim):  # replicas hold equal weights: MAX over the whole mesh is the global amax
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-        scale = compute_scale(amax, E4M3, self._margin, previous=self._scale)
-        self._scale.copy_(scale)
+        if self._precomputed:
+            scale = self._scale
+        else:
+            amax = _global_amax([shard], mesh)[0]
+            scale = compute_scale(amax, E4M3, self._margin, previous=self._scale)
+            self._scale.copy_(scale)
         data = quantize(shard, scale, E4M3)
         rows = -(-outer_size[0] // mesh.size(mesh.ndim - 1))
         if data.shape[0] < rows:  # the last ranks' shards are shorter (or empty): zero bytes pad them
@@ -159,6 +167,35 @@ class FP8GatheredWeight(torch.Tensor):
 
 
 torch.serialization.add_safe_globals([FP8MasterWeight, FP8GatheredWeight])
+
+
+def _global_amax(shards: list[torch.Tensor], mesh) -> torch.Tensor:
+    """The amax of each whole weight from its shards: one MAX all-reduce over the mesh (replicas hold
+    equal weights, so MAX over every mesh dimension is the global amax). NaN travels as +inf: MAX over
+    NaN depends on operand order."""
+    amax = nan_to_inf(torch.stack([tensor_amax(s) for s in shards]))
+    for dim in range(mesh.ndim):
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    return amax
+
+
+@torch.no_grad()
+def precompute_weight_scales(weights: list[torch.Tensor]) -> int:
+    """Set the all-gather scale of every O3 master weight (DTensors of `FP8MasterWeight`) with one
+    all-reduce per device mesh, after an optimizer step changed them, so FSDP2's gathers need none
+    of their own. Returns how many weights got a scale."""
+    from torch.distributed.tensor import DTensor
+
+    by_mesh: dict[int, tuple[object, list[FP8MasterWeight]]] = {}
+    for w in weights:
+        if isinstance(w, DTensor) and isinstance(w._local_tensor, FP8MasterWeight):
+            by_mesh.setdefault(id(w.device_mesh), (w.device_mesh, []))[1].append(w._local_tensor)
+    for mesh, masters in by_mesh.values():
+        amax = _global_amax([m._tensor for m in masters], mesh)
+        for master, a in zip(masters, amax.unbind(0)):
+            master._scale.copy_(compute_scale(a, E4M3, master._margin, previous=master._scale))
+            master._precomputed = True
+    return sum(len(masters) for _, masters in by_mesh.values())
 
 
 def master_view(weight: torch.Tensor) -> torch.Tensor:
