@@ -94,20 +94,24 @@ class FP8HealthMonitor:
         if not self.layers:
             raise ValueError("fp8_health: the model has no converted Linear layer to watch")
         for name, module in self.layers:
-            self._handles.append(module.register_forward_hook(self._forward_hook(name)))
+            # a forward pre-hook: it runs after FSDP2's own pre-forward has gathered the weight (FSDP2
+            # registered first), and before its post-forward frees it again
+            self._handles.append(module.register_forward_pre_hook(self._forward_hook(name)))
             # a pre-hook: it sees the gradient arriving at the output, and needs no input requiring grad
             self._handles.append(module.register_full_backward_pre_hook(self._backward_hook(name)))
 
     # ---- hooks ------------------------------------------------------------------------------
     def _forward_hook(self, name: str):
-        def hook(module, args, output):
+        def hook(module, args):
             if not self._active or not torch.is_grad_enabled() or not args:
                 return
             scales = self.backend.scales_in_use(module) or {}
             self._record(name, "input", args[0], scales.get("input"))
             weight = getattr(module, "weight", None)
             if isinstance(weight, torch.Tensor):
-                weight = getattr(weight, "_tensor", weight)  # torchao's FP8 all-gather subclass
+                # torchao's FP8 all-gather subclass outside FSDP2 by its inner tensor; an FSDP2-gathered
+                # weight (msamp O3's FP8 bytes, torchao's FP8 tensor) by the values it stands for
+                weight = getattr(weight, "_tensor", weight)
                 self._record(name, "weight", weight, scales.get("weight"))
 
         return hook

@@ -95,11 +95,11 @@ def test_no_hooks_unless_asked_and_remove_takes_them_away(fresh_accelerate_state
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], cpu=True)
     model = accelerator.prepare(mlp())
     inner = accelerator.unwrap_model(model)
-    assert not any(m._forward_hooks or m._backward_pre_hooks for m in inner.modules())
+    assert not any(m._forward_hooks or m._forward_pre_hooks or m._backward_pre_hooks for m in inner.modules())
     monitor = accelerator.fp8_health(every=10)
-    assert all(inner[i]._forward_hooks and inner[i]._backward_pre_hooks for i in (0, 2))
+    assert all(inner[i]._forward_pre_hooks and inner[i]._backward_pre_hooks for i in (0, 2))
     monitor.remove()
-    assert not any(m._forward_hooks or m._backward_pre_hooks for m in inner.modules())
+    assert not any(m._forward_hooks or m._forward_pre_hooks or m._backward_pre_hooks for m in inner.modules())
 
 
 def test_bad_input(fresh_accelerate_state):

@@ -179,3 +179,12 @@ def test_a_master_weight_moved_to_another_device_takes_its_scale_along():
     moved = master.to("meta")
     assert isinstance(moved, FP8MasterWeight) and moved._scale.device.type == "meta" and moved._margin == 1
     assert master[:2]._scale is master._scale  # a view on the same device shares it
+
+
+@pytest.mark.slow
+def test_the_health_report_sees_the_gathered_fp8_weight(ranks):
+    first, second = (r["health"] for r in ranks)
+    assert first["tensors"] == ["input", "output_grad", "weight"] and first["layers"] == ["0", "2", "4"]
+    assert first["weight_amax"] == second["weight_amax"]  # the whole weight on every rank, not its shard
+    for layer, amax in first["weight_amax"].items():
+        assert amax == pytest.approx(first["master_amax"][layer], rel=0.07)  # E4M3's rounding of the largest value

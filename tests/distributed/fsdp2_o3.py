@@ -11,7 +11,8 @@ MS-AMP O3 under FSDP2, driven as Accelerate's FSDP2 plugin would (its FSDP path 
    optimizer state dicts resume with the same losses;
 4. the steps of Accelerate's FSDP2 preparation around lowprec's hooks, on a small Llama;
 5. gradient accumulation over two micro-batches against one batch of both;
-6. the weight scales set after each step with one all-reduce, so that gathers need none.
+6. the weight scales set after each step with one all-reduce, so that gathers need none;
+7. the FP8 health report's weight rows on the gathered weight.
 """
 
 import copy
@@ -182,6 +183,24 @@ def precomputed_scales(mesh) -> dict:
             "gather_all_reduces_after_change": gathers_after_change, "precompute_all_reduces": precompute_calls}
 
 
+def health(mesh) -> dict:
+    """The FP8 health report on an O3 model: the weight rows are of the gathered FP8 weight, the same on
+    every rank, with the amax of the whole weight."""
+    from lowprec.health import FP8HealthMonitor
+
+    rank = dist.get_rank()
+    model, optimizer, hook, backend = build("O3", "fsdp2", mesh)
+    monitor = FP8HealthMonitor(model, backend, every=1)
+    x, y = batch(0, rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    monitor.after_backward(True)
+    rows = {(r.layer, r.tensor): r for r in monitor.latest}
+    weights = {str(i): float(model[i].weight.full_tensor().float().abs().amax()) for i in (0, 2, 4)}
+    return {"tensors": sorted({t for _, t in rows}), "layers": sorted({name for name, _ in rows}),
+            "weight_amax": {name: rows[name, "weight"].amax for name, _ in rows},
+            "master_amax": weights}
+
+
 def accumulation(mesh) -> dict:
     """Two micro-batches per step (FSDP2 holds the first's gradients unreduced, as Accelerate's
     accumulate() makes it) against one batch of both: the same steps up to rounding."""
@@ -315,7 +334,7 @@ def main(out_path: str) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {"gather": gather_numerics(mesh), "train": train(mesh), "checkpoint": checkpoint(mesh),
               "accelerate": through_accelerate_fsdp2(), "accumulation": accumulation(mesh),
-              "precomputed": precomputed_scales(mesh),
+              "precomputed": precomputed_scales(mesh), "health": health(mesh),
               "master_class": FP8MasterWeight.__name__, "gathered_class": FP8GatheredWeight.__name__}
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, result)
