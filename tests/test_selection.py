@@ -294,6 +294,12 @@ def test_eager_models_keep_layers_with_a_dimension_up_to_2048(n, k, slow):
                             f"one) for {slow} (skip_slow_shapes=True)")
 
 
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
+def test_engines_without_eager_measurements_keep_the_gemm_rule(engine):
+    d = one(8192, 2048, context=RunContext(device=assumed_device("9.0"), engine=engine, world_size=2))
+    assert d.convert  # eager rule: K=2048 <= 2048 slow; the GEMM (compiled) rule converts it
+
+
 def test_eager_layers_without_compilation_lose_at_every_shape():
     d = one(8192, 8192, context=RunContext(device=assumed_device("9.0")), compile_fp8_layers=False)
     assert not d.convert

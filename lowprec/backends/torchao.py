@@ -79,7 +79,9 @@ class TorchAOBackend(Backend):
         # rowwise's, so rowwise's are used.
         if self.recipe_name != "tensorwise":
             return PER_ROW
-        if self.context.compiled:
+        # The eager rules were measured on one GPU (they hold for DDP's per-rank work); under FSDP2 and
+        # DeepSpeed, whose weight all-gathers FP8 changes, nothing eager was measured: the GEMM rule stays.
+        if self.context.compiled or self.context.engine not in ("single", "ddp"):
             return PER_TENSOR
         return PER_TENSOR_EAGER_LAYERS if self.layer_compile()[0] else PER_TENSOR_EAGER
 
