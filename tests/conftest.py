@@ -75,20 +75,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_two_ranks(script: str, out, timeout: int = 300) -> list:
-    """Run `script OUT` on two CPU processes under torchrun (gloo) and return what it wrote to `out`:
-    one JSON record per rank."""
+def run_two_ranks(script: str, *args: str, out, timeout: int = 300, **env: str):
+    """Run `script *args OUT` on two CPU processes under torchrun (gloo) and return the JSON it wrote to
+    `out`. The environment has no ACCELERATE_* variable but those in `env`, and no GPU (the ranks are
+    CPU processes on a CUDA host too)."""
     import json
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", CUDA_VISIBLE_DEVICES="")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    environ.update(OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", CUDA_VISIBLE_DEVICES="", **env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           script, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+           script, *args, str(out)]
+    proc = subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out) as fh:
-        result = json.load(fh)
-    assert len(result) == 2
-    return result
+        return json.load(fh)
+
+
+def scenario_ranks(run: dict, name: str) -> list:
+    """The per-rank records of scenario `name` in a scenario script's result (error if it failed)."""
+    scenario = run["scenarios"][name]
+    assert "error" not in scenario, scenario.get("traceback") or scenario.get("error")
+    return scenario["ranks"]

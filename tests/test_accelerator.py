@@ -321,23 +321,11 @@ def test_ddp_two_processes_gloo(tmp_path):
     ACCELERATE_USE_CPU=False and Accelerate then sees one process; so torchrun is called directly
     with the variables `accelerate launch --mixed_precision fp8` exports.
     """
-    import json
-    import subprocess
-    import sys
-
-    from conftest import free_port
+    from conftest import run_two_ranks
 
     script = os.path.join(os.path.dirname(__file__), "distributed", "ddp_train.py")
-    out = tmp_path / "result.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    # CUDA_VISIBLE_DEVICES="": the ranks are CPU processes on a CUDA host too (tests/conftest.py cpu_host)
-    env.update(ACCELERATE_USE_CPU="1", ACCELERATE_MIXED_PRECISION="fp8", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1",
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           script, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_two_ranks(script, out=tmp_path / "result.json", timeout=600, ACCELERATE_USE_CPU="1",
+                           ACCELERATE_MIXED_PRECISION="fp8")
     assert result["world_size"] == 2 and result["engine"] == "ddp"
     assert result["fp8_modules"] == ["2", "4"]
     assert result["max_param_diff_across_ranks"] == 0.0

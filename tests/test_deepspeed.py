@@ -7,12 +7,10 @@ message naming the combination and what to use instead.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from conftest import scenario_ranks as ranks
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("deepspeed")
@@ -24,26 +22,13 @@ WORKING = ["torchao", "optimizer_states_fp8", "comm_fp32"]
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda s: f"zero{s}")
 def run(request, tmp_path_factory):
-    from conftest import free_port
+    from conftest import run_two_ranks
 
     stage = request.param
-    out = tmp_path_factory.mktemp(f"zero{stage}") / "result.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(DS_ACCELERATOR="cpu", ACCELERATE_USE_DEEPSPEED="true", OMP_NUM_THREADS="1",
-               TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           SCRIPT, str(stage), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_two_ranks(SCRIPT, str(stage), out=tmp_path_factory.mktemp(f"zero{stage}") / "result.json",
+                           timeout=600, DS_ACCELERATOR="cpu", ACCELERATE_USE_DEEPSPEED="true")
     assert result["stage"] == stage and result["world_size"] == 2
     return result
-
-
-def ranks(run, name):
-    scenario = run["scenarios"][name]
-    assert "error" not in scenario, scenario.get("traceback")
-    return scenario["ranks"]
 
 
 @pytest.mark.parametrize("name", WORKING)

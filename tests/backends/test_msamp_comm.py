@@ -14,11 +14,8 @@ power-of-two scale computed from the global amax (all_reduce MAX).
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -33,18 +30,10 @@ LEVELS = ["O1", "O2"]
 
 
 def _launch(tmp_path_factory, mode: str) -> dict:
-    from conftest import free_port
+    from conftest import run_two_ranks
 
-    out = tmp_path_factory.mktemp(f"msamp_{mode}") / "result.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    # CUDA_VISIBLE_DEVICES="": the ranks are CPU processes on a CUDA host too (tests/conftest.py cpu_host)
-    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1",
-               CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           SCRIPT, mode, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_two_ranks(SCRIPT, mode, out=tmp_path_factory.mktemp(f"msamp_{mode}") / "result.json",
+                           ACCELERATE_USE_CPU="1")
     assert result["world_size"] == 2
     return result
 

@@ -25,7 +25,9 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "distributed", "fsdp2_o3.
 def ranks(tmp_path_factory):
     from conftest import run_two_ranks
 
-    return run_two_ranks(SCRIPT, tmp_path_factory.mktemp("fsdp2_o3") / "result.json")
+    result = run_two_ranks(SCRIPT, out=tmp_path_factory.mktemp("fsdp2_o3") / "result.json")
+    assert len(result) == 2
+    return result
 
 
 @pytest.mark.slow

@@ -21,7 +21,9 @@ CASES = ["torch.float32-sum", "torch.float32-avg", "torch.bfloat16-sum", "torch.
 def ranks(tmp_path_factory):
     from conftest import run_two_ranks
 
-    return run_two_ranks(SCRIPT, tmp_path_factory.mktemp("fsdp2_comm") / "result.json")
+    result = run_two_ranks(SCRIPT, out=tmp_path_factory.mktemp("fsdp2_comm") / "result.json")
+    assert len(result) == 2
+    return result
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -8,12 +8,10 @@ scale, so every rank holds the same bytes and steps to the same parameters.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from conftest import scenario_ranks as ranks
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchao")
@@ -25,25 +23,11 @@ COMM = ["comm_fp8", "comm_bf16", "comm_fp32", "O1_comm_fp8"]
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from conftest import free_port
+    from conftest import run_two_ranks
 
-    out = tmp_path_factory.mktemp("stores_ddp") / "result.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1",
-               CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           SCRIPT, str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = run_two_ranks(SCRIPT, out=tmp_path_factory.mktemp("stores_ddp") / "result.json", ACCELERATE_USE_CPU="1")
     assert result["world_size"] == 2
     return result
-
-
-def ranks(run, name):
-    scenario = run["scenarios"][name]
-    assert "error" not in scenario, scenario.get("error")
-    return scenario["ranks"]
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
