@@ -3,8 +3,11 @@
     accelerate launch --multi_gpu --num_processes 2 tests/distributed/gpu_engines.py \
         --backend te --recipe current --engine fsdp2 --out result.json
 
-Engines: ddp (Accelerate's MULTI_GPU) or fsdp2 (FullyShardedDataParallelPlugin(fsdp_version=2),
-one shard unit per decoder layer). Evidence written by rank 0:
+Engines: ddp (Accelerate's MULTI_GPU), fsdp2 (FullyShardedDataParallelPlugin(fsdp_version=2), one
+shard unit per decoder layer) or zero1/zero2/zero3 (DeepSpeedPlugin, BF16, gradient clipping in
+DeepSpeed's config). `--backend bf16` is the baseline: the same run without FP8. A combination that
+`prepare()` refuses is recorded with its message (exit 0). Every run records speed (median step,
+tokens/s), the peak GPU memory of each rank and the losses. Evidence written by rank 0:
 - te: every TE Linear reported `fp8 == True` in its forward hook during training steps;
 - torchao: every Float8Linear ran, and under FSDP2 its weight is torchao's FP8 all-gather subclass
   with a precomputed scale (the post-step hook ran);
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
 
 from lowprec import Accelerator, FP8RecipeKwargs
+from lowprec.backends.base import BackendUnavailableError
 from lowprec.export import BACKEND_ATTR
 
 
@@ -33,13 +38,17 @@ def main() -> None:
     p.add_argument("--backend", default="te")
     p.add_argument("--recipe", default=None)
     p.add_argument("--opt-level", default=None)
-    p.add_argument("--engine", choices=["ddp", "fsdp2"], default="ddp")
+    p.add_argument("--engine", choices=["ddp", "fsdp2", "zero1", "zero2", "zero3"], default="ddp")
     p.add_argument("--grad-comm-dtype", choices=["fp32", "bf16", "fp8"], default=None)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="small")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
+    from lowprec.demo.data import Windows, stdlib_corpus
+    from lowprec.demo.model import PRESETS, build_model
+
+    preset = PRESETS[args.size]
     kwargs = {}
     if args.engine == "fsdp2":
         from accelerate.utils import FullyShardedDataParallelPlugin
@@ -48,26 +57,46 @@ def main() -> None:
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True,
         )
-    recipe = FP8RecipeKwargs(backend=args.backend, recipe=args.recipe or None, opt_level=args.opt_level,
-                             grad_comm_dtype=args.grad_comm_dtype)
-    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
+    elif args.engine.startswith("zero"):
+        from accelerate.utils import DeepSpeedPlugin
 
-    from lowprec.demo.data import Windows, stdlib_corpus
-    from lowprec.demo.model import PRESETS, build_model
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config={
+            "train_micro_batch_size_per_gpu": preset.batch, "gradient_accumulation_steps": 1,
+            "train_batch_size": preset.batch * world, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": int(args.engine[-1]), "stage3_gather_16bit_weights_on_model_save": True},
+        })
+    refusals = (ValueError, NotImplementedError, BackendUnavailableError)
+    try:
+        if args.backend == "bf16":
+            accelerator = Accelerator(mixed_precision="bf16", **kwargs)
+        else:
+            recipe = FP8RecipeKwargs(backend=args.backend, recipe=args.recipe or None, opt_level=args.opt_level,
+                                     grad_comm_dtype=args.grad_comm_dtype)
+            accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
 
-    torch.manual_seed(0)
-    preset = PRESETS[args.size]
-    model = build_model(preset)
-    corpus = stdlib_corpus(max_bytes=8 * 2**20)
-    data = Windows(corpus.train, preset.seq_len, args.steps * preset.batch * accelerator.num_processes, seed=0)
-    loader = torch.utils.data.DataLoader(data, batch_size=preset.batch)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        torch.manual_seed(0)
+        model = build_model(preset)
+        corpus = stdlib_corpus(max_bytes=8 * 2**20)
+        data = Windows(corpus.train, preset.seq_len, args.steps * preset.batch * accelerator.num_processes, seed=0)
+        loader = torch.utils.data.DataLoader(data, batch_size=preset.batch)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    except refusals as exc:  # a refused combination: its message is the result
+        if os.environ.get("RANK", "0") == "0":
+            with open(args.out, "w") as fh:
+                json.dump({"backend": args.backend, "opt_level": args.opt_level, "engine": args.engine,
+                           "refused": f"{type(exc).__name__}: {exc}"}, fh, indent=1)
+        return
     plan = accelerator.precision_plan
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
 
     fp8_flags: list[bool] = []
-    if plan.backend == "te":
+    if plan is None:
+        fp8_modules = []
+    elif plan.backend == "te":
         import transformer_engine.pytorch as te
 
         fp8_modules = [m for m in inner.modules() if isinstance(m, te.Linear)]
@@ -81,7 +110,7 @@ def main() -> None:
             m.register_forward_hook(lambda mod, i, o: fp8_flags.append(True))
 
     gathered_types: set[str] = set()
-    if plan.opt_level == "O3":
+    if plan is not None and plan.opt_level == "O3":
         for m in fp8_modules:
             # a pre-hook: FSDP2's own post-forward hook reshards before a forward hook would look
             m.register_forward_pre_hook(lambda mod, i: gathered_types.add(type(mod.weight).__name__))
@@ -94,7 +123,9 @@ def main() -> None:
         t0 = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
-        if step == args.steps - 1:  # weights, gradients and states all held: the peak model state
+        if step == args.steps - 1 and not args.engine.startswith("zero"):
+            # weights, gradients and states all held: the peak model state (DeepSpeed keeps its own
+            # flat copies, which this does not see: its runs report peak memory only)
             state_bytes = model_state_bytes(inner, optimizer, getattr(inner, BACKEND_ATTR, None))
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -103,16 +134,17 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
 
     evidence = {}
-    if plan.backend == "torchao" and args.engine == "fsdp2":
+    backend = plan.backend if plan is not None else "bf16"
+    if backend == "torchao" and args.engine == "fsdp2":
         weights = [m.weight for m in fp8_modules]
         local = [getattr(w, "_local_tensor", w) for w in weights]
         evidence["fp8_all_gather_weights"] = sum(type(t).__name__ == "WeightWithDynamicFloat8CastTensor" for t in local)
         evidence["precomputed_scales"] = sum(getattr(t, "_precomputed_scale", None) is not None for t in local)
-    if args.engine == "ddp":
+    if args.engine in ("ddp", "zero1", "zero2"):  # replicated weights
         flat = torch.cat([q.detach().float().flatten() for q in inner.parameters()])
         gathered = accelerator.gather(flat.unsqueeze(0))
         evidence["max_param_diff_across_ranks"] = (gathered[0] - gathered[1]).abs().max().item()
-    if plan.opt_level == "O3":
+    if plan is not None and plan.opt_level == "O3":
         opt = getattr(optimizer, "optimizer", optimizer)
         evidence["o3"] = {
             "master_locals": sorted({type(getattr(m.weight, "_local_tensor", m.weight)).__name__ for m in fp8_modules}),
@@ -120,11 +152,8 @@ def main() -> None:
             "optimizer": type(opt).__name__,
             "state_types": sorted({f"{type(v).__name__} {v.dtype}" for s in opt.state.values() for k, v in s.items()
                                    if k in ("exp_avg", "exp_avg_sq")}),
-            "model_state_bytes_per_param": state_bytes,
-            "planned_bytes_per_param": plan.model_state_bytes_per_param,
-            "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         }
-    elif plan.backend == "msamp":
+    elif backend == "msamp":
         # The last step's FP8 weight gradients, as reduced in FP8: identical bytes and scales on every rank.
         grads = torch.cat([torch.cat([m.fp8_grad_data.view(torch.uint8).flatten().float(), m.fp8_grad_scale.view(1)])
                            for m in fp8_modules])
@@ -135,16 +164,26 @@ def main() -> None:
         evidence["opt_level"] = plan.opt_level
         evidence["ddp_ignores_fp8_weights"] = len(getattr(inner, "_ddp_params_and_buffers_to_ignore", []))
     per_step = sorted(times[5:])[len(times[5:]) // 2] if len(times) > 5 else None
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    peaks = accelerator.gather(torch.tensor([peak], device=accelerator.device))
     if accelerator.is_main_process:
+        tokens = preset.batch * preset.seq_len * accelerator.num_processes
         with open(args.out, "w") as fh:
             json.dump({
-                "backend": plan.backend, "recipe": plan.recipe, "engine": plan.engine, "world_size": plan.world_size,
-                "distributed_type": str(accelerator.distributed_type), "model_type": type(model).__name__,
-                "fp8_modules": len(fp8_modules), "planned_fp8_linears": sum(d.kind == "linear" for d in plan.converted),
+                "backend": backend, "recipe": plan.recipe if plan else None,
+                "opt_level": plan.opt_level if plan else None, "engine": args.engine, "size": args.size,
+                "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
+                "model_type": type(model).__name__,
+                "wrapped_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+                "fp8_modules": len(fp8_modules),
+                "planned_fp8_linears": sum(d.kind == "linear" for d in plan.converted) if plan else 0,
                 "fp8_forward_calls": len(fp8_flags), "all_forwards_in_fp8": bool(fp8_flags) and all(fp8_flags),
                 "first_loss": losses[0], "last_loss": sum(losses[-5:]) / 5, "median_step_s": per_step,
-                "losses": losses, "grad_comm": plan.tensor("grad_comm").dtype,
-                "notes": plan.notes, **evidence,
+                "tokens_per_s": tokens / per_step if per_step else None,
+                "peak_memory_gib_per_rank": peaks.tolist(), "model_state_bytes_per_param": state_bytes,
+                "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
+                "losses": losses, "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
+                "notes": plan.notes if plan else [], **evidence,
             }, fh, indent=1)
     accelerator.wait_for_everyone()
     accelerator.end_training()
