@@ -196,11 +196,17 @@ class Accelerator(_Accelerator):
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
         to_convert = [i for i, obj in enumerate(args)
                       if isinstance(obj, nn.Module) and getattr(obj, _PLAN_ATTR, None) is None]
-        if optimizers and len(to_convert) == 1:
-            # Refuse an optimizer the backend cannot take before the model is changed in place.
-            backend = create_backend(self.fp8_recipe, self.run_context())
-            for opt in optimizers:
-                backend.check_optimizer(getattr(opt, "optimizer", opt))
+        if to_convert:
+            # Refuse an engine setting or an optimizer the backend cannot take before the model is changed in place.
+            context = self.run_context()
+            backend = create_backend(self.fp8_recipe, context)
+            if context.engine == "deepspeed":
+                problem = backend.engine_config_problem(self.state.deepspeed_plugin.deepspeed_config)
+                if problem is not None:
+                    raise ValueError(problem)
+            if len(to_convert) == 1:
+                for opt in optimizers:
+                    backend.check_optimizer(getattr(opt, "optimizer", opt))
         converted = []
         for i in to_convert:
             args[i] = self._convert(args[i])

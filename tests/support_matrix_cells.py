@@ -21,8 +21,12 @@ from torch import nn
 
 BACKENDS = ("te", "torchao", "msamp")
 LEVELS = (None, "O1", "O2", "O3")
-ENGINES = ("single", "ddp", "fsdp2", "deepspeed")
-ENGINE_TITLES = {"single": "one process", "ddp": "DDP", "fsdp2": "FSDP2", "deepspeed": "DeepSpeed ZeRO-1/2/3"}
+ENGINES = ("single", "ddp", "fsdp2", "zero12", "zero3")
+ENGINE_TITLES = {"single": "one process", "ddp": "DDP", "fsdp2": "FSDP2", "zero12": "DeepSpeed ZeRO-1/2",
+                 "zero3": "DeepSpeed ZeRO-3"}
+# lowprec's engine name and the DeepSpeed config (BF16, as Accelerate's plugin fills it for lowprec) per column
+ENGINE_OF = {"zero12": "deepspeed", "zero3": "deepspeed"}
+ZERO_STAGE = {"zero12": 2, "zero3": 3}
 PAGE = os.path.join(os.path.dirname(__file__), "..", "docs", "support-matrix.md")
 
 # Where each engine's cells are run for real (CPU tests in the README's test command; GPU results committed).
@@ -34,8 +38,11 @@ EVIDENCE = {
     "fsdp2": "tests/optim/test_fsdp_comm.py, tests/backends/test_torchao.py and tests/backends/test_msamp_o3.py (msamp "
              "O3: FP8 all-gather, FP8 reduce-scatter, sharded masters and states; fully_shard on two CPU processes); "
              "results/gpu/2026-11-22-h200x2-engines (te, torchao through Accelerate on two H200s)",
-    "deepspeed": "tests/test_deepspeed.py (ZeRO-1, -2 and -3 through Accelerate's plugin, two CPU processes: "
-                 "torchao, optimizer_states, grad_comm_dtype, checkpoints, and the refusals)",
+    "zero12": "tests/test_deepspeed.py (ZeRO-1 and -2 through Accelerate's plugin, two CPU processes: torchao, "
+              "optimizer_states, grad_comm_dtype, msamp O3 against O2 on one process, checkpoints, and the refusals); "
+              "results/gpu/2026-11-23-h200x2-matrix (two H200s)",
+    "zero3": "tests/test_deepspeed.py (ZeRO-3 through Accelerate's plugin, two CPU processes); "
+             "results/gpu/2026-11-23-h200x2-matrix (two H200s)",
 }
 
 
@@ -75,8 +82,14 @@ def evaluate(backend: str, level: str | None, engine: str) -> dict:
     with (_te_available() if backend == "te" else contextlib.nullcontext()):
         try:
             recipe = FP8RecipeKwargs(backend=backend, opt_level=level, skip_first_last=False, skip_slow_shapes=False)
-            context = RunContext(device=assumed_device("9.0"), engine=engine, world_size=1 if engine == "single" else 2)
+            context = RunContext(device=assumed_device("9.0"), engine=ENGINE_OF.get(engine, engine),
+                                 world_size=1 if engine == "single" else 2)
             adapter = create_backend(recipe, context)
+            if engine in ZERO_STAGE:
+                problem = adapter.engine_config_problem({"zero_optimization": {"stage": ZERO_STAGE[engine]},
+                                                         "bf16": {"enabled": True}})
+                if problem is not None:
+                    raise ValueError(problem)
             model = _model()
             plan = build_plan(model, recipe, context=context, backend=adapter)
             with torch.no_grad():

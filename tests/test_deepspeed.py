@@ -100,3 +100,62 @@ def test_te_recipe_is_honoured_under_deepspeed(run):
         assert sum(r["losses"][-3:]) < 0.75 * sum(r["losses"][:3])
     if run["stage"] < 3:
         assert a["params"] == b["params"]
+
+
+def _o3(run):
+    if run["stage"] == 3:
+        pytest.skip("O3 runs under ZeRO-1/2 (ZeRO-3 is refused: test_o3_under_zero3_names_what_to_use)")
+    return ranks(run, "O3")
+
+
+def test_o3_keeps_fp8_weights_and_owner_masters_beside_deepspeed(run):
+    # MS-AMP's O3 (reference/msamp.md 1.7, 2.3): E4M3 weights with one scale per tensor on every rank,
+    # FP16 masters with E4M3+FP16 Adam states on one rank per whole tensor, FP8 weight gradients
+    a, b = _o3(run)
+    for r in (a, b):
+        o3 = r["o3"]
+        assert r["fp8_forward_calls"] == 3 * 10 and o3["layers"] == 3
+        assert o3["weight_types"] == ["FP8GatheredWeight torch.float8_e4m3fn"]
+        assert o3["grad_dtypes"] == ["torch.float8_e4m3fn"]
+        assert o3["master_dtypes"] == ["torch.float16"]
+        assert o3["state_types"] == ["exp_avg torch.float8_e4m3fn", "exp_avg_sq torch.float16"]
+        # DeepSpeed's ZeRO optimizer holds the biases only
+        assert o3["deepspeed_numel"] == o3["model_numel"] - o3["params"]
+        assert o3["bytes"]["weight"] == o3["bytes"]["grad"] == o3["params"]  # 1 byte each, every rank
+        assert o3["plan_rows"]["weight"].startswith("FP8 E4M3 (Linear, every rank)")
+        assert o3["plan_rows"]["grad_comm"].startswith("FP8 E4M3, shared scale (Linear)")
+    assert a["o3"]["owners"] == b["o3"]["owners"] and set(a["o3"]["owners"]) == {0, 1}
+    assert sorted(a["o3"]["owned"] + b["o3"]["owned"]) == [0, 1, 2]  # each master on exactly one rank
+    # over both ranks: one FP16 master (2 bytes) and one pair of states (1 + 2 bytes, plus scales) per parameter
+    params = a["o3"]["params"]
+    assert a["o3"]["bytes"]["master"] + b["o3"]["bytes"]["master"] == 2 * params
+    assert 3 * params <= a["o3"]["bytes"]["optimizer_states"] + b["o3"]["bytes"]["optimizer_states"] < 3 * params + 64
+    # after every step the owners broadcast the new FP8 weights: identical on every rank, as are the masters
+    assert a["params"] == b["params"] and a["o3"]["masters_digest"] == b["o3"]["masters_digest"]
+
+
+def test_o3_under_zero_trains_like_o2_on_one_process(run):
+    a, b = _o3(run)
+    o3 = [(x + y) / 2 for x, y in zip(a["losses"], b["losses"])]  # the global batch's loss
+    o2, fp32 = a["o2_single"], a["fp32_single"]
+    assert o3[-1] < 0.7 * o3[0]
+    for x, y, z in zip(o3, o2, fp32):
+        # same FP8 GEMMs and states; the FP8 gradient average and DeepSpeed's BF16 biases differ
+        assert abs(x - y) / y < 0.02, (o3, o2)
+        assert abs(x - z) / z < 0.03, (o3, fp32)
+
+
+def test_o3_checkpoints_carry_the_masters(run):
+    a, b = _o3(run)
+    for r in (a, b):
+        assert r["resumed"] == r["continued"]  # masters and states restored exactly by load_state
+        # get_state_dict exports the FP16 masters (gathered from their owners), not the E4M3 weights
+        assert r["o3"]["export_minus_master"] == 0 and r["o3"]["export_minus_fp8"] > 0
+    assert a["state_dict_keys"] == sorted(f"{i}.{p}" for i in (0, 2, 4) for p in ("bias", "weight"))
+
+
+def test_o3_under_zero3_names_what_to_use(run):
+    if run["stage"] != 3:
+        pytest.skip("ZeRO-3 only")
+    error = run["scenarios"]["O3"]["error"]
+    assert error.startswith("ValueError") and "zero_stage=3" in error and "FSDP2" in error and "1 or 2" in error

@@ -510,6 +510,11 @@ class Backend(ABC):
             layer.compile(backend=self.LAYER_COMPILE_BACKEND)
         return len(layers)
 
+    def engine_config_problem(self, config: dict) -> str | None:
+        """Why this backend cannot run under the engine's configuration (a DeepSpeed config dict: its
+        ZeRO stage, fp16), or None. `prepare()` raises it before the engine wraps anything."""
+        return None
+
     def before_engine_prepare(self, objects: list, accelerator=None) -> None:
         """Adjust, in place, the objects about to be handed to Accelerate's `prepare()` (after
         conversion, before the engine wraps them) where this backend's tensors need it.

@@ -9,6 +9,7 @@ process over the same global batches. Where O3 may run, and the plan it prints, 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from lowprec import FP8RecipeKwargs, RunContext, build_plan
 from lowprec.backends import BackendUnavailableError, create_backend
+from lowprec.engines import deepspeed_precision
 from lowprec.hardware import device_info
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "distributed", "fsdp2_o3.py")
@@ -96,18 +98,51 @@ def _backend(engine: str, **kw):
 
 
 @pytest.mark.parametrize("engine, hint", [("single", "opt_level='O2'"), ("ddp", "opt_level='O2'"),
-                                          ("deepspeed", "use FSDP2"), ("fsdp1", "use FSDP2")])
-def test_o3_outside_fsdp2_names_what_to_use(engine, hint):
+                                          ("fsdp1", "use FSDP2")])
+def test_o3_outside_fsdp2_and_deepspeed_names_what_to_use(engine, hint):
     with pytest.raises(BackendUnavailableError, match="opt_level='O3'") as err:
         _backend(engine)
-    assert hint in str(err.value) and "FSDP2" in str(err.value)
+    assert hint in str(err.value) and "FSDP2 and DeepSpeed ZeRO-1/2" in str(err.value)
 
 
+@pytest.mark.parametrize("config, message", [
+    ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, "not zero_stage=3.*FSDP2"),
+    ({"zero_optimization": {"stage": 0}}, "not zero_stage=0.*opt_level='O2'"),
+    ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, "not fp16.*mixed_precision='fp8'"),
+])
+def test_o3_under_deepspeed_refuses_zero3_no_zero_and_fp16(config, message):
+    backend = _backend("deepspeed")
+    assert backend.zero_o3 and not backend.sharded
+    assert re.search(message, backend.engine_config_problem(config))
+    assert backend.engine_config_problem({"zero_optimization": {"stage": 1}, "bf16": {"enabled": "auto"}}) is None
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_o1_o2_under_fsdp2_point_at_o3(level):
-    with pytest.raises(BackendUnavailableError, match="opt_level='O3' under FSDP2"):
+def test_o1_o2_under_sharded_engines_point_at_o3(level, engine):
+    with pytest.raises(BackendUnavailableError, match="opt_level='O3' under FSDP2 or DeepSpeed ZeRO-1/2"):
         create_backend(FP8RecipeKwargs(backend="msamp", opt_level=level),
-                       RunContext(device=device_info("cpu"), engine="fsdp2", world_size=2))
+                       RunContext(device=device_info("cpu"), engine=engine, world_size=2))
+
+
+def test_o3_plan_under_deepspeed_shows_fp8_weights_and_owner_masters():
+    model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 64))
+    recipe = FP8RecipeKwargs(backend="msamp", opt_level="O3", skip_first_last=False)
+    context = RunContext(device=device_info("cpu"), engine="deepspeed", world_size=4,
+                         precision=deepspeed_precision({"bf16": {"enabled": True}}))
+    backend = create_backend(recipe, context)
+    plan = build_plan(model, recipe, context=context, backend=backend)
+    assert plan.tensor("weight").dtype == "FP8 E4M3 (Linear, every rank), BF16 (rest)"
+    assert plan.tensor("master_weight").dtype == "FP16 (Linear, whole tensors over 4 ranks), FP32 (rest)"
+    assert plan.tensor("grad_comm").dtype == "FP8 E4M3, shared scale (Linear), BF16 (rest)"
+    assert plan.tensor("optimizer_states").dtype == "FP8 E4M3+FP16"
+    share = plan.fp8_param_share
+    # Linear: 1 + 1 + (2 + 3) / N; the rest as DeepSpeed keeps it: BF16 weight and gradient, FP32 master, states
+    expected = share * (1 + 1 + 5 / 4) + (1 - share) * (2 + 2 + (4 + 3) / 4)
+    assert plan.model_state_bytes_per_param == pytest.approx(expected)
+    converted = backend.convert(model, plan)
+    assert not converted[0].sharded_master and converted[0].weight.dtype == torch.float16
+    assert converted[0].fp8_grad_data.dtype == torch.float8_e4m3fn and not backend.grad_stores
 
 
 def test_o3_plan_shows_sharded_masters_fp8_weights_and_fp8_reduce_scatter():

@@ -32,6 +32,7 @@ from torch import nn
 D_IN, D_HIDDEN, D_OUT = 32, 64, 16
 MICRO_BATCH = 16
 STEPS = 10
+TE_MODULES = "lowprec.backends.te.modules"
 SCENARIOS = {
     "torchao": {},
     "optimizer_states_fp8": dict(optimizer_states="fp8"),
@@ -39,6 +40,8 @@ SCENARIOS = {
     "comm_fp8": dict(grad_comm_dtype="fp8"),  # refused: DeepSpeed cannot send FP8
     "O1": dict(opt_level="O1"),  # refused until sharded FP8 weight gradients exist
     "msamp": dict(backend="msamp"),
+    # FP8 weights, owner-held FP16 masters and O2 states beside DeepSpeed's ZeRO optimizer (stages 1/2)
+    "O3": dict(backend="msamp", opt_level="O3"),
     # TransformerEngine's test double on an assumed H100: lowprec's te.autocast around every forward
     # under DeepSpeed (Accelerate's own TE path ignores TERecipeKwargs there)
     "te": dict(backend="te", recipe="delayed"),
@@ -118,6 +121,70 @@ def _fake_te_on_an_h100():
         yield
 
 
+def single_process_losses(level: str | None) -> list[float]:
+    """The global batch's loss (both ranks' rows) per step on one process: msamp at `level`, or FP32
+    (None); AdamW and clipping as in the DeepSpeed runs."""
+    from lowprec import FP8RecipeKwargs, RunContext, build_plan
+    from lowprec.backends import create_backend
+    from lowprec.hardware import device_info
+
+    model = make_model()
+    backend = None
+    if level is not None:
+        recipe = FP8RecipeKwargs(backend="msamp", opt_level=level, skip_first_last=False, skip_slow_shapes=False)
+        context = RunContext(device=device_info("cpu"), engine="single", world_size=1)
+        backend = create_backend(recipe, context)
+        model = backend.convert(model, build_plan(model, recipe, context=context, backend=backend))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if backend is not None:
+        optimizer = backend.wrap_optimizer(optimizer, None)
+    hook = backend.post_optimizer_step(model) if backend is not None else None
+    losses = []
+    for step in range(STEPS):
+        xs, ys = zip(*(batch(step, rank) for rank in range(dist.get_world_size())))
+        loss = nn.functional.mse_loss(model(torch.cat(xs)).float(), torch.cat(ys))
+        loss.backward()
+        if backend is not None:
+            backend.clip_grad_norm_(list(model.parameters()), 1.0)
+        else:
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        if hook is not None:
+            hook()
+        losses.append(loss.item())
+    return losses
+
+
+def o3_record(accelerator, inner) -> dict:
+    """What O3 keeps where on this rank: FP8 weights, owned masters and their states (collective)."""
+    backend = accelerator._lowprec[-1][1]
+    zero = backend.zero
+    layers = zero.layers
+    masters = zero.full_masters()
+    exported = backend.portable_state_dict(inner.state_dict())
+    return {
+        "weight_types": sorted({f"{type(m.weight).__name__} {m.weight._data.dtype}" for m in layers}),
+        "grad_dtypes": sorted({str(m.fp8_grad_data.dtype) for m in layers}),
+        "layers": len(layers), "owned": sorted(zero.masters), "owners": zero.owners,
+        "master_dtypes": sorted({str(t.dtype) for t in zero.masters.values()}),
+        "state_types": sorted({f"{k} {v.dtype}" for st in zero.optimizer.state.values() for k, v in st.items()
+                               if k in ("exp_avg", "exp_avg_sq")}),
+        # DeepSpeed's ZeRO optimizer holds every parameter but the converted weights
+        "deepspeed_numel": sum(p.numel() for grp in accelerator._optimizers[0].optimizer.bit16_groups for p in grp),
+        "model_numel": sum(p.numel() for p in inner.parameters()),
+        "masters_digest": digest(*[masters[n].float() for n in zero.names]),
+        # the exported weights are the FP16 masters, not the E4M3 weights the GEMMs read
+        "export_minus_master": max((exported[f"{n}.weight"].float() - masters[n].float().cpu()).abs().max().item()
+                                   for n in zero.names),
+        "export_minus_fp8": max((exported[f"{n}.weight"].float() - m.weight.dequantize().float().cpu()).abs().max()
+                                .item() for n, m in zip(zero.names, layers)),
+        "bytes": zero.model_state_bytes(), "params": sum(m.weight.numel() for m in layers),
+        "planned_bytes_per_param": accelerator.precision_plan.model_state_bytes_per_param,
+        "plan_rows": {t.kind: t.dtype for t in accelerator.precision_plan.tensors},
+    }
+
+
 def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
     accelerator = accelerator_for(stage, **knobs)
     model = make_model()
@@ -126,7 +193,7 @@ def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
     inner = accelerator.unwrap_model(model)
     fp8_calls = []
     for module in inner.modules():
-        if type(module).__name__ == "Float8Linear" or type(module).__module__ == "lowprec.backends.te.modules":
+        if type(module).__name__ in ("Float8Linear", "FP8Linear") or type(module).__module__.startswith(TE_MODULES):
             module.register_forward_hook(lambda *_: fp8_calls.append(1))
     plan = accelerator.precision_plan
     config = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -143,6 +210,11 @@ def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
     }
     record["losses"] = run_steps(accelerator, model, optimizer, range(STEPS))
     record["fp8_forward_calls"] = len(fp8_calls)
+    if knobs.get("opt_level") == "O3":
+        record["o3"] = o3_record(accelerator, inner)
+        if dist.get_rank() == 0:
+            record["o2_single"] = single_process_losses("O2")
+            record["fp32_single"] = single_process_losses(None)
     if stage < 3:  # replicated weights: every rank must hold the same ones
         record["params"] = digest(*[p.detach().float() for p in inner.parameters()])
     if not checkpoint:
@@ -189,6 +261,7 @@ def main(argv: list[str]) -> None:
             results[name] = {"ranks": ranks}
         except Exception as exc:  # noqa: BLE001 - recorded for the pytest side
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+            print(traceback.format_exc(), file=sys.stderr, flush=True)
         if dist.is_initialized():
             dist.barrier()
     if dist.get_rank() == 0:

@@ -146,6 +146,12 @@ def main() -> None:
         evidence["max_param_diff_across_ranks"] = (gathered[0] - gathered[1]).abs().max().item()
     if plan is not None and plan.opt_level == "O3":
         opt = getattr(optimizer, "optimizer", optimizer)
+        zero = getattr(accelerator._lowprec[-1][1], "zero", None)
+        if zero is not None:  # under DeepSpeed: the masters and states sit beside DeepSpeed's optimizer
+            opt = zero.optimizer
+            evidence["o3_zero"] = {"owners": zero.owners, "owned_here": sorted(zero.masters),
+                                   "bytes_rank0": zero.model_state_bytes(),
+                                   "params": sum(m.weight.numel() for m in fp8_modules)}
         evidence["o3"] = {
             "master_locals": sorted({type(getattr(m.weight, "_local_tensor", m.weight)).__name__ for m in fp8_modules}),
             "gathered_in_forward": sorted(gathered_types),

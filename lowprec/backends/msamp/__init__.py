@@ -7,11 +7,12 @@ The three jobs of the adapter:
 3. communication precision: under DDP the FP8 weight gradients are averaged in FP8 with a shared
    scale (`FP8GradReducer`); other gradients go through DDP as usual.
 
-O3 runs under FSDP2 only: the FP16 weights are masters that FSDP2 shards and all-gathers in E4M3
-(`fsdp.FP8MasterWeight`), gradients are reduce-scattered in FP8 and kept sharded in `.grad`, and the
-O2 states are sharded with them. Every converted layer is a FSDP2 group of its own
-(`fully_shard_fp8_layers`): FSDP2 needs one parameter dtype per group, and the rest of the model
-keeps its own.
+O3 runs under FSDP2 and DeepSpeed ZeRO-1/2. Under FSDP2 the FP16 weights are masters that FSDP2
+shards and all-gathers in E4M3 (`fsdp.FP8MasterWeight`), gradients are reduce-scattered in FP8 and
+kept sharded in `.grad`, and the O2 states are sharded with them. Every converted layer is a FSDP2
+group of its own (`fully_shard_fp8_layers`): FSDP2 needs one parameter dtype per group, and the
+rest of the model keeps its own. Under DeepSpeed the converted weights are kept out of DeepSpeed's
+ZeRO optimizer: E4M3 on every rank, FP16 masters and O2 states on one rank each (`zero`).
 """
 
 from __future__ import annotations
@@ -40,27 +41,28 @@ log = logging.getLogger(__name__)
 DEFAULT_LEVEL = "O2"
 DEFAULT_WINDOW = 16  # MS-AMP's DEFAULT_WINDOW_SIZE for input and output-gradient scales
 # Where each level runs: O1/O2 keep whole FP8 gradients on every rank, O3 needs an engine that shards.
-LEVEL_ENGINES: dict[str, tuple[str, ...]] = {"O1": ("single", "ddp"), "O2": ("single", "ddp"), "O3": ("fsdp2",)}
+LEVEL_ENGINES: dict[str, tuple[str, ...]] = {"O1": ("single", "ddp"), "O2": ("single", "ddp"),
+                                             "O3": ("fsdp2", "deepspeed")}
+ZERO_STAGES = (1, 2)  # DeepSpeed stages O3 runs under: ZeRO-3 would partition the FP8 weights' modules
 
 
 def _engine_problem(level: str, engine: str) -> str | None:
     if engine in LEVEL_ENGINES[level]:
         return None
     if level == "O3":
-        if engine == "deepspeed":
-            where = ("DeepSpeed ZeRO does not host it in this version of lowprec (its ZeRO optimizer keeps its own "
-                     "BF16/FP32 copies of every weight); use FSDP2 (fsdp_version: 2)")
-        elif engine == "fsdp1":
+        if engine == "fsdp1":
             where = "FSDP1 has no all-gather extension to send FP8 weights; use FSDP2 (fsdp_version: 2)"
         else:
             where = ("with nothing to shard across, use opt_level='O2' (FP16 weights, FP8 gradients, FP8+FP16 states: "
                      "6 bytes per parameter), or run under FSDP2")
         return (f"FP8RecipeKwargs(backend='msamp', opt_level='O3') shards FP16 master weights and the O2 optimizer "
-                f"states across ranks and all-gathers the weights in FP8: it runs under FSDP2; under {engine!r} "
+                f"states across ranks and all-gathers the weights in FP8: it runs under FSDP2 and DeepSpeed ZeRO-1/2; "
+                f"under {engine!r} "
                 f"{where}")
     return (f"backend 'msamp' at level {level} (FP8 weight gradients kept whole on its layers) runs on one process or "
-            f"under DDP; engine {engine!r} is not supported at this level. Use opt_level='O3' under FSDP2 (sharded "
-            "FP16 masters, FP8 all-gather and reduce-scatter), or backend='te' / 'torchao' with FSDP2 / DeepSpeed")
+            f"under DDP; engine {engine!r} is not supported at this level. Use opt_level='O3' under FSDP2 or DeepSpeed "
+            "ZeRO-1/2 (FP8 weights, FP16 masters and FP8+FP16 states sharded across ranks), or backend='te' / "
+            "'torchao' with FSDP2 / DeepSpeed")
 
 
 class MSAMPBackend(Backend):
@@ -76,7 +78,9 @@ class MSAMPBackend(Backend):
         super().__init__(recipe, context)
         self.weight_dtype = WEIGHT_DTYPES[self.storage["weight_dtype"] or "fp16"]
         self.layers: list[FP8Linear] = []
+        self._layer_names: list[str] = []
         self._original_dtypes: dict[str, torch.dtype] = {}
+        self.zero = None  # zero.ZeroFP8Weights under DeepSpeed O3, from before_engine_prepare
 
     # ----- selection ----------------------------------------------------------------------------
     @property
@@ -85,12 +89,18 @@ class MSAMPBackend(Backend):
 
     @property
     def sharded(self) -> bool:
-        """Level O3: FP16 master shards, FP8 all-gather (under FSDP2)."""
-        return self.level == "O3"
+        """Level O3 under FSDP2: FP16 master shards, FP8 all-gather."""
+        return self.level == "O3" and self.context.engine != "deepspeed"
+
+    @property
+    def zero_o3(self) -> bool:
+        """Level O3 under DeepSpeed ZeRO-1/2: FP8 weights and owner-held masters beside DeepSpeed."""
+        return self.level == "O3" and self.context.engine == "deepspeed"
 
     @property
     def grad_comm_choice(self) -> str | None:
-        # O3's row: gradients reduce-scattered in FP8 unless the recipe names another dtype
+        # O3's row under FSDP2: gradients reduce-scattered in FP8 unless the recipe names another dtype.
+        # Under DeepSpeed the FP8 layers' gradients go in FP8 on their own; the rest as DeepSpeed sends them.
         return self.recipe.grad_comm_dtype or ("fp8" if self.sharded else None)
 
     def candidate_kind(self, module: nn.Module) -> str | None:
@@ -137,9 +147,17 @@ class MSAMPBackend(Backend):
             if self.sharded and module.bias is not None:  # O3 stores the bias in the weight's dtype too
                 self._original_dtypes[prefix + "bias"] = module.bias.dtype
         root = swap_planned_modules(model, plan, lambda module, _: FP8Linear.from_float(module, **options))
-        self.layers = list({id(m): m for m in root.modules() if isinstance(m, FP8Linear)}.values())
+        named = {}
+        for name, m in root.named_modules():
+            if isinstance(m, FP8Linear) and id(m) not in named:
+                named[id(m)] = (name, m)
+        self._layer_names = [name for name, _ in named.values()]
+        self.layers = [m for _, m in named.values()]
         if self.sharded:
             return root  # gradients go through FSDP2's .grad; no stores, nothing for DDP
+        if self.zero_o3:  # zero.ZeroFP8Weights averages and reads the FP8 gradients, not the optimizer
+            clear_in_zero_grad(root, self.layers)
+            return root
         # The layers hold their FP8 weight gradients as gradient stores do: the base adapter's
         # optimizer swap, clipping, zero_grad and DDP reduction (FP8GradReducer) serve both.
         self.grad_stores = self.layers
@@ -157,6 +175,8 @@ class MSAMPBackend(Backend):
         While Accelerate prepares, the layers' parameters are frozen: under mixed precision it upcasts
         every trainable parameter that is not FP32, which would make FP32 masters of the FP16 ones.
         `setup_communication` thaws them once Accelerate is done."""
+        if self.zero_o3 and accelerator is not None:
+            self._detach_for_deepspeed(objects, accelerator)
         if not self.sharded or accelerator is None:
             return
         from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -186,14 +206,69 @@ class MSAMPBackend(Backend):
         for p in self._frozen:
             p.requires_grad_(False)
 
+    def engine_config_problem(self, config: dict) -> str | None:
+        if not self.zero_o3:
+            return None
+        stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+        if stage not in ZERO_STAGES:
+            return (
+                f"FP8RecipeKwargs(backend='msamp', opt_level='O3') runs under DeepSpeed ZeRO stage 1 or 2 (as MS-AMP's "
+                f"O3 did), not zero_stage={stage}: "
+                + ("ZeRO-3 partitions the modules' parameters itself and cannot hold E4M3 weights. Use zero_stage 1 "
+                   "or 2, or FSDP2 (fsdp_version: 2), where O3 also shards the FP8 weights" if stage == 3 else
+                   "without ZeRO there is nothing to shard the masters with. Use zero_stage 1 or 2, or "
+                   "opt_level='O2'")
+            )
+        if (config.get("fp16") or {}).get("enabled") in (True, "true"):
+            return ("FP8RecipeKwargs(backend='msamp', opt_level='O3') under DeepSpeed runs with bf16 (or no) mixed "
+                    "precision, not fp16: DeepSpeed's fp16 loss scaling would scale gradients lowprec keeps outside "
+                    "DeepSpeed. Set mixed_precision='fp8' (lowprec runs the rest in bf16) and remove the fp16 section")
+        return None
+
+    def _detach_for_deepspeed(self, objects: list, accelerator) -> None:
+        """O3 under DeepSpeed: check the ZeRO stage and precision, take the converted weights out of
+        the optimizer DeepSpeed will wrap, and register their masters for save_state/load_state."""
+        from .zero import ZeroFP8Weights
+
+        problem = self.engine_config_problem(accelerator.state.deepspeed_plugin.deepspeed_config)
+        if problem is not None:
+            raise ValueError(problem)
+        optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+        if len(optimizers) != 1:
+            raise ValueError(
+                "FP8RecipeKwargs(backend='msamp', opt_level='O3') under DeepSpeed keeps the converted Linears' "
+                f"masters itself and takes their hyper-parameters from the optimizer: pass exactly one optimizer to "
+                f"prepare() together with the model (got {len(optimizers)})"
+            )
+        self.zero = ZeroFP8Weights(self.layers, self._layer_names)
+        self.zero.detach_from(optimizers[0])
+        accelerator.register_for_checkpointing(self.zero)
+
     def setup_communication(self, model: nn.Module, plan: PrecisionPlan) -> None:
         super().setup_communication(model, plan)
         for p in getattr(self, "_frozen", ()):
             p.requires_grad_(True)
         self._frozen = []
+        if self.zero is not None:
+            self.zero.install(engine=model)
+
+    def after_backward(self, sync_gradients: bool) -> None:
+        super().after_backward(sync_gradients)
+        if self.zero is None or not sync_gradients:
+            return
+        # Accelerate has run DeepSpeed's step by now (its backward steps at the boundary): the rest of
+        # the model is updated and DeepSpeed's pre-clip norm of its own gradients is known.
+        engine = self.zero.engine
+        max_norm = engine.gradient_clipping() if engine is not None else None
+        norm = engine.get_global_grad_norm() if max_norm else None
+        self.zero.step(max_norm=max_norm, engine_norm=float(norm) if norm is not None else None)
+        update_delayed_scales(self.layers)
 
     # ----- step hooks -------------------------------------------------------------------------------
     def post_optimizer_step(self, model: nn.Module) -> Callable[[], None] | None:
+        if self.zero_o3:
+            return None  # stepped from after_backward, after DeepSpeed's own step
+
         def after_step():
             update_delayed_scales(self.layers)
             if self.sharded:  # O3: the next gathers' weight scales, in one all-reduce
@@ -216,6 +291,11 @@ class MSAMPBackend(Backend):
         return None if self.sharded else "in FP8 on its layers (FP8Linear)"
 
     def portable_state_dict(self, state_dict: dict) -> dict:
+        if self.zero is not None and self.zero.optimizer is not None:
+            # the true weights are the FP16 masters, one rank each: a collective, as under ZeRO-3
+            masters = self.zero.full_masters()
+            state_dict = {**state_dict, **{f"{name}.weight": masters[name] for name in masters
+                                           if f"{name}.weight" in state_dict}}
         dtypes = self._original_dtypes  # state-dict key -> the dtype the unconverted model had
         state_dict = {k: v.to(dtypes[k]) if k in dtypes and isinstance(v, torch.Tensor) else v
                       for k, v in state_dict.items()}
@@ -261,6 +341,23 @@ class MSAMPBackend(Backend):
                                 "from autograd to FSDP2's reduce-scatter (see grad comm), kept sharded in .grad"),
                 self.optimizer_state_precision(hp),
             ]
+        if self.zero_o3:
+            n, ep = self.context.world_size, self.context.engine_precision
+            rest, rest_master = ep.weight or hp, ep.master_weight or hp
+            return [
+                TensorPrecision("gemm", gemm, scaling.replace("weights from their current amax", "weights as stored")),
+                TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (Linear), {comm.dtype} (rest)",
+                                "weight grads averaged by lowprec once per step (amax all-reduced, FP8 all_to_all, "
+                                "FP32 sum, FP8 all_gather); the rest by DeepSpeed"),
+                TensorPrecision("weight", f"FP8 E4M3 (Linear, every rank), {rest} (rest)",
+                                "one power-of-2 scale per tensor, requantised from the master by its owner after each "
+                                "step and broadcast"),
+                TensorPrecision("master_weight", f"{wdt} (Linear, whole tensors over {n} ranks), {rest_master} (rest)",
+                                "MS-AMP's ZeRO assignment: largest first to the least-loaded rank"),
+                TensorPrecision("weight_grad", f"FP8 E4M3 (Linear), {rest} (rest)",
+                                "current per-tensor power-of-2 scale; micro-batches dequantise + add + requantise"),
+                self.optimizer_state_precision(hp),
+            ]
         return [
             TensorPrecision("gemm", gemm, scaling),
             comm,
@@ -283,6 +380,18 @@ class MSAMPBackend(Backend):
                 "master_weight": share * master / n,
                 "optimizer_states": float(state_bytes(self.optimizer_states)) / n,
             }
+        if self.zero_o3:
+            # per rank: FP8 weight and gradient everywhere, FP16 master + O2 states on one rank per
+            # tensor; the rest as DeepSpeed keeps it (BF16 weight and gradient, FP32 master partition)
+            n = self.context.world_size
+            engine = self.engine_state_bytes(param_dtype)
+            rest_w, rest_master = engine.get("weight", size), engine.get("master_weight", 0.0)
+            return {
+                "weight": share * 1 + (1 - share) * rest_w,
+                "weight_grad": share * 1 + (1 - share) * rest_w,
+                "master_weight": share * self.weight_dtype.itemsize / n + (1 - share) * rest_master / n,
+                "optimizer_states": float(state_bytes(self.optimizer_states)) / n,
+            }
         return {
             "weight": share * self.weight_dtype.itemsize + (1 - share) * size,
             "weight_grad": share * 1 + (1 - share) * size,
@@ -293,7 +402,14 @@ class MSAMPBackend(Backend):
     def notes(self, plan: PrecisionPlan) -> list[str]:
         notes = [f"level {self.level}: Adam/AdamW passed to prepare() becomes lowprec.optim.LowBitAdam(W) with "
                  f"{'sharded ' if self.sharded else ''}FP8+FP16 states; other optimizers are refused"]
-        if self.sharded:
+        if self.zero_o3:
+            notes.append(f"O3 under DeepSpeed ZeRO: model state {plan.model_state_bytes_per_param:.3g} bytes/param per "
+                         "rank (converted Linears: 1 + 1 + 5/N: FP8 weight and gradient on every rank, FP16 master and "
+                         "FP8+FP16 states on one); their weights are kept out of DeepSpeed's optimizer, stepped right "
+                         "after it with the same hyper-parameters, clipped with DeepSpeed's gradient_clipping by the "
+                         "norm over all gradients; call get_state_dict on every rank (the masters are gathered from "
+                         "their owners)")
+        elif self.sharded:
             notes.append(f"O3 under FSDP2: model state {plan.model_state_bytes_per_param:.3g} bytes/param per rank "
                          "(MS-AMP's ZeRO-2 O3: 1 + 6/N, whose FP8 weight copy stays on every rank); each converted "
                          "Linear is a FSDP2 group of its own (its FP16 parameters cannot share one with FP32 norms)")

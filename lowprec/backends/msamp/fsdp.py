@@ -126,9 +126,10 @@ class FP8MasterWeight(torch.Tensor):
 
 
 class FP8GatheredWeight(torch.Tensor):
-    """The unsharded weight as FSDP2 gathered it: E4M3 `_data` with `_scale` (value = _data / _scale),
-    reporting the dtype it stands for. `FP8Linear` reads the bytes directly; any other use sees the
-    dequantised tensor."""
+    """A whole weight in E4M3: `_data` with `_scale` (value = _data / _scale), reporting the dtype it
+    stands for; as FSDP2 gathered it (O3 under FSDP2), or as stored on every rank (O3 under DeepSpeed,
+    `zero`). `FP8Linear` reads the bytes directly; copying into it requantises; any other use sees
+    the dequantised tensor."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -151,6 +152,16 @@ class FP8GatheredWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is aten.copy_.default and isinstance(args[0], FP8GatheredWeight):
+            # new values into a stored FP8 weight (O3 under DeepSpeed: load_state_dict): requantised with
+            # a scale from their own amax, never from NaN
+            weight, src = args
+            src = src.dequantize() if isinstance(src, FP8GatheredWeight) else src
+            with torch.no_grad():
+                scale = compute_scale(tensor_amax(src), E4M3, previous=weight._scale)
+                weight._scale.copy_(scale)
+                weight._data.copy_(quantize(src.to(weight._data.device), scale, E4M3))
+            return weight
         if func in _GATHERED_VIEWS and isinstance(args[0], FP8GatheredWeight):
             weight = args[0]
             data = func(weight._data, *args[1:], **(kwargs or {}))

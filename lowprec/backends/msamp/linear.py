@@ -255,6 +255,10 @@ class FP8Linear(nn.Module):
             # memory: checkpoint writers cannot serialise the all-gather wrapper, and loading copies
             # into the wrapper's FP16 bytes either way.
             destination[prefix + "weight"] = master_view(destination[prefix + "weight"])
+        elif isinstance(self.weight, FP8GatheredWeight):
+            # O3 under DeepSpeed: the stored E4M3 weight, dequantised (plain tensors for any writer); the
+            # exact FP16 masters travel in lowprec's own checkpoint entry (zero.ZeroFP8Weights)
+            destination[prefix + "weight"] = self.weight.dequantize()
 
     @property
     def amax_history(self) -> torch.Tensor:

@@ -1,0 +1,288 @@
+"""MS-AMP O3 under DeepSpeed ZeRO-1/2: FP8 weights kept beside DeepSpeed's ZeRO optimizer.
+
+DeepSpeed's ZeRO optimizer flattens the parameters it is given into BF16 groups with FP32 master
+partitions; it cannot hold E4M3 weights or FP16 masters. MS-AMP replaced it with a modified copy
+(`FP8DeepSpeedZeroOptimizer`, pinned to DeepSpeed 0.13.1). lowprec leaves DeepSpeed's optimizer as
+it is and keeps the converted Linear weights out of it, partitioned the way MS-AMP's was:
+
+| tensor           | where                                   | bytes per parameter |
+|------------------|-----------------------------------------|---------------------|
+| weight           | E4M3 + one power-of-2 scale, every rank | 1                   |
+| weight gradient  | E4M3 on the layer (`FP8Linear`), averaged across ranks in FP8 once per step | 1 |
+| master weight    | FP16, on one rank: whole tensors assigned greedily by size (MS-AMP's rule) | 2/N |
+| optimizer states | LowBitAdamW E4M3 + FP16, with the master | 3/N |
+
+After DeepSpeed's step the owners step their masters with the hyper-parameters (learning rate
+included, so schedulers apply) of the optimizer group each weight came from, requantise them and
+broadcast the bytes and scales. Everything else (embeddings, norms, biases, BF16 layers) stays
+DeepSpeed's. Gradient clipping: lowprec clips the FP8 weights by the norm over all gradients
+(DeepSpeed's pre-clip norm and theirs); DeepSpeed clips its own parameters by their own norm, as it
+has no public way to count gradients it does not hold.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...optim.grad_reduce import FP8GradReducer
+from ...optim.low_bit_adam import LowBitAdamW
+from ...scaling import compute_scale, dequantize, quantize, tensor_amax
+from .fsdp import FP8GatheredWeight
+
+E4M3 = torch.float8_e4m3fn
+# Hyper-parameters copied from the source optimizer group before every step (schedulers change them).
+HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
+
+
+def assign_owners(numels: list[int], world_size: int) -> list[int]:
+    """The rank that holds each tensor's master: largest first, each to the least-loaded rank
+    (ties: the tensor's index modulo the world size), as MS-AMP's ZeRO optimizer assigns them."""
+    load = [0] * world_size
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        start = i % world_size
+        rank = min(range(world_size), key=lambda r: (load[r], (r - start) % world_size))
+        owners[i] = rank
+        load[rank] += numels[i]
+    return owners
+
+
+def _restore_buffer_dtypes(layer: nn.Module) -> None:
+    """Undo DeepSpeed's `module.bfloat16()` on a layer's FP8 state: the gradient buffer back to E4M3,
+    scales and amax histories back to FP32 (their values, zeros and powers of two, survive BF16)."""
+    for name, buf in list(layer.named_buffers(recurse=False)):
+        want = E4M3 if name == "fp8_grad_data" else torch.float32 if buf.is_floating_point() else buf.dtype
+        if buf.dtype != want:
+            setattr(layer, name, buf.to(want))
+
+
+class _MasterSlot:
+    """What LowBitAdamW reads for one owned layer: the FP16 master as `weight`, the gradient from
+    the layer's FP8 buffer."""
+
+    def __init__(self, master: torch.Tensor, layer: nn.Module):
+        self.weight, self.layer = master, layer
+
+    def __getattr__(self, name: str):
+        if name.startswith("fp8_grad_"):
+            return getattr(self.layer, name)
+        raise AttributeError(name)
+
+
+class ZeroFP8Weights:
+    """The converted Linears' weights, masters and states under DeepSpeed ZeRO-1/2 (see module doc).
+
+    Built before DeepSpeed initialises (`detach_from`), installed after it (`install`), stepped after
+    each DeepSpeed step (`step`). `state_dict` / `load_state_dict` carry the masters and their
+    optimizer states whole, so `Accelerator.save_state` / `load_state` resume exactly; both are
+    collectives (every rank calls them, as Accelerate's save_state does for custom objects).
+    """
+
+    def __init__(self, layers: list[nn.Module], names: list[str], group=None):
+        self.layers, self.names, self.group = layers, names, group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.owners = assign_owners([layer.weight.numel() for layer in layers], self.world_size)
+        self.source_groups: list[int] = [0] * len(layers)
+        self.source: torch.optim.Optimizer | None = None
+        self.optimizer: LowBitAdamW | None = None
+        self.masters: dict[int, torch.Tensor] = {}  # layer index -> FP16 master (owned layers only)
+        self._stash: list[torch.Tensor] | None = None
+        self.reducer: FP8GradReducer | None = None
+        self.engine = None
+
+    # ----- before / after DeepSpeed initialises -------------------------------------------------------
+    def detach_from(self, optimizer: torch.optim.Optimizer) -> None:
+        """Take the layers' weights out of `optimizer` (DeepSpeed's future basic optimizer) and freeze
+        them while DeepSpeed initialises: it then neither flattens them into its BF16 groups nor
+        registers gradient hooks on them. Their FP16 values are kept aside, as DeepSpeed's
+        `module.bfloat16()` casts every floating-point parameter."""
+        where = {id(layer.weight): i for i, layer in enumerate(self.layers)}
+        found = set()
+        for g, group in enumerate(optimizer.param_groups):
+            kept = []
+            for p in group["params"]:
+                i = where.get(id(p))
+                if i is None:
+                    kept.append(p)
+                else:
+                    self.source_groups[i] = g
+                    found.add(i)
+            group["params"] = kept
+        missing = [self.names[i] for i in range(len(self.layers)) if i not in found]
+        if missing:
+            raise ValueError(
+                "FP8RecipeKwargs(backend='msamp', opt_level='O3') under DeepSpeed: the optimizer passed to prepare() "
+                f"does not update {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}; O3 keeps those "
+                "weights' masters itself and needs every converted Linear weight in the optimizer (or leave the "
+                "layer out of FP8 with module_filter_func)"
+            )
+        self.source = optimizer
+        self._stash = [layer.weight.detach().clone() for layer in self.layers]
+        for layer in self.layers:
+            layer.weight.requires_grad_(False)
+
+    @torch.no_grad()
+    def install(self, engine=None) -> None:
+        """After DeepSpeed initialised: each weight becomes E4M3 bytes with its scale (the
+        `FP8GatheredWeight` the layer's GEMMs read), owners keep FP16 masters, and LowBitAdamW
+        with O2 states steps them."""
+        if self._stash is None:
+            raise RuntimeError("ZeroFP8Weights.install() before detach_from()")
+        self.engine = engine
+        slots, groups = [], {}
+        for layer in self.layers:
+            _restore_buffer_dtypes(layer)
+        for i, (layer, value) in enumerate(zip(self.layers, self._stash)):
+            device = layer.fp8_grad_data.device
+            value = value.to(device)
+            scale = compute_scale(tensor_amax(value), E4M3, layer.margin)
+            weight = FP8GatheredWeight(quantize(value, scale, E4M3), scale, torch.float16)
+            layer.weight = nn.Parameter(weight, requires_grad=True)
+            if self.owners[i] == self.rank:
+                master = value.to(torch.float16).clone()
+                self.masters[i] = master
+                slots.append(_MasterSlot(master, layer))
+                groups.setdefault(self.source_groups[i], []).append(master)
+        self._stash = None
+        source_groups = self.source.param_groups
+        self._group_sources = sorted(groups)
+        param_groups = [{"params": groups[g], **{k: source_groups[g][k] for k in HYPER if k in source_groups[g]}}
+                        for g in self._group_sources]
+        self.optimizer = LowBitAdamW(param_groups or [{"params": []}], exp_avg_dtype=E4M3,
+                                     exp_avg_sq_dtype=torch.float16)
+        self.optimizer.attach_fp8_grads(slots)
+        self.reducer = FP8GradReducer(self.layers, self.group)
+
+    # ----- each step -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, max_norm: float | None = None, engine_norm: float | None = None) -> None:
+        """Average the FP8 gradients, clip them by the norm over every gradient (with `engine_norm`,
+        DeepSpeed's pre-clip norm of the rest), step the masters, broadcast the new FP8 weights."""
+        self.reducer.reduce()
+        if max_norm:
+            self._clip(max_norm, engine_norm or 0.0)
+        for group, g in zip(self.optimizer.param_groups, self._group_sources):
+            source = self.source.param_groups[g]
+            group.update({k: source[k] for k in HYPER if k in source})
+        self.optimizer.step()
+        self._requantize_and_broadcast()
+        for layer in self.layers:
+            layer.fp8_grad_valid.zero_()
+
+    def _clip(self, max_norm: float, engine_norm: float) -> None:
+        valid = [layer for layer in self.layers if bool(layer.fp8_grad_valid)]
+        if not valid:
+            return
+        sq = torch.stack([dequantize(layer.fp8_grad_data, layer.fp8_grad_scale, torch.float32).square().sum()
+                          for layer in valid]).sum()
+        total = math.sqrt(float(sq) + float(engine_norm) ** 2)
+        coef = max_norm / (total + 1e-6)
+        if coef < 1 and math.isfinite(total):
+            for layer in valid:  # value = data / scale: a larger scale is a smaller gradient
+                layer.fp8_grad_scale.div_(coef)
+
+    def _requantize_and_broadcast(self) -> None:
+        for i, master in self.masters.items():
+            weight = self.layers[i].weight
+            scale = compute_scale(tensor_amax(master), E4M3, self.layers[i].margin, previous=weight._scale)
+            weight._scale.copy_(scale)
+            weight._data.copy_(quantize(master, scale, E4M3))
+        # One broadcast per owner: its layers' bytes, then their scales' bytes.
+        for rank in range(self.world_size):
+            owned = [self.layers[i].weight for i in range(len(self.layers)) if self.owners[i] == rank]
+            if not owned:
+                continue
+            flat = torch.cat([w._data.view(torch.uint8).flatten() for w in owned]
+                             + [torch.stack([w._scale.float() for w in owned]).view(torch.uint8)])
+            dist.broadcast(flat, src=self._global(rank), group=self.group)
+            if rank == self.rank:
+                continue
+            offset = 0
+            for w in owned:
+                n = w._data.numel()
+                w._data.view(torch.uint8).copy_(flat[offset:offset + n].view(w._data.shape))
+                offset += n
+            scales = flat[offset:].view(torch.float32)
+            for w, s in zip(owned, scales.unbind(0)):
+                w._scale.copy_(s)
+
+    # ----- what the model's weights are ----------------------------------------------------------------
+    @torch.no_grad()
+    def full_masters(self) -> dict[str, torch.Tensor]:
+        """Every layer's FP16 master (name -> tensor on this rank's device), broadcast from its owner.
+        A collective: every rank calls it."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            w = layer.weight
+            master = self.masters.get(i)
+            if master is None:
+                master = torch.empty(w.shape, dtype=torch.float16, device=w._data.device)
+            dist.broadcast(master, src=self._global(self.owners[i]), group=self.group)
+            out[self.names[i]] = master
+        return out
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+    @torch.no_grad()
+    def state_dict(self) -> dict:
+        """Masters and their optimizer states, whole (broadcast from their owners): a collective."""
+        masters = self.full_masters()
+        states = {}
+        for i, layer in enumerate(self.layers):
+            w, src = layer.weight, self._global(self.owners[i])
+            own = self.optimizer.state.get(self.masters[i], {}) if i in self.masters else {}
+            # O3's states have one layout (E4M3 + FP16 moments, FP32 scalars): sent as tensors, as
+            # pickled FP8 tensors do not survive broadcast_object_list
+            scalars = torch.tensor([float(bool(own))] + [float(own[k]) if own else 0.0
+                                                         for k in ("step", "exp_avg_scale", "exp_avg_sq_scale")],
+                                   device=w._data.device)
+            dist.broadcast(scalars, src=src, group=self.group)
+            if not scalars[0]:
+                states[self.names[i]] = {}
+                continue
+            exp_avg = own["exp_avg"] if own else torch.empty(w.shape, dtype=E4M3, device=w._data.device)
+            exp_avg_sq = own["exp_avg_sq"] if own else torch.empty(w.shape, dtype=torch.float16, device=w._data.device)
+            dist.broadcast(exp_avg.view(torch.uint8), src=src, group=self.group)
+            dist.broadcast(exp_avg_sq, src=src, group=self.group)
+            step, s1, s2 = scalars[1:].cpu().unbind(0)
+            states[self.names[i]] = {"step": step.clone(), "exp_avg": exp_avg.cpu(), "exp_avg_scale": s1.clone(),
+                                     "exp_avg_sq": exp_avg_sq.cpu(), "exp_avg_sq_scale": s2.clone()}
+        return {"masters": {k: v.cpu() for k, v in masters.items()}, "states": states,
+                "world_size": self.world_size}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Masters and states from `state_dict()` (any world size: owners take theirs), then the FP8
+        weights requantised from them on every rank."""
+        by_name = dict(zip(self.names, range(len(self.layers))))
+        unknown = sorted(set(state["masters"]) - set(by_name))
+        if unknown or len(state["masters"]) != len(self.layers):
+            raise ValueError(f"O3 checkpoint does not match this model's FP8 layers (unexpected: {unknown[:3]}, "
+                             f"{len(state['masters'])} saved vs {len(self.layers)} here)")
+        for name, value in state["masters"].items():
+            i = by_name[name]
+            layer = self.layers[i]
+            device = layer.weight._data.device
+            value = value.to(device=device, dtype=torch.float16)
+            scale = compute_scale(tensor_amax(value), E4M3, layer.margin)
+            layer.weight._scale.copy_(scale)
+            layer.weight._data.copy_(quantize(value, scale, E4M3))
+            if i in self.masters:
+                self.masters[i].copy_(value)
+                saved = state["states"].get(name) or {}
+                if saved:
+                    self.optimizer.state[self.masters[i]] = {
+                        k: v.to("cpu" if k == "step" else device) if isinstance(v, torch.Tensor) else v
+                        for k, v in saved.items()}
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the converted weights: FP8 weights, FP8 gradients, masters, states."""
+        weight = sum(layer.weight._data.numel() for layer in self.layers)
+        return {"weight": weight, "grad": sum(layer.fp8_grad_data.numel() for layer in self.layers),
+                "master": sum(m.numel() * m.element_size() for m in self.masters.values()),
+                "optimizer_states": self.optimizer.state_bytes() if self.optimizer is not None else 0}
