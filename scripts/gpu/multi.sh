@@ -6,7 +6,7 @@
 # combination prepare() refuses, its message.
 #   bash scripts/gpu/multi.sh OUTDIR backend[@level]:recipe:engine[:grad_comm_dtype[:steps]] ...
 #   e.g. bf16::zero2 te:current:fsdp2 torchao:tensorwise:zero3 msamp@O3::fsdp2 torchao:tensorwise:ddp:fp8:300
-# CASE_TIMEOUT (s, default 300) bounds each case. backend 'bf16' is the baseline without FP8; engines: ddp, fsdp2, zero1, zero2, zero3.
+# CASE_TIMEOUT (s, default 300) bounds each case; COMPILE_FP8_LAYERS=true|false sets compile_fp8_layers. backend 'bf16' is the baseline without FP8; engines: ddp, fsdp2, zero1, zero2, zero3.
 set -uo pipefail
 out=${1:?usage: multi.sh OUTDIR backend[@level]:recipe:engine...}; shift
 mkdir -p "$out"
@@ -20,6 +20,7 @@ for case in "$@"; do
   timeout "${CASE_TIMEOUT:-300}" accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision fp8 --dynamo_backend no \
     tests/distributed/gpu_engines.py --backend "$backend" ${recipe:+--recipe "$recipe"} ${level:+--opt-level "$level"} \
     --engine "$engine" ${comm:+--grad-comm-dtype "$comm"} --steps "${steps:-${STEPS:-30}}" --size "${SIZE:-small}" \
+    ${COMPILE_FP8_LAYERS:+--compile-fp8-layers "$COMPILE_FP8_LAYERS"} \
     --out "$out/$name.json" > "$out/$name.log" 2>&1
   rc=$?; echo "exit $rc in $(( $(date +%s) - t0 )) s"
   if [ -f "$out/$name.json" ]; then

@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--opt-level", default=None)
     p.add_argument("--engine", choices=["ddp", "fsdp2", "zero1", "zero2", "zero3"], default="ddp")
     p.add_argument("--grad-comm-dtype", choices=["fp32", "bf16", "fp8"], default=None)
+    p.add_argument("--compile-fp8-layers", choices=["true", "false"], default=None)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="small")
     p.add_argument("--out", required=True)
@@ -72,7 +73,9 @@ def main() -> None:
             accelerator = Accelerator(mixed_precision="bf16", **kwargs)
         else:
             recipe = FP8RecipeKwargs(backend=args.backend, recipe=args.recipe or None, opt_level=args.opt_level,
-                                     grad_comm_dtype=args.grad_comm_dtype)
+                                     grad_comm_dtype=args.grad_comm_dtype,
+                                     compile_fp8_layers=None if args.compile_fp8_layers is None
+                                     else args.compile_fp8_layers == "true")
             accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
 
         torch.manual_seed(0)
@@ -90,6 +93,7 @@ def main() -> None:
         return
     plan = accelerator.precision_plan
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+    compiled = plan is not None and accelerator._lowprec[-1][1].layer_compile()[0]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
 
@@ -189,7 +193,7 @@ def main() -> None:
                 "peak_memory_gib_per_rank": peaks.tolist(), "model_state_bytes_per_param": state_bytes,
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
                 "losses": losses, "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
-                "notes": plan.notes if plan else [], **evidence,
+                "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled, **evidence,
             }, fh, indent=1)
     accelerator.wait_for_everyone()
     accelerator.end_training()
