@@ -1,0 +1,40 @@
+"""Markdown table of scripts/gpu/multi.sh results: one row per cell, speed and peak memory as ratios
+against the BF16 cell of the same engine in the same folder.
+
+    python scripts/gpu/matrix_table.py results/gpu/2026-11-23-h200x2-matrix
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+
+def table(folder: str) -> str:
+    cells = {}
+    for path in sorted(glob.glob(os.path.join(folder, "**", "*.json"), recursive=True)):
+        with open(path) as fh:
+            cells[os.path.relpath(path, folder)[:-5]] = json.load(fh)
+    bf16 = {c["engine"]: c for c in cells.values() if c.get("backend") == "bf16" and "refused" not in c}
+    lines = ["| cell | FP8 in every forward | loss first → last 5 | step ms | vs BF16 | peak GiB/rank | vs BF16 "
+             "| ranks' weights differ by |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, c in cells.items():
+        if "refused" in c:
+            lines.append(f"| {name} | refused: {c['refused'][:100]}… | | | | | | |")
+            continue
+        base = bf16.get(c["engine"])
+        peak = max(c["peak_memory_gib_per_rank"])
+        speed = f"{base['median_step_s'] / c['median_step_s']:.2f}" if base else "n/a"
+        memory = f"{peak / max(base['peak_memory_gib_per_rank']):.2f}" if base else "n/a"
+        diff = c.get("max_param_diff_across_ranks")
+        lines.append(f"| {name} | {c['all_forwards_in_fp8']} | {c['first_loss']:.2f} → {c['last_loss']:.2f} "
+                     f"| {1000 * c['median_step_s']:.0f} | {speed} | {peak:.1f} | {memory} "
+                     f"| {'' if diff is None else diff} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table(sys.argv[1]))
