@@ -484,6 +484,10 @@ class Backend(ABC):
 
     # ----- compile_fp8_layers ---------------------------------------------------------------------
     LAYER_COMPILE_BACKEND: ClassVar[str] = "inductor"  # torch.compile backend of compile_layers
+    # Engines where compiling the layers was measured to pay (torchao, eager d4096 proxy): one H100
+    # (results/gpu/2026-11-23-h100-eager-layers), FSDP2 and DeepSpeed ZeRO-2 on two H200s (1.19x BF16
+    # against 0.60-0.67x with eager layers: results/gpu/2026-11-23-h200x2-zero-o3)
+    LAYER_COMPILE_ENGINES: ClassVar[tuple[str, ...]] = ("single", "ddp", "fsdp2", "deepspeed")
 
     def layer_compile(self) -> tuple[bool, str]:
         """(whether `prepare()` compiles each converted layer one by one, why): `compile_fp8_layers`."""
@@ -496,7 +500,7 @@ class Backend(ABC):
             return False, f"not measured to pay for backend {self.name!r}"
         if self.emulated:
             return False, "emulated: no FP8 speed to win"
-        if self.context.engine not in ("single", "ddp"):
+        if self.context.engine not in self.LAYER_COMPILE_ENGINES:
             return False, f"not measured under {self.context.engine}"
         return True, "eager model on an FP8 GPU"
 

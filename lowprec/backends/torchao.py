@@ -79,9 +79,10 @@ class TorchAOBackend(Backend):
         # rowwise's, so rowwise's are used.
         if self.recipe_name != "tensorwise":
             return PER_ROW
-        # The eager rules were measured on one GPU (they hold for DDP's per-rank work); under FSDP2 and
-        # DeepSpeed, whose weight all-gathers FP8 changes, nothing eager was measured: the GEMM rule stays.
-        if self.context.compiled or self.context.engine not in ("single", "ddp"):
+        # The eager rules were measured per GEMM shape on one GPU; they hold for the per-rank work of DDP,
+        # FSDP2 and DeepSpeed, where eager FP8 layers measured 0.60-0.67x BF16 and compiled ones 1.19x on
+        # the d4096 proxy (results/gpu/2026-11-23-h200x2-matrix, -zero-o3). FSDP1: not measured.
+        if self.context.compiled or self.context.engine not in self.LAYER_COMPILE_ENGINES:
             return PER_TENSOR
         return PER_TENSOR_EAGER_LAYERS if self.layer_compile()[0] else PER_TENSOR_EAGER
 

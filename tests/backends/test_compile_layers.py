@@ -30,7 +30,9 @@ def _decision(backend="torchao", device=H100, engine="single", compiled=False, *
     (dict(device=device_info("cpu")), False, "emulated"),
     (dict(device=device_info("cpu"), compile_fp8_layers=True), True, "compile_fp8_layers=True"),
     (dict(compile_fp8_layers=False), False, "compile_fp8_layers=False"),
-    (dict(engine="fsdp2"), False, "not measured under fsdp2"),
+    (dict(engine="fsdp2"), True, "eager model"),
+    (dict(engine="deepspeed"), True, "eager model"),
+    (dict(engine="fsdp1"), False, "not measured under fsdp1"),
     (dict(backend="msamp"), False, "not measured to pay for backend 'msamp'"),
     (dict(backend="msamp", compile_fp8_layers=True), True, "compile_fp8_layers=True"),
 ])
