@@ -145,6 +145,15 @@ def test_o3_under_zero_trains_like_o2_on_one_process(run):
         assert abs(x - z) / z < 0.03, (o3, fp32)
 
 
+def test_o3_accumulates_micro_batches_like_one_batch(run):
+    # two micro-batches per step under accelerator.accumulate (DeepSpeed's gradient_accumulation_steps=2):
+    # FP8 gradients accumulate on the layers and the masters step once, at the boundary
+    for r in _o3(run):
+        assert len(r["accumulated"]) == len(r["losses"])
+        for x, y in zip(r["accumulated"], r["losses"]):
+            assert abs(x - y) / y < 0.02, (r["accumulated"], r["losses"])
+
+
 def test_o3_checkpoints_carry_the_masters(run):
     a, b = _o3(run)
     for r in (a, b):

@@ -61,7 +61,7 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x @ teacher)
 
 
-def accelerator_for(stage: int, **knobs):
+def accelerator_for(stage: int, accumulate: int = 1, **knobs):
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DeepSpeedPlugin
 
@@ -71,14 +71,15 @@ def accelerator_for(stage: int, **knobs):
     GradientState._reset_state()
     world = int(os.environ["WORLD_SIZE"])
     plugin = DeepSpeedPlugin(hf_ds_config={
-        "train_micro_batch_size_per_gpu": MICRO_BATCH, "gradient_accumulation_steps": 1,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH // accumulate, "gradient_accumulation_steps": accumulate,
         "train_batch_size": MICRO_BATCH * world, "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True},
         "bf16": {"enabled": "auto"},
     })
     knobs.setdefault("backend", "torchao")
     recipe = FP8RecipeKwargs(skip_first_last=False, skip_slow_shapes=False, **knobs)
-    return Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], deepspeed_plugin=plugin)
+    return Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], deepspeed_plugin=plugin,
+                       gradient_accumulation_steps=accumulate)
 
 
 def run_steps(accelerator, model, optimizer, steps: range) -> list[float]:
@@ -91,6 +92,28 @@ def run_steps(accelerator, model, optimizer, steps: range) -> list[float]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+def accumulated_losses(stage: int, knobs: dict, micro: int = 2) -> list[float]:
+    """Each step's rows in `micro` micro-batches under `accelerator.accumulate` (DeepSpeed's
+    gradient_accumulation_steps = micro): the step's loss is the mean over its micro-batches."""
+    accelerator = accelerator_for(stage, accumulate=micro, **knobs)
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    rank = dist.get_rank()
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        total = 0.0
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
+            with accelerator.accumulate(model):
+                loss = nn.functional.mse_loss(model(xs.to(accelerator.device)).float(), ys)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            total += loss.item() / micro
+        losses.append(total)
     return losses
 
 
@@ -212,6 +235,7 @@ def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
     record["fp8_forward_calls"] = len(fp8_calls)
     if knobs.get("opt_level") == "O3":
         record["o3"] = o3_record(accelerator, inner)
+        record["accumulated"] = accumulated_losses(stage, knobs)
         if dist.get_rank() == 0:
             record["o2_single"] = single_process_losses("O2")
             record["fp32_single"] = single_process_losses(None)

@@ -91,6 +91,7 @@ class ZeroFP8Weights:
         self.optimizer: LowBitAdamW | None = None
         self.masters: dict[int, torch.Tensor] = {}  # layer index -> FP16 master (owned layers only)
         self._stash: list[torch.Tensor] | None = None
+        self._trainable: list[bool] = []
         self.reducer: FP8GradReducer | None = None
         self.engine = None
 
@@ -122,6 +123,7 @@ class ZeroFP8Weights:
             )
         self.source = optimizer
         self._stash = [layer.weight.detach().clone() for layer in self.layers]
+        self._trainable = [layer.weight.requires_grad for layer in self.layers]
         for layer in self.layers:
             layer.weight.requires_grad_(False)
 
@@ -141,7 +143,7 @@ class ZeroFP8Weights:
             value = value.to(device)
             scale = compute_scale(tensor_amax(value), E4M3, layer.margin)
             weight = FP8GatheredWeight(quantize(value, scale, E4M3), scale, torch.float16)
-            layer.weight = nn.Parameter(weight, requires_grad=True)
+            layer.weight = nn.Parameter(weight, requires_grad=self._trainable[i])
             if self.owners[i] == self.rank:
                 master = value.to(torch.float16).clone()
                 self.masters[i] = master
@@ -174,7 +176,8 @@ class ZeroFP8Weights:
             layer.fp8_grad_valid.zero_()
 
     def _clip(self, max_norm: float, engine_norm: float) -> None:
-        valid = [layer for layer in self.layers if bool(layer.fp8_grad_valid)]
+        flags = torch.stack([layer.fp8_grad_valid for layer in self.layers]).cpu().tolist()  # one device sync
+        valid = [layer for layer, flag in zip(self.layers, flags) if flag]
         if not valid:
             return
         sq = torch.stack([dequantize(layer.fp8_grad_data, layer.fp8_grad_scale, torch.float32).square().sum()
