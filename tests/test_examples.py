@@ -89,8 +89,11 @@ def test_each_config_is_a_recipe_its_engine_accepts(name, monkeypatch):
     recipe = FP8RecipeKwargs()  # every field from the environment, as in train_llama.py
     assert recipe.backend == cfg["fp8_config"]["backend"]
     with _te_available():
-        create_backend(recipe, RunContext(device=assumed_device("9.0"), engine=engine,
-                                          world_size=cfg["num_processes"]))
+        backend = create_backend(recipe, RunContext(device=assumed_device("9.0"), engine=engine,
+                                                    world_size=cfg["num_processes"]))
+    if engine == "deepspeed":  # what Accelerate's plugin builds from the config (BF16 for mixed_precision fp8)
+        ds = {"zero_optimization": {"stage": cfg["deepspeed_config"]["zero_stage"]}, "bf16": {"enabled": True}}
+        assert backend.engine_config_problem(ds) is None
 
 
 def test_trainer_example_trains_in_fp8_through_fp8_trainer(tmp_path):
