@@ -107,7 +107,8 @@ def test_o3_outside_fsdp2_and_deepspeed_names_what_to_use(engine, hint):
 
 @pytest.mark.parametrize("config, message", [
     ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, "not zero_stage=3.*FSDP2"),
-    ({"zero_optimization": {"stage": 0}}, "not zero_stage=0.*opt_level='O2'"),
+    ({"zero_optimization": {"stage": 0}}, "not zero_stage=0.*DDP with opt_level='O2'"),
+    ({}, "not zero_stage=0"),
     ({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, "not fp16.*mixed_precision='fp8'"),
 ])
 def test_o3_under_deepspeed_refuses_zero3_no_zero_and_fp16(config, message):

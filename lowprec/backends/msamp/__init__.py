@@ -209,14 +209,15 @@ class MSAMPBackend(Backend):
     def engine_config_problem(self, config: dict) -> str | None:
         if not self.zero_o3:
             return None
-        stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+        stage = (config.get("zero_optimization") or {}).get("stage", 0)
+        stage = int(stage) if str(stage).isdigit() else stage  # a config file may give "2"
         if stage not in ZERO_STAGES:
             return (
                 f"FP8RecipeKwargs(backend='msamp', opt_level='O3') runs under DeepSpeed ZeRO stage 1 or 2 (as MS-AMP's "
                 f"O3 did), not zero_stage={stage}: "
                 + ("ZeRO-3 partitions the modules' parameters itself and cannot hold E4M3 weights. Use zero_stage 1 "
                    "or 2, or FSDP2 (fsdp_version: 2), where O3 also shards the FP8 weights" if stage == 3 else
-                   "without ZeRO there is nothing to shard the masters with. Use zero_stage 1 or 2, or "
+                   "without ZeRO there is nothing to shard the masters with. Use zero_stage 1 or 2, or DDP with "
                    "opt_level='O2'")
             )
         if (config.get("fp16") or {}).get("enabled") in (True, "true"):
