@@ -226,3 +226,24 @@ def test_the_health_report_sees_the_gathered_fp8_weight(ranks):
     assert first["weight_amax"] == second["weight_amax"]  # the whole weight on every rank, not its shard
     for layer, amax in first["weight_amax"].items():
         assert amax == pytest.approx(first["master_amax"][layer], rel=0.07)  # E4M3's rounding of the largest value
+
+
+def test_copying_into_a_stored_fp8_weight_requantises_it():
+    # O3 under DeepSpeed stores each weight as E4M3 bytes + scale; load_state_dict copies into it
+    from lowprec.backends.msamp.fsdp import FP8GatheredWeight
+    from lowprec.scaling import compute_scale, quantize
+
+    torch.manual_seed(0)
+    value = torch.randn(32, 16)
+    scale = compute_scale(value.abs().max(), torch.float8_e4m3fn)
+    weight = FP8GatheredWeight(quantize(value, scale, torch.float8_e4m3fn), scale.clone(), torch.float16)
+    new = 10 * torch.randn(32, 16)
+    weight.copy_(new)
+    expected = compute_scale(new.abs().max(), torch.float8_e4m3fn)
+    assert weight._scale == expected and weight._data.dtype == torch.float8_e4m3fn
+    sqnr = 10 * torch.log10(new.pow(2).sum() / (weight.dequantize().float() - new).pow(2).sum())
+    assert sqnr > 25  # E4M3 with a per-tensor power-of-2 scale
+    bad = new.clone()
+    bad[0, 0] = float("nan")
+    weight.copy_(bad)
+    assert weight._scale == expected  # a NaN amax never becomes a scale
