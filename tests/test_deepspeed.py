@@ -168,3 +168,20 @@ def test_o3_under_zero3_names_what_to_use(run):
         pytest.skip("ZeRO-3 only")
     error = run["scenarios"]["O3"]["error"]
     assert error.startswith("ValueError") and "zero_stage=3" in error and "FSDP2" in error and "1 or 2" in error
+
+
+def test_o3_weights_keep_their_optimizer_groups_hyper_parameters(run):
+    if run["stage"] == 3:
+        pytest.skip("O3 runs under ZeRO-1/2")
+    for r in ranks(run, "O3_groups"):
+        assert r["o3_group_weight_decay"] == [0.1]  # the weights' group, not the biases' (0.0) nor the default
+        assert r["resumed"] == r["continued"] and sum(r["losses"][-3:]) < 0.75 * sum(r["losses"][:3])
+    for r in ranks(run, "O3"):
+        assert r["o3_group_weight_decay"] == [0.01]  # AdamW's default
+
+
+def test_o3_refuses_to_leave_an_optimizer_group_empty(run):
+    if run["stage"] == 3:
+        pytest.skip("ZeRO-3 is refused before the groups are looked at")
+    error = run["scenarios"]["O3_weights_group"]["error"]
+    assert error.startswith("ValueError") and "param group(s) [0] empty" in error and "LR scheduler" in error

@@ -42,6 +42,11 @@ SCENARIOS = {
     "msamp": dict(backend="msamp"),
     # FP8 weights, owner-held FP16 masters and O2 states beside DeepSpeed's ZeRO optimizer (stages 1/2)
     "O3": dict(backend="msamp", opt_level="O3"),
+    # two optimizer groups (weights + the first bias with weight decay, other biases without): the
+    # weights keep their group's weight decay when O3 takes them out of DeepSpeed's optimizer
+    "O3_groups": dict(backend="msamp", opt_level="O3", groups="mixed"),
+    # a group of Linear weights only would be left empty (DeepSpeed drops it): refused
+    "O3_weights_group": dict(backend="msamp", opt_level="O3", groups="weights"),
     # TransformerEngine's test double on an assumed H100: lowprec's te.autocast around every forward
     # under DeepSpeed (Accelerate's own TE path ignores TERecipeKwargs there)
     "te": dict(backend="te", recipe="delayed"),
@@ -208,10 +213,23 @@ def o3_record(accelerator, inner) -> dict:
     }
 
 
+def make_optimizer(model: nn.Module, groups: str | bool) -> torch.optim.Optimizer:
+    if not groups:
+        return torch.optim.AdamW(model.parameters(), lr=1e-2)
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    if groups == "mixed":
+        weights, biases = weights + biases[:1], biases[1:]
+    return torch.optim.AdamW([{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}],
+                             lr=1e-2)
+
+
 def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
+    knobs = dict(knobs)
+    groups = knobs.pop("groups", False)
     accelerator = accelerator_for(stage, **knobs)
     model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = make_optimizer(model, groups)
     model, optimizer = accelerator.prepare(model, optimizer)
     inner = accelerator.unwrap_model(model)
     fp8_calls = []
@@ -235,6 +253,9 @@ def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
     record["fp8_forward_calls"] = len(fp8_calls)
     if knobs.get("opt_level") == "O3":
         record["o3"] = o3_record(accelerator, inner)
+        zero = accelerator._lowprec[-1][1].zero
+        record["o3_group_weight_decay"] = [g["weight_decay"] for g in zero.optimizer.param_groups]
+    if knobs.get("opt_level") == "O3" and not groups:
         record["accumulated"] = accumulated_losses(stage, knobs)
         if dist.get_rank() == 0:
             record["o2_single"] = single_process_losses("O2")
@@ -263,7 +284,7 @@ def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
 
         accelerator2 = accelerator_for(stage, **knobs)
         model2 = make_model()
-        optimizer2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+        optimizer2 = make_optimizer(model2, groups)
         model2, optimizer2 = accelerator2.prepare(model2, optimizer2)
         accelerator2.load_state(checkpoint)
         record["resumed"] = run_steps(accelerator2, model2, optimizer2, range(STEPS, STEPS + 3))

@@ -86,8 +86,7 @@ class ZeroFP8Weights:
         self.layers, self.names, self.group = layers, names, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.owners = assign_owners([layer.weight.numel() for layer in layers], self.world_size)
-        self.source_groups: list[int] = [0] * len(layers)
-        self.source: torch.optim.Optimizer | None = None
+        self.source_groups: list[dict] = [{}] * len(layers)  # each weight's optimizer group (the dict itself)
         self.optimizer: LowBitAdamW | None = None
         self.masters: dict[int, torch.Tensor] = {}  # layer index -> FP16 master (owned layers only)
         self._stash: list[torch.Tensor] | None = None
@@ -103,6 +102,7 @@ class ZeroFP8Weights:
         `module.bfloat16()` casts every floating-point parameter."""
         where = {id(layer.weight): i for i, layer in enumerate(self.layers)}
         found = set()
+        emptied = []
         for g, group in enumerate(optimizer.param_groups):
             kept = []
             for p in group["params"]:
@@ -110,9 +110,18 @@ class ZeroFP8Weights:
                 if i is None:
                     kept.append(p)
                 else:
-                    self.source_groups[i] = g
+                    self.source_groups[i] = group
                     found.add(i)
+            if group["params"] and not kept:
+                emptied.append(g)
             group["params"] = kept
+        if emptied:
+            raise ValueError(
+                "FP8RecipeKwargs(backend='msamp', opt_level='O3') under DeepSpeed takes the converted Linear weights "
+                f"out of DeepSpeed's optimizer, which would leave optimizer param group(s) {emptied} empty; DeepSpeed "
+                "drops empty groups, which shifts the groups an LR scheduler updates. Put each group's Linear weights "
+                "together with other parameters (e.g. norms or embeddings), or use FSDP2 (fsdp_version: 2)"
+            )
         missing = [self.names[i] for i in range(len(self.layers)) if i not in found]
         if missing:
             raise ValueError(
@@ -121,7 +130,6 @@ class ZeroFP8Weights:
                 "weights' masters itself and needs every converted Linear weight in the optimizer (or leave the "
                 "layer out of FP8 with module_filter_func)"
             )
-        self.source = optimizer
         self._stash = [layer.weight.detach().clone() for layer in self.layers]
         self._trainable = [layer.weight.requires_grad for layer in self.layers]
         for layer in self.layers:
@@ -148,12 +156,12 @@ class ZeroFP8Weights:
                 master = value.to(torch.float16).clone()
                 self.masters[i] = master
                 slots.append(_MasterSlot(master, layer))
-                groups.setdefault(self.source_groups[i], []).append(master)
+                groups.setdefault(id(self.source_groups[i]), (self.source_groups[i], []))[1].append(master)
         self._stash = None
-        source_groups = self.source.param_groups
-        self._group_sources = sorted(groups)
-        param_groups = [{"params": groups[g], **{k: source_groups[g][k] for k in HYPER if k in source_groups[g]}}
-                        for g in self._group_sources]
+        # the source groups as dicts, not indices: DeepSpeed re-lists its optimizer's groups
+        self._group_sources = [source for source, _ in groups.values()]
+        param_groups = [{"params": masters, **{k: source[k] for k in HYPER if k in source}}
+                        for source, masters in groups.values()]
         self.optimizer = LowBitAdamW(param_groups or [{"params": []}], exp_avg_dtype=E4M3,
                                      exp_avg_sq_dtype=torch.float16)
         self.optimizer.attach_fp8_grads(slots)
@@ -167,8 +175,7 @@ class ZeroFP8Weights:
         self.reducer.reduce()
         if max_norm:
             self._clip(max_norm, engine_norm or 0.0)
-        for group, g in zip(self.optimizer.param_groups, self._group_sources):
-            source = self.source.param_groups[g]
+        for group, source in zip(self.optimizer.param_groups, self._group_sources):
             group.update({k: source[k] for k in HYPER if k in source})
         self.optimizer.step()
         self._requantize_and_broadcast()
