@@ -240,10 +240,20 @@ class ZeroFP8Weights:
 
     @torch.no_grad()
     def state_dict(self) -> dict:
-        """Masters and their optimizer states, whole (broadcast from their owners): a collective."""
-        masters = self.full_masters()
-        states = {}
+        """Masters and their optimizer states, whole (broadcast from their owners): a collective. Only
+        a node's main process keeps them (Accelerate writes custom checkpoints from there); the other
+        ranks return an empty entry instead of a CPU copy of every master and state."""
+        from accelerate import PartialState
+
+        keep = PartialState().is_local_main_process
+        masters, states = {}, {}
         for i, layer in enumerate(self.layers):
+            master = self.masters.get(i)
+            if master is None:
+                master = torch.empty(layer.weight.shape, dtype=torch.float16, device=layer.weight._data.device)
+            dist.broadcast(master, src=self._global(self.owners[i]), group=self.group)
+            if keep:
+                masters[self.names[i]] = master.cpu()
             w, src = layer.weight, self._global(self.owners[i])
             own = self.optimizer.state.get(self.masters[i], {}) if i in self.masters else {}
             # O3's states have one layout (E4M3 + FP16 moments, FP32 scalars): sent as tensors, as
@@ -253,17 +263,19 @@ class ZeroFP8Weights:
                                    device=w._data.device)
             dist.broadcast(scalars, src=src, group=self.group)
             if not scalars[0]:
-                states[self.names[i]] = {}
+                if keep:
+                    states[self.names[i]] = {}
                 continue
             exp_avg = own["exp_avg"] if own else torch.empty(w.shape, dtype=E4M3, device=w._data.device)
             exp_avg_sq = own["exp_avg_sq"] if own else torch.empty(w.shape, dtype=torch.float16, device=w._data.device)
             dist.broadcast(exp_avg.view(torch.uint8), src=src, group=self.group)
             dist.broadcast(exp_avg_sq, src=src, group=self.group)
+            if not keep:
+                continue
             step, s1, s2 = scalars[1:].cpu().unbind(0)
             states[self.names[i]] = {"step": step.clone(), "exp_avg": exp_avg.cpu(), "exp_avg_scale": s1.clone(),
                                      "exp_avg_sq": exp_avg_sq.cpu(), "exp_avg_sq_scale": s2.clone()}
-        return {"masters": {k: v.cpu() for k, v in masters.items()}, "states": states,
-                "world_size": self.world_size}
+        return {"masters": masters, "states": states, "world_size": self.world_size}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
