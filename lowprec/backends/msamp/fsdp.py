@@ -150,17 +150,20 @@ class FP8GatheredWeight(torch.Tensor):
     def dequantize(self) -> torch.Tensor:
         return (self._data.float() / self._scale).to(self.dtype)
 
+    @torch.no_grad()
+    def requantize_(self, value: torch.Tensor, margin: int = 0, keep_scale: bool = True) -> None:
+        """Store `value` in place: a power-of-2 scale from its amax, then its E4M3 bytes. A zero or
+        non-finite amax keeps the scale in use (`keep_scale`) or falls back to 1, never a NaN scale."""
+        scale = compute_scale(tensor_amax(value), E4M3, margin, previous=self._scale if keep_scale else None)
+        self._scale.copy_(scale)
+        self._data.copy_(quantize(value.to(self._data.device), scale, E4M3))
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func is aten.copy_.default and isinstance(args[0], FP8GatheredWeight):
-            # new values into a stored FP8 weight (O3 under DeepSpeed: load_state_dict): requantised with
-            # a scale from their own amax, never from NaN
+            # new values into a stored FP8 weight (O3 under DeepSpeed: load_state_dict)
             weight, src = args
-            src = src.dequantize() if isinstance(src, FP8GatheredWeight) else src
-            with torch.no_grad():
-                scale = compute_scale(tensor_amax(src), E4M3, previous=weight._scale)
-                weight._scale.copy_(scale)
-                weight._data.copy_(quantize(src.to(weight._data.device), scale, E4M3))
+            weight.requantize_(src.dequantize() if isinstance(src, FP8GatheredWeight) else src)
             return weight
         if func in _GATHERED_VIEWS and isinstance(args[0], FP8GatheredWeight):
             weight = args[0]

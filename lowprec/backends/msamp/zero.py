@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...optim.grad_reduce import FP8GradReducer
+from ...optim.grad_store import fp8_grad_norms
 from ...optim.low_bit_adam import LowBitAdamW
-from ...scaling import compute_scale, dequantize, quantize, tensor_amax
 from .fsdp import FP8GatheredWeight
 
 E4M3 = torch.float8_e4m3fn
@@ -149,8 +149,9 @@ class ZeroFP8Weights:
         for i, (layer, value) in enumerate(zip(self.layers, self._stash)):
             device = layer.fp8_grad_data.device
             value = value.to(device)
-            scale = compute_scale(tensor_amax(value), E4M3, layer.margin)
-            weight = FP8GatheredWeight(quantize(value, scale, E4M3), scale, torch.float16)
+            weight = FP8GatheredWeight(torch.empty(value.shape, dtype=E4M3, device=device),
+                                       torch.ones((), device=device), torch.float16)
+            weight.requantize_(value, layer.margin, keep_scale=False)
             layer.weight = nn.Parameter(weight, requires_grad=self._trainable[i])
             if self.owners[i] == self.rank:
                 master = value.to(torch.float16).clone()
@@ -183,24 +184,18 @@ class ZeroFP8Weights:
             layer.fp8_grad_valid.zero_()
 
     def _clip(self, max_norm: float, engine_norm: float) -> None:
-        flags = torch.stack([layer.fp8_grad_valid for layer in self.layers]).cpu().tolist()  # one device sync
-        valid = [layer for layer, flag in zip(self.layers, flags) if flag]
-        if not valid:
+        norms = fp8_grad_norms(self.layers, 2.0)  # a layer without a gradient counts 0
+        if norms is None:
             return
-        sq = torch.stack([dequantize(layer.fp8_grad_data, layer.fp8_grad_scale, torch.float32).square().sum()
-                          for layer in valid]).sum()
-        total = math.sqrt(float(sq) + float(engine_norm) ** 2)
+        total = math.sqrt(float(norms.square().sum()) + float(engine_norm) ** 2)
         coef = max_norm / (total + 1e-6)
         if coef < 1 and math.isfinite(total):
-            for layer in valid:  # value = data / scale: a larger scale is a smaller gradient
+            for layer in self.layers:  # value = data / scale: a larger scale is a smaller gradient
                 layer.fp8_grad_scale.div_(coef)
 
     def _requantize_and_broadcast(self) -> None:
         for i, master in self.masters.items():
-            weight = self.layers[i].weight
-            scale = compute_scale(tensor_amax(master), E4M3, self.layers[i].margin, previous=weight._scale)
-            weight._scale.copy_(scale)
-            weight._data.copy_(quantize(master, scale, E4M3))
+            self.layers[i].weight.requantize_(master, self.layers[i].margin)
         # One broadcast per owner: its layers' bytes, then their scales' bytes.
         for rank in range(self.world_size):
             owned = [self.layers[i].weight for i in range(len(self.layers)) if self.owners[i] == rank]
@@ -225,15 +220,16 @@ class ZeroFP8Weights:
     def full_masters(self) -> dict[str, torch.Tensor]:
         """Every layer's FP16 master (name -> tensor on this rank's device), broadcast from its owner.
         A collective: every rank calls it."""
-        out = {}
-        for i, layer in enumerate(self.layers):
-            w = layer.weight
-            master = self.masters.get(i)
-            if master is None:
-                master = torch.empty(w.shape, dtype=torch.float16, device=w._data.device)
-            dist.broadcast(master, src=self._global(self.owners[i]), group=self.group)
-            out[self.names[i]] = master
-        return out
+        return {self.names[i]: self._broadcast_master(i) for i in range(len(self.layers))}
+
+    def _broadcast_master(self, i: int) -> torch.Tensor:
+        """Layer `i`'s FP16 master on every rank, sent by its owner (a collective)."""
+        master = self.masters.get(i)
+        if master is None:
+            w = self.layers[i].weight
+            master = torch.empty(w.shape, dtype=torch.float16, device=w._data.device)
+        dist.broadcast(master, src=self._global(self.owners[i]), group=self.group)
+        return master
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
@@ -248,10 +244,7 @@ class ZeroFP8Weights:
         keep = PartialState().is_local_main_process
         masters, states = {}, {}
         for i, layer in enumerate(self.layers):
-            master = self.masters.get(i)
-            if master is None:
-                master = torch.empty(layer.weight.shape, dtype=torch.float16, device=layer.weight._data.device)
-            dist.broadcast(master, src=self._global(self.owners[i]), group=self.group)
+            master = self._broadcast_master(i)
             if keep:
                 masters[self.names[i]] = master.cpu()
             w, src = layer.weight, self._global(self.owners[i])
@@ -291,9 +284,7 @@ class ZeroFP8Weights:
             layer = self.layers[i]
             device = layer.weight._data.device
             value = value.to(device=device, dtype=torch.float16)
-            scale = compute_scale(tensor_amax(value), E4M3, layer.margin)
-            layer.weight._scale.copy_(scale)
-            layer.weight._data.copy_(quantize(value, scale, E4M3))
+            layer.weight.requantize_(value, layer.margin, keep_scale=False)
             if i in self.masters:
                 self.masters[i].copy_(value)
                 saved = state["states"].get(name) or {}
