@@ -95,8 +95,13 @@ CONFIGS: dict[str, dict | str | None] = {
     "torchao all": dict(backend="torchao", recipe="tensorwise", skip_first_last=False, skip_slow_shapes=False),
     "raw torchao": "raw",
     "msamp O2": dict(backend="msamp", opt_level="O2"),
+    # the output head (and first Linear) in FP8 too, every other default kept (skip_slow_shapes on)
+    "torchao head": dict(backend="torchao", recipe="tensorwise", skip_first_last=False),
+    "msamp O2 head": dict(backend="msamp", opt_level="O2", skip_first_last=False),
     # eager models (--compile none): lowprec's default compiles each FP8 layer (compile_fp8_layers); this one does not
     "torchao eager layers": dict(backend="torchao", recipe="tensorwise", compile_fp8_layers=False),
+    # msamp's layers compiled one by one in an eager model (its default keeps them eager: not yet measured)
+    "msamp O2 compiled layers": dict(backend="msamp", opt_level="O2", compile_fp8_layers=True),
 }
 
 PROFILE_CONFIGS = ["bf16", "torchao default", "msamp O2"]
@@ -337,7 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--widths", nargs="+", default=["d1024", "d2048", "d4096", "d8192"], choices=list(WIDTHS))
-    p.add_argument("--configs", nargs="+", default=[c for c in CONFIGS if c != "torchao eager layers"],
+    p.add_argument("--configs", nargs="+",
+                   default=[c for c in CONFIGS if c not in ("torchao eager layers", "msamp O2 compiled layers",
+                                                            "torchao head", "msamp O2 head")],
                    choices=list(CONFIGS),
                    help="run in this order within each width ('bf16' first: the ratios need it)")
     p.add_argument("--steps", type=int, default=20)

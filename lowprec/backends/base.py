@@ -484,6 +484,8 @@ class Backend(ABC):
 
     # ----- compile_fp8_layers ---------------------------------------------------------------------
     LAYER_COMPILE_BACKEND: ClassVar[str] = "inductor"  # torch.compile backend of compile_layers
+    # torch.compile's `dynamic` for the layers (None: its default, static first, dynamic from the second shape)
+    LAYER_COMPILE_DYNAMIC: ClassVar[bool | None] = None
     # Engines where compiling the layers was measured to pay (torchao, eager d4096 proxy): one H100
     # (results/gpu/2026-11-23-h100-eager-layers), FSDP2 and DeepSpeed ZeRO-2 on two H200s (1.19x BF16
     # against 0.60-0.67x with eager layers: results/gpu/2026-11-23-h200x2-zero-o3)
@@ -511,7 +513,7 @@ class Backend(ABC):
             return 0
         layers = [m for m in model.modules() if self.converted_kind(m) == "linear"]
         for layer in layers:
-            layer.compile(backend=self.LAYER_COMPILE_BACKEND)
+            layer.compile(backend=self.LAYER_COMPILE_BACKEND, dynamic=self.LAYER_COMPILE_DYNAMIC)
         return len(layers)
 
     def engine_config_problem(self, config: dict) -> str | None:

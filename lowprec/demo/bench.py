@@ -4,8 +4,11 @@
     lowprec bench --configs bf16 torchao:tensorwise msamp:delayed:O2 --size proxy --steps 40
     lowprec bench --convergence --steps 300            # long enough to separate the loss curves
     lowprec bench --arch mistral qwen2 --size small    # other transformers model classes
+    lowprec bench --configs bf16 torchao:tensorwise torchao:tensorwise,skip_first_last=false --tokens pairs
+                                                       # the output head in FP8 or not, at a 64K vocabulary
 
-A configuration is `bf16` or `backend:recipe[:level]`. Each runs `python -m lowprec.demo.run` in a fresh
+A configuration is `bf16` or `backend:recipe[:level]`, optionally followed by `,skip_first_last=false` or
+`,skip_slow_shapes=false` (either true|false). Each runs `python -m lowprec.demo.run` in a fresh
 process (Accelerate's state is a process-wide singleton, and peak memory and compile caches must be
 the run's own) on the demo corpus: tokens/s (median step after warm-up), peak memory, model-state
 bytes per parameter (measured), losses and held-out loss. torchao configurations are also trained with
@@ -24,24 +27,41 @@ import tempfile
 
 import torch
 
+from .data import TOKENIZATIONS
 from .model import ARCHS, PRESETS, default_size
 from .run import worker_args
 
 LEVELS = (None, "O1", "O2")
 
 
+# Recipe switches a configuration may set after a comma ("torchao:tensorwise,skip_first_last=false"), so one
+# bench compares a default against the same backend with a layer rule turned off, each in its own process.
+CONFIG_OPTIONS = ("skip_first_last", "skip_slow_shapes")
+_BOOLS = {"true": True, "false": False}
+
+
 def parse_config(text: str) -> dict:
-    """'bf16' or 'backend:recipe[:level]' -> {"backend", "recipe", "opt_level"} (bf16: backend None)."""
+    """'bf16' or 'backend:recipe[:level][,option=true|false...]' -> {"name", "backend", "recipe",
+    "opt_level", "options"} (bf16: backend None; options: CONFIG_OPTIONS given)."""
     if text == "bf16":
-        return {"name": "bf16", "backend": None, "recipe": None, "opt_level": None}
-    parts = text.split(":")
+        return {"name": "bf16", "backend": None, "recipe": None, "opt_level": None, "options": {}}
+    head, *extras = text.split(",")
+    parts = head.split(":")
     if len(parts) not in (2, 3) or not all(parts):
         raise argparse.ArgumentTypeError(f"configuration {text!r} is not 'bf16' or 'backend:recipe[:level]' "
                                          "(e.g. torchao:tensorwise, msamp:delayed:O2)")
     level = parts[2] if len(parts) == 3 else None
     if level is not None and level not in ("O1", "O2", "O3"):
         raise argparse.ArgumentTypeError(f"configuration {text!r}: level {level!r} is not one of O1, O2, O3")
-    return {"name": text, "backend": parts[0], "recipe": parts[1], "opt_level": level}
+    options = {}
+    for extra in extras:
+        key, _, value = extra.partition("=")
+        if key not in CONFIG_OPTIONS or value.lower() not in _BOOLS:
+            raise argparse.ArgumentTypeError(
+                f"configuration {text!r}: option {extra!r} is not one of "
+                f"{', '.join(k + '=true|false' for k in CONFIG_OPTIONS)}")
+        options[key] = _BOOLS[value.lower()]
+    return {"name": text, "backend": parts[0], "recipe": parts[1], "opt_level": level, "options": options}
 
 
 def available_configs(compiled: bool, skipped: dict[str, str] | None = None) -> list[str]:
@@ -83,6 +103,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--convergence", action="store_true",
                    help="train long enough to separate the curves and report held-out loss against BF16")
     p.add_argument("--no-raw", action="store_true", help="skip the torchao-driven-directly comparison")
+    p.add_argument("--tokens", choices=sorted(TOKENIZATIONS), default="bytes",
+                   help="bytes (vocabulary 256) or byte pairs (65536: an output head the size of a real LLM's, "
+                        "for judging FP8 in that head)")
     p.add_argument("--out", default=None, help="directory for results.json/.md and the plots")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -92,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool) -> dict:
-    name = config["name"].replace(":", "_")
+    name = config["name"].replace(":", "_").replace(",", "_").replace("=", "-")
     path = os.path.join(out, f"{arch}_{name}.json")
     cmd = [sys.executable, "-m", "lowprec.demo.run", "--arch", arch, *common, "--json", path, "--no-progress"]
     if config["backend"] is None:
@@ -101,6 +124,8 @@ def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool) -> 
         cmd += ["--variant", "fp8", "--backend", config["backend"], "--recipe", config["recipe"]]
         if config["opt_level"]:
             cmd += ["--opt-level", config["opt_level"]]
+        for key, value in config["options"].items():
+            cmd.append(f"--{'' if value else 'no-'}{key.replace('_', '-')}")
         if raw and config["backend"] == "torchao" and not config["opt_level"]:
             cmd.append("--raw")
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -209,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         configs.insert(0, parse_config("bf16"))  # every ratio is against BF16 measured the same way
     out = args.out or tempfile.mkdtemp(prefix="lowprec-bench-")
     os.makedirs(out, exist_ok=True)
-    common = worker_args(size, steps, args.batch, args.seq_len, compiled)
+    common = worker_args(size, steps, args.batch, args.seq_len, compiled, args.tokens)
 
     from tqdm.auto import tqdm
 
@@ -227,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'compiled' if compiled else 'eager'}, {device}, torch {torch.__version__}")
     table = markdown(rows, header)
     with open(os.path.join(out, "results.json"), "w") as fh:
-        json.dump({"size": size, "steps": steps, "compiled": compiled, "device": device, "torch": torch.__version__,
+        json.dump({"size": size, "steps": steps, "tokens": args.tokens, "compiled": compiled, "device": device,
+                   "torch": torch.__version__,
                    "convergence": args.convergence, "rows": rows, "runs": results}, fh, indent=1)
     with open(os.path.join(out, "results.md"), "w") as fh:
         fh.write(table)

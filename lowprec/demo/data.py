@@ -11,6 +11,10 @@ import torch
 from torch.utils.data import Dataset
 
 VOCAB_SIZE = 256  # byte-level: every token is one byte of source text
+# How the byte stream becomes tokens -> vocabulary size. "pairs" reads two bytes as one token (65536 ids,
+# most of them rare, as in a real tokenizer's vocabulary): the output head is then a GEMM the size of a
+# production LLM's (d x 64K), which matters where FP8 in that head is being judged.
+TOKENIZATIONS = {"bytes": VOCAB_SIZE, "pairs": VOCAB_SIZE**2}
 
 
 @dataclass
@@ -57,6 +61,17 @@ def stdlib_corpus(max_bytes: int = 16 * 2**20, heldout_every: int = 20) -> Corpu
         return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).clone()
 
     return Corpus(stream(train), stream(heldout), files, root)
+
+
+def tokenize(stream: torch.Tensor, tokenization: str = "bytes") -> torch.Tensor:
+    """The token stream of a uint8 byte stream: itself ("bytes"), or non-overlapping byte pairs read as
+    one id each, first byte high ("pairs"; a trailing odd byte is dropped)."""
+    if tokenization not in TOKENIZATIONS:
+        raise ValueError(f"tokenization={tokenization!r} is not one of {', '.join(map(repr, TOKENIZATIONS))}")
+    if tokenization == "bytes":
+        return stream
+    pairs = stream[: stream.numel() // 2 * 2].view(-1, 2).to(torch.int32)
+    return pairs[:, 0] * VOCAB_SIZE + pairs[:, 1]
 
 
 class Windows(Dataset):

@@ -65,6 +65,6 @@ def llama_config(preset: ModelPreset, vocab_size: int = VOCAB_SIZE, arch: str = 
     )
 
 
-def build_model(preset: ModelPreset, arch: str = "llama") -> nn.Module:
+def build_model(preset: ModelPreset, arch: str = "llama", vocab_size: int = VOCAB_SIZE) -> nn.Module:
     transformers = require("transformers", feature="the demo model")
-    return getattr(transformers, ARCHS[arch][1])(llama_config(preset, arch=arch))
+    return getattr(transformers, ARCHS[arch][1])(llama_config(preset, vocab_size, arch=arch))

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 
 from ..accelerator import Accelerator
 from ..recipe import FP8RecipeKwargs
-from .data import Windows, stdlib_corpus
+from .data import TOKENIZATIONS, Windows, stdlib_corpus, tokenize
 from .memory import model_state_bytes
 from .model import ARCHS, PRESETS, build_model
 
@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep Linear layers FP8 would slow down in BF16 (default: the library's, on; it skips "
                         "nothing on devices without measured thresholds, such as the CPU)")
     p.add_argument("--corpus-mb", type=float, default=None)
+    p.add_argument("--tokens", choices=sorted(TOKENIZATIONS), default="bytes",
+                   help="bytes (vocabulary 256) or byte pairs (65536: an output head the size of a real LLM's)")
+    p.add_argument("--skip-first-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the first Linear and the output head in BF16 (default: the library's, on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true",
                    help="torchao only: also train the same model converted by torchao directly (no lowprec) in "
@@ -57,9 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def worker_args(size: str, steps: int, batch: int | None, seq_len: int | None, compile: bool | None) -> list[str]:
+def worker_args(size: str, steps: int, batch: int | None, seq_len: int | None, compile: bool | None,
+                tokens: str = "bytes") -> list[str]:
     """The options every run of a comparison shares, as this module's command line."""
-    args = ["--size", size, "--steps", str(steps)]
+    args = ["--size", size, "--steps", str(steps), "--tokens", tokens]
     for flag, value in (("--batch", batch), ("--seq-len", seq_len)):
         if value is not None:
             args += [flag, str(value)]
@@ -97,7 +102,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.variant == "fp8":
         recipe = FP8RecipeKwargs(
             # None unless given: the demo shows what the library's defaults convert, not a tuned subset.
-            backend=args.backend, recipe=args.recipe, opt_level=args.opt_level, skip_slow_shapes=args.skip_slow_shapes
+            backend=args.backend, recipe=args.recipe, opt_level=args.opt_level, skip_slow_shapes=args.skip_slow_shapes,
+            skip_first_last=args.skip_first_last,
         )
         accelerator = Accelerator(
             mixed_precision="fp8", kwargs_handlers=[recipe], gradient_accumulation_steps=args.grad_accum, **kwargs
@@ -108,9 +114,10 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     corpus = stdlib_corpus(max_bytes=int((args.corpus_mb or (64 if cuda else 8)) * 2**20))
     micro_steps = args.steps * args.grad_accum
-    train = Windows(corpus.train, seq_len, micro_steps * batch * accelerator.num_processes, seed=args.seed)
-    heldout = Windows(corpus.heldout, seq_len, args.eval_batches * batch * accelerator.num_processes, seed=1234)
-    model = build_model(preset, args.arch)
+    processes = accelerator.num_processes
+    train = Windows(tokenize(corpus.train, args.tokens), seq_len, micro_steps * batch * processes, seed=args.seed)
+    heldout = Windows(tokenize(corpus.heldout, args.tokens), seq_len, args.eval_batches * batch * processes, seed=1234)
+    model = build_model(preset, args.arch, TOKENIZATIONS[args.tokens])
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, weight_decay=0.1, betas=(0.9, 0.95),
                                   fused=cuda or None)
@@ -199,6 +206,8 @@ def run(args: argparse.Namespace) -> dict:
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
         "corpus_files": corpus.files,
+        "tokens": args.tokens,
+        "vocab_size": TOKENIZATIONS[args.tokens],
         "arch": args.arch,
         "model_state_bytes_per_param": state,
         "plan": plan.to_dict() if plan else None,
@@ -237,7 +246,7 @@ def _raw_torchao(args, plan, train, batch: int, compile_model: bool, warmup: int
     accelerator = PlainAccelerator(mixed_precision="bf16", **kwargs)
     torch.manual_seed(args.seed)
     preset = PRESETS[args.size]
-    model = build_model(preset, args.arch)
+    model = build_model(preset, args.arch, TOKENIZATIONS[args.tokens])
     fp8 = {d.fqn for d in plan.converted}
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(plan.recipe),
                                module_filter_fn=lambda module, fqn: fqn in fp8)

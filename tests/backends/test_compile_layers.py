@@ -33,12 +33,29 @@ def _decision(backend="torchao", device=H100, engine="single", compiled=False, *
     (dict(engine="fsdp2"), True, "eager model"),
     (dict(engine="deepspeed"), True, "eager model"),
     (dict(engine="fsdp1"), False, "not measured under fsdp1"),
-    (dict(backend="msamp"), False, "not measured to pay for backend 'msamp'"),
-    (dict(backend="msamp", compile_fp8_layers=True), True, "compile_fp8_layers=True"),
+    (dict(backend="msamp"), True, "eager model on an FP8 GPU"),
+    (dict(backend="msamp", engine="ddp"), False, "not measured under ddp"),
+    (dict(backend="msamp", engine="fsdp2", opt_level="O3"), False, "not measured under fsdp2"),
+    (dict(backend="msamp", engine="ddp", compile_fp8_layers=True), True, "compile_fp8_layers=True"),
 ])
 def test_where_layers_are_compiled(kwargs, expected, why):
     on, reason = _decision(**kwargs)
     assert on is expected and why in reason
+
+
+@pytest.mark.parametrize("backend, dynamic", [("torchao", None), ("msamp", True)])
+def test_layers_compile_with_the_backends_dynamic_shape_choice(monkeypatch, backend, dynamic):
+    # msamp: one graph with symbolic shapes from the first call (torch 2.11's dynamo failed when the
+    # second layer shape re-traced its autograd.Function with dynamic shapes, on an H100)
+    calls = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: calls.append(kw))
+    context = RunContext(device=H100)
+    converted = create_backend(FP8RecipeKwargs(backend=backend), context, require_package=False)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 128))
+    monkeypatch.setattr(type(converted), "converted_kind",
+                        lambda self, m: "linear" if isinstance(m, nn.Linear) else None)
+    assert converted.compile_layers(model) == 2
+    assert calls == [{"backend": "inductor", "dynamic": dynamic}] * 2
 
 
 def test_te_refuses_compiled_layers_naming_the_backends_that_take_it():

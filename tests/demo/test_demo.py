@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
-from lowprec.demo.data import Windows, stdlib_corpus
+from lowprec.demo.data import TOKENIZATIONS, Windows, stdlib_corpus, tokenize
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchao")
@@ -22,6 +24,38 @@ def test_corpus_split_is_deterministic_and_disjoint():
     windows = Windows(a.train, 64, 10, seed=3)
     assert windows[0].shape == (64,) and int(windows[0].max()) < 256
     assert Windows(a.train, 64, 10, seed=3)[7].equal(windows[7])
+
+
+def test_pair_tokens_read_two_bytes_as_one_id():
+    stream = torch.tensor([1, 2, 255, 255, 0, 7, 9], dtype=torch.uint8)
+    assert tokenize(stream, "bytes") is stream
+    assert tokenize(stream, "pairs").tolist() == [1 * 256 + 2, 65535, 7]  # the odd last byte is dropped
+    corpus = stdlib_corpus(max_bytes=2**20)
+    pairs = tokenize(corpus.train, "pairs")
+    assert int(pairs.max()) < TOKENIZATIONS["pairs"] and pairs.numel() == corpus.train.numel() // 2
+    assert len(pairs.unique()) > 2000  # a vocabulary, not a handful of ids
+    assert Windows(pairs, 64, 4, seed=0)[0].dtype == torch.int64
+    with pytest.raises(ValueError, match="tokenization='words' is not one of 'bytes', 'pairs'"):
+        tokenize(stream, "words")
+
+
+def test_demo_run_on_pair_tokens_has_a_64k_output_head(tmp_path):
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lowprec.demo.run import parse_args, run
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    # a short window: CPU BF16 GEMMs against a 65536-row head are slow
+    result = run(parse_args(["--variant", "fp8", "--steps", "2", "--batch", "2", "--seq-len", "16", "--eval-batches",
+                             "1", "--tokens", "pairs", "--no-skip-first-last", "--no-progress"]))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    assert result["vocab_size"] == 65536 and result["tokens"] == "pairs"
+    head = next(m for m in result["plan"]["modules"] if m["fqn"] == "lm_head")
+    assert head["convert"] and tuple(head["shape"]) == (65536, 128)
+    assert "modules: 15 of 15 Linear layers in FP8" in result["plan_text"]
+    assert result["first_loss"] == pytest.approx(math.log(65536), rel=0.1)  # uniform over the 64K ids at init
 
 
 def test_demo_end_to_end(tmp_path):

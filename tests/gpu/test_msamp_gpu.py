@@ -194,13 +194,39 @@ def test_fp8_linear_compiled_matches_eager():
         torch.testing.assert_close(eager.scales, compiled_layer.scales)
 
 
+def test_layers_of_two_shapes_compile_one_by_one_in_an_eager_model():
+    # compile_fp8_layers: every FP8Linear shares forward's code, so the second shape re-traces it; torch
+    # 2.11 failed that re-trace under automatic dynamic shapes (AssertionError in dynamo), which
+    # MSAMPBackend.LAYER_COMPILE_DYNAMIC avoids. Through prepare(), as a user gets it.
+    def train(compile_layers: bool) -> list[float]:
+        torch._dynamo.reset()
+        accelerator = _accelerator("O2", compile_fp8_layers=compile_layers)
+        model = _mlp()
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
+        assert len(layers) == 2
+        assert all((m._compiled_call_impl is not None) is compile_layers for m in layers)
+        losses = []
+        for step in range(20):  # past the 16-step amax window: the delayed-scaling graph compiles too
+            x = torch.randn(4, 256, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+            loss = model(x).float().square().mean()
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    assert train(True) == pytest.approx(train(False), rel=2e-2)
+
+
 # ---- end to end through lowprec.Accelerator ----------------------------------------------------------
 def _accelerator(level, **kwargs):
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    recipe = FP8RecipeKwargs(backend="msamp", opt_level=level, skip_first_last=False, skip_slow_shapes=False)
+    recipe = FP8RecipeKwargs(backend="msamp", opt_level=level, skip_first_last=False, skip_slow_shapes=False,
+                             **{k: kwargs.pop(k) for k in ("compile_fp8_layers",) if k in kwargs})
     return Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
 
 

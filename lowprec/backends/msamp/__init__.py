@@ -69,6 +69,14 @@ class MSAMPBackend(Backend):
     spec = backend_spec("msamp")
     native_storage = True
     ENGINES: ClassVar[tuple[str, ...]] = ("single", "ddp", "fsdp2")
+    # One graph with symbolic shapes from the start: torch 2.11 fails (AssertionError in dynamo's
+    # autograd.Function tracing) when a second layer shape re-traces FP8Linear's Function with dynamic
+    # shapes, which compile_fp8_layers' default does; static-only or dynamic-from-the-start both trace
+    # (benchmarks/diag_msamp_compile.py on an H100, results/gpu/2026-11-23-h100-speed-head).
+    LAYER_COMPILE_DYNAMIC = True
+    # Measured on one process; under DDP (FP8 gradient stores reduced outside autograd) and FSDP2 (O3's
+    # E4M3 weight subclass inside the compiled Function) not yet: compile_fp8_layers=True turns it on there.
+    LAYER_COMPILE_ENGINES = ("single",)
 
     def __init__(self, recipe, context):
         self.level: str = recipe.opt_level or DEFAULT_LEVEL
