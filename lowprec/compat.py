@@ -98,9 +98,10 @@ def _from_ao(handler: Any) -> FP8RecipeKwargs:
         recipe=recipe,
         fp8_format=fp8_format,
         module_filter_fn=handler.module_filter_func,
-        # In Accelerate a module_filter_func replaces its first/last skipping: the user's filter alone
-        # decides. lowprec's own heuristics (first/last, slow shapes) step aside the same way.
-        **({"skip_first_last": False, "skip_slow_shapes": False} if handler.module_filter_func is not None else {}),
+        # Accelerate's torchao path keeps the first and last Linear in BF16 unless a module_filter_func
+        # replaces that rule: the user's filter alone decides, and lowprec's slow-shape rule steps aside too.
+        **({"skip_first_last": False, "skip_slow_shapes": False} if handler.module_filter_func is not None
+           else {"skip_first_last": True}),
         pad_inner_dim=config.pad_inner_dim,
         # Accelerate turns this on by default for every recipe; here True means "where it applies".
         enable_fsdp_float8_all_gather=None if config.enable_fsdp_float8_all_gather else False,

@@ -59,9 +59,13 @@ def _region(*bounds: tuple[str, int]) -> SlowRegion:
 # it ("sm_90": H100 and H200), so two chips of one generation with different FP8 throughput
 # (sm_100 vs sm_120) get rows of their own.
 MEASURED: dict[tuple[str, str], Measurement] = {
+    # torchao's GEMM microbenchmarks, plus whole compiled models: at d1024 (every FP8 layer K=1024) FP8 lost
+    # with any subset converted (0.84x with 17 of 57 Linears incl. the 32000x1024 head, 0.98x with 16),
+    # from d2048 up it won (1.12x, 1.30x, 1.41x with every Linear of K >= 2048 in FP8).
     ("sm_90", PER_TENSOR): Measurement(
-        (_region(("K", 4096), ("N", 1024)),),
-        "torchao float8 microbenchmarks on H100 (torchao.float8._auto_filter_for_recipe, 'tensorwise')",
+        (_region(("K", 4096), ("N", 1024)), _region(("K", 1024))),
+        "torchao float8 microbenchmarks on H100 (torchao.float8._auto_filter_for_recipe, 'tensorwise'); "
+        "benchmarks/widths.py on H100, compiled (results/gpu/2026-11-23-h100-speed-head)",
     ),
     ("sm_90", PER_ROW): Measurement(
         (_region(("N", 2048)), _region(("K", 1024)), _region(("N", 4096), ("K", 2048))),

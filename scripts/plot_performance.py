@@ -2,10 +2,12 @@
 
     python scripts/plot_performance.py [--out docs/img/performance.png]
 
-Left: compiled models (regional compilation), each configuration against compiled BF16
-(results/gpu/2026-11-23-h100-widths/widths.json). Right: eager models against eager BF16, lowprec's
-default (FP8 layers compiled one by one) and the same with compile_fp8_layers=False
-(results/gpu/2026-11-23-h100-eager-layers/eager.json). Ratios are the JSONs' own, computed in the run.
+Left: compiled models (regional compilation), lowprec's defaults against compiled BF16 at d2048-d8192
+(results/gpu/2026-11-23-h100-speed-head/widths_defaults.json; at d1024 the defaults keep every layer in
+BF16, so there is nothing to plot), and the peer, raw torchao, from results/gpu/2026-11-23-h100-widths.
+Right: eager models against eager BF16, torchao's FP8 layers compiled one by one (the default) and with
+compile_fp8_layers=False (results/gpu/2026-11-23-h100-eager-layers/eager.json). Ratios are the JSONs'
+own, computed in the run.
 """
 
 from __future__ import annotations
@@ -15,14 +17,15 @@ import json
 import os
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
-COMPILED = os.path.join(ROOT, "results", "gpu", "2026-11-23-h100-widths", "widths.json")
+COMPILED = os.path.join(ROOT, "results", "gpu", "2026-11-23-h100-speed-head", "widths_defaults.json")
+PEER = os.path.join(ROOT, "results", "gpu", "2026-11-23-h100-widths", "widths.json")
 EAGER = os.path.join(ROOT, "results", "gpu", "2026-11-23-h100-eager-layers", "eager.json")
 
 
-def ratios(path: str, configs: list[str]) -> tuple[list[str], dict[str, list[float]]]:
+def ratios(path: str, configs: list[str], names: list[str] | None = None) -> tuple[list[str], dict[str, list[float]]]:
     with open(path) as fh:
         widths = json.load(fh)["widths"]
-    names = list(widths)
+    names = names or list(widths)
     return names, {c: [widths[w]["runs"][c].get("speedup_vs_bf16") or 0.0 for w in names] for c in configs}
 
 
@@ -35,19 +38,30 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "img", "performance.png"))
     args = p.parse_args()
+    compiled_widths = ["d2048", "d4096", "d8192"]
     panels = [
-        ("compiled (vs compiled BF16)", COMPILED, ["torchao default", "raw torchao", "torchao all", "msamp O2"]),
-        ("eager (vs eager BF16)", EAGER, ["torchao default", "torchao eager layers"]),
+        ("compiled (vs compiled BF16)", [(COMPILED, ["torchao default", "msamp O2"]), (PEER, ["raw torchao"])],
+         compiled_widths),
+        ("eager (vs eager BF16)", [(EAGER, ["torchao default", "torchao eager layers"])], None),
     ]
+    labels = {
+        ("compiled", "torchao default"): "lowprec torchao (defaults)",
+        ("compiled", "msamp O2"): "lowprec msamp O2 (defaults)",
+        ("compiled", "raw torchao"): "raw torchao (peer)",
+        # measured before the eager rule, which now keeps d1024 and d2048 in BF16 for these losses
+        ("eager", "torchao default"): "lowprec torchao, FP8 layers compiled (d1024/d2048: now kept in BF16)",
+        ("eager", "torchao eager layers"): "lowprec torchao, compile_fp8_layers=False",
+    }
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, (title, path, configs) in zip(axes, panels):
-        names, values = ratios(path, configs)
-        width = 0.8 / len(configs)
-        for i, config in enumerate(configs):
-            label = {"torchao default": "lowprec torchao (defaults)" if "compiled" in title else
-                     "lowprec torchao, FP8 layers compiled (compile_fp8_layers default)",
-                     "torchao eager layers": "lowprec torchao, compile_fp8_layers=False"}.get(config, config)
-            ax.bar([x + i * width for x in range(len(names))], values[config], width, label=label)
+    for ax, (title, sources, names) in zip(axes, panels):
+        series = []
+        for path, configs in sources:
+            names, values = ratios(path, configs, names)
+            series += [(c, values[c]) for c in configs]
+        width = 0.8 / len(series)
+        for i, (config, values) in enumerate(series):
+            ax.bar([x + i * width for x in range(len(names))], values, width,
+                   label=labels[(title.split()[0], config)])
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
         ax.set_title(title)

@@ -64,7 +64,7 @@ def test_prepare_converts_per_plan_and_loss_falls():
     plan = accelerator.precision_plan
     built = {name: is_fp8(m) for name, m in accelerator.unwrap_model(model).named_modules() if isinstance(m, nn.Linear)}
     assert built == {d.fqn: d.convert for d in plan.modules}
-    assert built == {"0": False, "2": True, "4": True, "6": False}  # first and last kept (skip_first_last)
+    assert built == {"0": True, "2": True, "4": True, "6": True}  # every Linear (skip_first_last is off by default)
     assert accelerator.mixed_precision == "fp8" and accelerator.fp8_enabled
     assert plan.emulated  # CPU
 
@@ -96,7 +96,7 @@ def test_recipe_from_environment_alone(monkeypatch):
     model = accelerator.prepare(regression_model())
     plan = accelerator.precision_plan
     assert (plan.backend, plan.recipe) == ("torchao", "rowwise_with_gw_hp")
-    assert [d.fqn for d in plan.converted] == ["2"]
+    assert [d.fqn for d in plan.converted] == ["0", "2", "6"]
     assert is_fp8(accelerator.unwrap_model(model)[2]) and not is_fp8(accelerator.unwrap_model(model)[4])
 
 
@@ -327,7 +327,7 @@ def test_ddp_two_processes_gloo(tmp_path):
     result = run_two_ranks(script, out=tmp_path / "result.json", timeout=600, ACCELERATE_USE_CPU="1",
                            ACCELERATE_MIXED_PRECISION="fp8")
     assert result["world_size"] == 2 and result["engine"] == "ddp"
-    assert result["fp8_modules"] == ["2", "4"]
+    assert result["fp8_modules"] == ["0", "2", "4", "6"]
     assert result["max_param_diff_across_ranks"] == 0.0
     assert result["last_loss"] < 0.6 * result["first_loss"]
 
@@ -414,7 +414,8 @@ def test_no_fp8_layer_is_one_warning_naming_the_option():
             self.up = nn.Linear(64, 256)
             self.down = nn.Linear(256, 64)
 
-    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="torchao")])
+    recipe = FP8RecipeKwargs(backend="torchao", skip_first_last=True)
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe])
     model = MLP()
     optimizer = torch.optim.AdamW(model.parameters())
     _, found, record = prepare_recording(accelerator, model, optimizer)
@@ -438,11 +439,14 @@ def test_each_model_with_no_fp8_layer_gets_its_warning():
 
 
 def test_defaults_on_four_square_linears_warn_only_when_few_convert():
-    # On the CPU nothing is measured to be slow: first and last stay, half the parameters are FP8.
-    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="torchao")])
-    _, found, _ = prepare_recording(accelerator, nn.Sequential(*(nn.Linear(256, 256) for _ in range(4))))
-    plan = accelerator.precision_plan
-    assert [d.convert for d in plan.modules] == [False, True, True, False] and found == []
+    # On the CPU nothing is measured to be slow: every Linear converts; with first and last kept, half
+    # the parameters are FP8, which is not "few" either.
+    for skip_first_last, expected in ((None, [True] * 4), (True, [False, True, True, False])):
+        accelerator = Accelerator(mixed_precision="fp8",
+                                  kwargs_handlers=[FP8RecipeKwargs(backend="torchao", skip_first_last=skip_first_last)])
+        _, found, _ = prepare_recording(accelerator, nn.Sequential(*(nn.Linear(256, 256) for _ in range(4))))
+        plan = accelerator.precision_plan
+        assert [d.convert for d in plan.modules] == expected and found == []
     note = "skip_slow_shapes: no measured thresholds for CPU (emulated); every eligible Linear is converted"
     assert note in plan.notes
 

@@ -103,7 +103,8 @@ def test_no_hooks_unless_asked_and_remove_takes_them_away(fresh_accelerate_state
 
 
 def test_bad_input(fresh_accelerate_state):
-    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="torchao")], cpu=True)
+    recipe = FP8RecipeKwargs(backend="torchao", skip_first_last=True)
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], cpu=True)
     with pytest.raises(RuntimeError, match="after prepare"):
         accelerator.fp8_health()
     accelerator.prepare(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)))

@@ -33,7 +33,8 @@ def model(dtype: torch.dtype = torch.float32, d: int = 64) -> nn.Module:
 
 
 def recipe(**kwargs) -> FP8RecipeKwargs:
-    return FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, **kwargs)
+    # first and last kept (not the default): the plan's tests need both groups of modules
+    return FP8RecipeKwargs(backend="torchao", **{"skip_slow_shapes": False, "skip_first_last": True, **kwargs})
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -113,7 +114,7 @@ def test_to_dict_is_json_ready():
 def test_meta_device_model():
     with torch.device("meta"):
         big = nn.Sequential(*(nn.Linear(8192, 8192) for _ in range(4))).to(torch.bfloat16)
-    plan = plan_for(big, FP8RecipeKwargs(backend="torchao"))
+    plan = plan_for(big, FP8RecipeKwargs(backend="torchao", skip_first_last=True))
     assert [d.fqn for d in plan.converted] == ["1", "2"]
     assert plan.model_state_bytes_per_param == 8
     assert all(p.is_meta for p in big.parameters())  # planning did not materialise anything
@@ -230,8 +231,8 @@ def four_linears() -> nn.Module:
 def test_no_fp8_linear_on_hopper_names_each_rule_and_its_option():
     from lowprec.hardware import assumed_device
 
-    # Library defaults, planned for an H100/H200: first/last kept, the two middle ones too small.
-    plan = build_plan(four_linears(), FP8RecipeKwargs(backend="torchao"),
+    # Planned for an H100/H200: first/last kept, the two middle ones too small.
+    plan = build_plan(four_linears(), FP8RecipeKwargs(backend="torchao", skip_first_last=True),
                       context=RunContext(device=assumed_device("9.0"), compiled=True))
     assert plan.shortfall() == [
         "no Linear layer (of 4) runs in FP8 on assumed GPU (sm_90): every GEMM stays in high precision. "
@@ -269,7 +270,8 @@ def test_exclusions_are_grouped_per_pattern_and_shapes_name_pad_inner_dim():
 
 
 def test_most_parameters_in_fp8_is_no_shortfall():
-    plan = plan_for(four_linears(), FP8RecipeKwargs(backend="torchao"), capability="cpu")  # no slow shapes measured
+    plan = plan_for(four_linears(), FP8RecipeKwargs(backend="torchao", skip_first_last=True),
+                    capability="cpu")  # no slow shapes measured
     assert [d.convert for d in plan.modules] == [False, True, True, False]  # exactly half: not "few"
     assert plan.shortfall() == [] and "WARNING" not in str(plan)
     assert plan_for(nn.Sequential(nn.ReLU()), recipe()).shortfall() == []  # no Linear at all: nothing to say

@@ -71,7 +71,7 @@ def test_only_linears_are_candidates():
 
 
 def test_skip_first_last():
-    d = decide(Tiny(), **FAST)
+    d = decide(Tiny(), skip_first_last=True, **FAST)
     assert fp8(d) == LINEARS[1:-1]
     assert d["layers.0.attn.q_proj"].reason == "first Linear layer (skip_first_last=True)"
     assert d["lm_head"].reason == "last Linear layer (skip_first_last=True)"
@@ -79,6 +79,7 @@ def test_skip_first_last():
 
 def test_skip_first_last_off_converts_all():
     assert fp8(decide(Tiny(), skip_first_last=False, **FAST)) == LINEARS
+    assert fp8(decide(Tiny(), **FAST)) == LINEARS  # the default: the output head in FP8 (docs/performance.md)
 
 
 @pytest.mark.parametrize(
@@ -183,21 +184,21 @@ class Siblings(nn.Module):
 def test_an_unfit_linear_does_not_stop_its_siblings():
     # Accelerate's TE conversion returns from the loop at the first unfit Linear, leaving every later
     # sibling (and their children) in high precision.
-    d = decide(Siblings(), **FAST)
+    d = decide(Siblings(), skip_first_last=True, **FAST)
     assert fp8(d) == ["a", "b", "sub.up_proj", "sub.down_proj", "nested.1.up_proj", "nested.1.down_proj"]
     assert not d["unfit"].convert and not d["nested.0"].convert
 
 
 def test_mha_out_proj_is_never_a_candidate():
     model = nn.Sequential(nn.Linear(64, 64), nn.MultiheadAttention(64, 4), nn.Linear(64, 64), nn.Linear(64, 64))
-    d = decide(model, **FAST)
+    d = decide(model, skip_first_last=True, **FAST)
     assert list(d) == ["0", "2", "3"]  # no "1.out_proj"
     assert fp8(d) == ["2"]
 
 
 def test_mha_out_proj_does_not_count_as_last_linear():
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.MultiheadAttention(64, 4))
-    d = decide(model, **FAST)
+    d = decide(model, skip_first_last=True, **FAST)
     assert d["2"].reason == "last Linear layer (skip_first_last=True)" and fp8(d) == ["1"]
 
 
@@ -225,23 +226,25 @@ def one(n: int, k: int, context: RunContext = HOPPER, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "n,k,slow",
+    "n,k,why",
     [
-        (1024, 4096, True),
-        (16, 16, True),
-        (1024, 16, True),
-        (1040, 4096, False),
-        (1024, 4112, False),
-        (8192, 64, False),
-        (64, 8192, False),
+        (1024, 4096, "K=4096 <= 4096 and N=1024 <= 1024"),
+        (16, 16, "K=16 <= 4096 and N=16 <= 1024"),
+        (1024, 16, "K=16 <= 4096 and N=1024 <= 1024"),
+        (1040, 4096, None),
+        (1024, 4112, None),
+        # measured on whole compiled models: every d1024 layer (K=1024) lost, the 32000x1024 head included
+        (8192, 64, "K=64 <= 1024"),
+        (32000, 1024, "K=1024 <= 1024"),
+        (32000, 1040, None),
+        (64, 8192, None),
     ],
 )
-def test_tensorwise_slow_shapes(n, k, slow):
+def test_tensorwise_slow_shapes(n, k, why):
     d = one(n, k)
-    assert d.convert is not slow
-    if slow:
-        assert d.reason == (f"FP8 slower than BF16 on Hopper (sm_90) for K={k} <= 4096 and N={n} <= 1024 "
-                            "(skip_slow_shapes=True)")
+    assert d.convert is (why is None)
+    if why is not None:
+        assert d.reason == f"FP8 slower than BF16 on Hopper (sm_90) for {why} (skip_slow_shapes=True)"
         assert d.rule == "skip_slow_shapes" and d.option.startswith("skip_slow_shapes=False")
     assert d.shape == (n, k)
     assert one(n, k, skip_slow_shapes=False).convert
@@ -279,7 +282,9 @@ def test_thresholds_match_torchao_auto_filter():
         keep = auto(recipe, filter_fqns=[])
         for n in dims:
             for k in dims:
-                assert one(n, k, recipe=recipe).convert == keep(meta_linear(n, k), "x"), (recipe, n, k)
+                # tensorwise adds one region measured on whole compiled models (K <= 1024 lost at d1024)
+                expected = keep(meta_linear(n, k), "x") and not (recipe == "tensorwise" and k <= 1024)
+                assert one(n, k, recipe=recipe).convert == expected, (recipe, n, k)
 
 
 @pytest.mark.parametrize("n, k, slow", [(4096, 4096, None), (14336, 4096, None), (4096, 14336, None),
@@ -362,7 +367,8 @@ def test_first_failing_check_is_the_reason(kwargs, reason):
     ],
 )
 def test_each_kept_module_names_the_option_that_converts_it(kwargs, rule, option):
-    d = decide(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 10), nn.Linear(16, 16)), context=HOPPER, **kwargs)
+    d = decide(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 10), nn.Linear(16, 16)), context=HOPPER,
+               skip_first_last=True, **kwargs)
     assert (d["1"].rule, d["1"].option) == (rule, option)
     assert (d["0"].rule, d["0"].option) == ("skip_first_last", "skip_first_last=False converts them")
     converted = decide(Tiny(), **FAST)["layers.0.mlp.up_proj"]
@@ -370,7 +376,7 @@ def test_each_kept_module_names_the_option_that_converts_it(kwargs, rule, option
 
 
 def test_first_linear_reason_beats_shape_reason():
-    d = decide(nn.Sequential(nn.Linear(16, 10), nn.Linear(16, 16)))
+    d = decide(nn.Sequential(nn.Linear(16, 10), nn.Linear(16, 16)), skip_first_last=True)
     assert d["0"].reason == "first Linear layer (skip_first_last=True)"
 
 

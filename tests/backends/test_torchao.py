@@ -221,7 +221,7 @@ def test_accelerate_parameter_lookup_sees_fp8_weight_subclass(fresh_accelerate_s
                         lambda self, *args: pytest.fail("Accelerate's own torchao conversion ran"))
     other = accelerator.prepare(mlp(1))
     built = [type(m).__name__ == "Float8Linear" for m in other if not isinstance(m, nn.GELU)]
-    assert built == [d.convert for d in accelerator.precision_plan.modules] == [False, True, False]
+    assert built == [d.convert for d in accelerator.precision_plan.modules] == [True, True, True]
 
 
 def test_fsdp2_optimizer_entries_expose_real_data_pointers():

@@ -72,23 +72,23 @@ def test_bench_runs_each_configuration_in_its_own_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "lowprec.cli", "bench", "--size", "tiny", "--steps", "4", "--no-progress",
-           "--configs", "torchao:tensorwise", "torchao:tensorwise,skip_first_last=false", "msamp:delayed:O2",
+           "--configs", "torchao:tensorwise", "torchao:tensorwise,skip_first_last=true", "msamp:delayed:O2",
            "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
     configs = [r["config"] for r in result["rows"]]
     # BF16 added: every ratio needs it
-    assert configs == ["bf16", "torchao:tensorwise", "torchao:tensorwise,skip_first_last=false", "msamp:delayed:O2"]
+    assert configs == ["bf16", "torchao:tensorwise", "torchao:tensorwise,skip_first_last=true", "msamp:delayed:O2"]
     runs = {r["config"]: r for r in result["runs"]}
     assert len({r["pid"] for r in result["runs"]}) == 4  # four processes
     assert result["tokens"] == "bytes" and all(r["vocab_size"] == 256 for r in result["runs"])
-    head = runs["torchao:tensorwise,skip_first_last=false"]
-    assert head["plan"]["options"]["skip_first_last"] is False
-    assert "modules: 15 of 15 Linear layers in FP8" in head["plan_text"] and head["raw"]["fp8_layers"] == 15
+    kept = runs["torchao:tensorwise,skip_first_last=true"]  # the head (and first Linear) in BF16: not the default
+    assert kept["plan"]["options"]["skip_first_last"] is True
+    assert "modules: 13 of 15 Linear layers in FP8" in kept["plan_text"] and kept["raw"]["fp8_layers"] == 13
     o2 = runs["msamp:delayed:O2"]["model_state_bytes_per_param"]["linear_weights"]["total"]
     assert o2 == pytest.approx(6.0, abs=0.01)
-    assert runs["torchao:tensorwise"]["raw"]["fp8_layers"] == 13 and "overhead_vs_raw" in runs["torchao:tensorwise"]
+    assert runs["torchao:tensorwise"]["raw"]["fp8_layers"] == 15 and "overhead_vs_raw" in runs["torchao:tensorwise"]
     assert all(len(r["losses"]) == 4 for r in result["runs"])
     assert (tmp_path / "results.md").read_text().count("| llama |") == 4
     assert (tmp_path / "throughput.png").stat().st_size > 1000 and (tmp_path / "loss.png").stat().st_size > 1000

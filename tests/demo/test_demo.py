@@ -48,7 +48,7 @@ def test_demo_run_on_pair_tokens_has_a_64k_output_head(tmp_path):
     GradientState._reset_state()
     # a short window: CPU BF16 GEMMs against a 65536-row head are slow
     result = run(parse_args(["--variant", "fp8", "--steps", "2", "--batch", "2", "--seq-len", "16", "--eval-batches",
-                             "1", "--tokens", "pairs", "--no-skip-first-last", "--no-progress"]))
+                             "1", "--tokens", "pairs", "--no-progress"]))
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     assert result["vocab_size"] == 65536 and result["tokens"] == "pairs"
@@ -75,7 +75,7 @@ def test_demo_end_to_end(tmp_path):
     for run in (bf16, fp8):
         assert run["steps"] == 12 and run["final_loss"] < run["first_loss"] - 0.5
     assert fp8["emulated"] and summary["speedup"] is None
-    assert len([m for m in fp8["plan"]["modules"] if m["convert"]]) == 13  # 15 Linears minus first and last
+    assert len([m for m in fp8["plan"]["modules"] if m["convert"]]) == 15  # every Linear, the head included
     assert abs(summary["heldout_delta"]) < 0.05
 
 
@@ -95,7 +95,7 @@ def test_demo_run_with_gradient_accumulation(tmp_path):
     # (nothing measured) it skips nothing, which the printed plan says
     assert result["plan"]["options"]["skip_slow_shapes"] is True
     assert "skip_slow_shapes: no measured thresholds for CPU (emulated)" in result["plan_text"]
-    assert "modules: 13 of 15 Linear layers in FP8" in result["plan_text"]
+    assert "modules: 15 of 15 Linear layers in FP8" in result["plan_text"]
     assert json.loads((tmp_path / "r.json").read_text())["grad_accum"] == 2
 
 
