@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", choices=sorted(TOKENIZATIONS), default="bytes",
                    help="bytes (vocabulary 256) or byte pairs (65536: an output head the size of a real LLM's)")
     p.add_argument("--skip-first-last", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep the first Linear and the output head in BF16 (default: the library's, on)")
+                   help="keep the first Linear and the output head in BF16 (default: the library's, off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true",
                    help="torchao only: also train the same model converted by torchao directly (no lowprec) in "
