@@ -8,6 +8,7 @@ import json
 import sys
 
 import torch
+from teardown import end_ranks  # beside this script: torchrun puts its folder on sys.path
 from torch import nn
 
 from lowprec import Accelerator, FP8RecipeKwargs
@@ -49,10 +50,7 @@ def main(out_path: str) -> None:
                 "first_loss": sum(losses[:4]) / 4,
                 "last_loss": sum(losses[-4:]) / 4,
             }, fh)
-    # gloo aborts a rank ("terminate called without an active exception") whose peer tears the
-    # group down while it is still shutting down: meet before destroying it
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    end_ranks()
 
 
 if __name__ == "__main__":

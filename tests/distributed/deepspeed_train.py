@@ -27,6 +27,7 @@ import traceback
 import torch
 import torch.distributed as dist
 from msamp_ddp import digest  # beside this script: torchrun puts its folder on sys.path
+from teardown import end_ranks  # beside this script: torchrun puts its folder on sys.path
 from torch import nn
 
 D_IN, D_HIDDEN, D_OUT = 32, 64, 16
@@ -312,8 +313,7 @@ def main(argv: list[str]) -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as fh:
             json.dump({"stage": stage, "world_size": dist.get_world_size(), "scenarios": results}, fh, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

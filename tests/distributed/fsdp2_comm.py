@@ -13,6 +13,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from teardown import end_ranks  # beside this script: torchrun puts its folder on sys.path
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -186,9 +187,7 @@ def main(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as fh:
             json.dump(ranks, fh)
-    # gloo aborts a rank whose peer tears the group down while it is still shutting down
-    dist.barrier()
-    dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":

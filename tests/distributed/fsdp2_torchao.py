@@ -10,6 +10,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from teardown import end_ranks  # beside this script: torchrun puts its folder on sys.path
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -68,9 +69,7 @@ def main(out_path: str) -> None:
                 "first_loss": losses[0],
                 "last_loss": losses[-1],
             }, fh)
-    # gloo aborts a rank whose peer tears the group down while it is still shutting down
-    dist.barrier()
-    dist.destroy_process_group()
+    end_ranks()
 
 
 if __name__ == "__main__":
