@@ -30,6 +30,12 @@ the optimizer handed to `prepare()`, and torch.compile (inductor) through Accele
 - "msamp O2":        FP8RecipeKwargs(backend="msamp", opt_level="O2"), defaults otherwise
 - "raw torchao":     no lowprec: torchao.float8.convert_to_float8_training(model) (tensorwise, every
                      Linear but lm_head), then plain accelerate.Accelerator(mixed_precision="bf16")
+- "te default":      FP8RecipeKwargs(backend="te"), lowprec's defaults (delayed scaling in an eager model,
+                     current scaling compiled): what backend="auto" picks for an eager model where TE is
+                     installed. Needs transformer_engine (`bash .gpubundle/setup.sh` on the GPU host):
+
+    timeout 400 python benchmarks/widths.py --compile none --widths d2048 d1024 d4096 d8192 \
+        --configs bf16 "te default" --steps 16 --warmup 8 --out $OUT/te_eager.json
 
 `--compile regional` (the default) is Accelerate's regional compilation (`use_regional_compilation=True`):
 each decoder layer is compiled (the layers share one compiled graph; a layer whose modules differ, such
@@ -102,7 +108,11 @@ CONFIGS: dict[str, dict | str | None] = {
     "torchao eager layers": dict(backend="torchao", recipe="tensorwise", compile_fp8_layers=False),
     # msamp's layers compiled one by one in an eager model (its default keeps them eager: not yet measured)
     "msamp O2 compiled layers": dict(backend="msamp", opt_level="O2", compile_fp8_layers=True),
+    # TransformerEngine with lowprec's defaults: what backend="auto" picks for an eager model where TE is installed
+    "te default": dict(backend="te"),
 }
+# Not run unless named in --configs (what they measure is a question of its own, or a package most hosts lack).
+OPT_IN_CONFIGS = ("torchao eager layers", "msamp O2 compiled layers", "torchao head", "msamp O2 head", "te default")
 
 PROFILE_CONFIGS = ["bf16", "torchao default", "msamp O2"]
 
@@ -343,8 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--widths", nargs="+", default=["d1024", "d2048", "d4096", "d8192"], choices=list(WIDTHS))
     p.add_argument("--configs", nargs="+",
-                   default=[c for c in CONFIGS if c not in ("torchao eager layers", "msamp O2 compiled layers",
-                                                            "torchao head", "msamp O2 head")],
+                   default=[c for c in CONFIGS if c not in OPT_IN_CONFIGS],
                    choices=list(CONFIGS),
                    help="run in this order within each width ('bf16' first: the ratios need it)")
     p.add_argument("--steps", type=int, default=20)
@@ -373,7 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
         "dynamo_backend": args.dynamo_backend, "argv": argv,
         "widths": {},
     }
-    for name in ("accelerate", "transformers", "torchao", "triton"):
+    for name in ("accelerate", "transformers", "torchao", "triton", "transformer_engine"):
         try:
             results[name] = __import__(name).__version__
         except Exception as exc:  # a missing package is recorded, not fatal (torchao configs then fail alone)
