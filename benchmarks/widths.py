@@ -32,7 +32,8 @@ the optimizer handed to `prepare()`, and torch.compile (inductor) through Accele
                      Linear but lm_head), then plain accelerate.Accelerator(mixed_precision="bf16")
 - "te default":      FP8RecipeKwargs(backend="te"), lowprec's defaults (delayed scaling in an eager model,
                      current scaling compiled): what backend="auto" picks for an eager model where TE is
-                     installed. Needs transformer_engine (`bash .gpubundle/setup.sh` on the GPU host):
+                     installed ("te all": every Linear, skip_slow_shapes=False). Needs transformer_engine
+                     (`bash .gpubundle/setup.sh` on the GPU host):
 
     timeout 400 python benchmarks/widths.py --compile none --widths d2048 d1024 d4096 d8192 \
         --configs bf16 "te default" --steps 16 --warmup 8 --out $OUT/te_eager.json
@@ -110,9 +111,11 @@ CONFIGS: dict[str, dict | str | None] = {
     "msamp O2 compiled layers": dict(backend="msamp", opt_level="O2", compile_fp8_layers=True),
     # TransformerEngine with lowprec's defaults: what backend="auto" picks for an eager model where TE is installed
     "te default": dict(backend="te"),
+    "te all": dict(backend="te", skip_slow_shapes=False),
 }
 # Not run unless named in --configs (what they measure is a question of its own, or a package most hosts lack).
-OPT_IN_CONFIGS = ("torchao eager layers", "msamp O2 compiled layers", "torchao head", "msamp O2 head", "te default")
+OPT_IN_CONFIGS = ("torchao eager layers", "msamp O2 compiled layers", "torchao head", "msamp O2 head", "te default",
+                  "te all")
 
 PROFILE_CONFIGS = ["bf16", "torchao default", "msamp O2"]
 
