@@ -22,9 +22,16 @@ PER_ROW = "per-row"
 MXFP8 = "MXFP8 1x32-block"
 PER_TENSOR_EAGER_LAYERS = "per-tensor in an eager model, each FP8 layer compiled"
 PER_TENSOR_EAGER = "per-tensor in an eager model, FP8 layers eager too"
-# How a slow-shape reason names the kinds measured in eager models (the same shape may pay compiled).
-_IN_EAGER = {PER_TENSOR_EAGER_LAYERS: " in an eager model (FP8 layers compiled one by one)",
-             PER_TENSOR_EAGER: " in an eager model with eager FP8 layers (compile_fp8_layers=False)"}
+# TransformerEngine's modules run their own fused kernels in an eager model; in a compiled one dynamo
+# breaks the graph around each of them (TE disables compilation of its Linear), so the step pays
+# the breaks on the host.
+TE_EAGER = "per-tensor, TransformerEngine modules in an eager model"
+TE_COMPILED = "per-tensor, TransformerEngine modules in a compiled model"
+# How a slow-shape reason names the kinds whose context matters (the same shape may pay in another).
+_CONTEXT = {PER_TENSOR_EAGER_LAYERS: " in an eager model (FP8 layers compiled one by one)",
+            PER_TENSOR_EAGER: " in an eager model with eager FP8 layers (compile_fp8_layers=False)",
+            TE_EAGER: " with TransformerEngine in an eager model",
+            TE_COMPILED: " with TransformerEngine in a compiled model (a graph break around each TE module)"}
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,19 @@ MEASURED: dict[tuple[str, str], Measurement] = {
         "benchmarks/widths.py --compile none on H100, torchao tensorwise with compile_fp8_layers=False "
         "(results/gpu/2026-11-23-h100-eager-layers)",
     ),
+    # Whole models against eager BF16, every Linear in FP8 (delayed scaling): d1024 (K=1024 throughout)
+    # lost, 0.69x; d2048 1.25x, d4096 1.39x, d8192 1.51x won: the per-tensor GEMM region K <= 1024 holds.
+    ("sm_90", TE_EAGER): Measurement(
+        (_region(("K", 4096), ("N", 1024)), _region(("K", 1024))),
+        "benchmarks/widths.py --compile none on H100, TE 2.20 (results/gpu/2026-11-24-h100-te-widths); "
+        "torchao's per-tensor GEMM microbenchmarks for the N <= 1024 region (the same cuBLAS FP8 GEMMs)",
+    ),
+    # Whole models against compiled BF16, every Linear in FP8 (current scaling): d2048 lost, 0.64x and
+    # 0.51x in two runs (the graph breaks cost more than its GEMMs save), d4096 1.14x and d8192 1.39x won.
+    ("sm_90", TE_COMPILED): Measurement(
+        (_region(("N", 2048)), _region(("K", 2048))),
+        "benchmarks/widths.py --compile regional on H100, TE 2.20 (results/gpu/2026-11-24-h100-te-widths)",
+    ),
 }
 
 _GENERATIONS = {(7, 0): "Volta", (7, 5): "Turing", (8, 9): "Ada", 8: "Ampere", 9: "Hopper", 10: "Blackwell",
@@ -119,7 +139,7 @@ def slow_reason(device: DeviceInfo, scaling: str, n: int, k: int) -> str | None:
     for region in found.regions:
         where = region.describe(n, k)
         if where is not None:
-            return f"FP8 slower than BF16 on {generation(device)}{_IN_EAGER.get(scaling, '')} for {where}"
+            return f"FP8 slower than BF16 on {generation(device)}{_CONTEXT.get(scaling, '')} for {where}"
     return None
 
 

@@ -147,13 +147,14 @@ class TEBackend(Backend):
 
     @property
     def speed_scaling(self) -> str:
-        from ...speed import MXFP8, PER_TENSOR
+        from ...speed import MXFP8, TE_COMPILED, TE_EAGER
 
-        # TE publishes no per-shape table; torchao's per-tensor measurements time the same cuBLAS
-        # FP8 GEMMs against BF16. Block scaling adds scale handling to those GEMMs, so where
-        # per-tensor FP8 loses, block scaling loses too (a lower bound on its slow shapes). MXFP8 runs
-        # other kernels, on Blackwell only: it keeps thresholds of its own.
-        return MXFP8 if self.recipe_name == "mxfp8" else PER_TENSOR
+        # Measured per-tensor (delayed eager, current compiled). Block scaling adds scale handling to
+        # the same GEMMs, so where per-tensor FP8 loses, block scaling loses too (a lower bound on its
+        # slow shapes). MXFP8 runs other kernels, on Blackwell only: it keeps thresholds of its own.
+        if self.recipe_name == "mxfp8":
+            return MXFP8
+        return TE_COMPILED if self.context.compiled else TE_EAGER
 
     # ----- recipe and context ----------------------------------------------------------------
     def te_recipe(self):
