@@ -188,10 +188,11 @@ class BackendSpec:
 _SPECS: dict[str, BackendSpec] = {}
 _ALIASES: dict[str, str] = {}
 # "auto" tries these in order; the first that is available, supports the recipe and can run on the
-# device wins. Eager models: TE first, its fused kernels need no compiler (d4096 proxy on an H100: TE
-# delayed 1.29x eager BF16, torchao with its layers compiled 1.13x). Compiled models: torchao first
-# (torchao tensorwise 1.24x compiled BF16, TE current 1.18x: ../shared/reference/gpu-baselines.md,
-# results/gpu/2026-11-23-h100-widths). msamp last: it changes optimizer-state precision (level O2).
+# device wins. Eager models: TE first, its fused kernels need no compiler (H100, lowprec's defaults: TE
+# 1.25/1.39/1.51x eager BF16 at d2048/d4096/d8192, torchao with its layers compiled BF16/1.20/1.37x).
+# Compiled models: torchao first (1.12/1.30/1.41x compiled BF16; TE 0.51-0.64/1.14/1.39x, a graph break
+# around each TE module): results/gpu/2026-11-23-h100-speed-head and 2026-11-24-h100-te-widths. msamp
+# last: it changes weight and optimizer-state precision (level O2), which auto does not do unasked.
 AUTO_ORDER = ("te", "torchao", "msamp")
 AUTO_ORDER_COMPILED = ("torchao", "te", "msamp")
 

@@ -6,8 +6,9 @@ Left: compiled models (regional compilation), lowprec's defaults against compile
 (results/gpu/2026-11-23-h100-speed-head/widths_defaults.json; at d1024 the defaults keep every layer in
 BF16, so there is nothing to plot), and the peer, raw torchao, from results/gpu/2026-11-23-h100-widths.
 Right: eager models against eager BF16, torchao's FP8 layers compiled one by one (the default) and with
-compile_fp8_layers=False (results/gpu/2026-11-23-h100-eager-layers/eager.json). Ratios are the JSONs'
-own, computed in the run.
+compile_fp8_layers=False (results/gpu/2026-11-23-h100-eager-layers/eager.json), and TransformerEngine
+with lowprec's defaults (results/gpu/2026-11-24-h100-te-widths/te_eager.json). Ratios are the JSONs' own,
+computed in the run; a run whose plan converts no Linear trained the BF16 model and gets no bar.
 """
 
 from __future__ import annotations
@@ -20,13 +21,20 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 COMPILED = os.path.join(ROOT, "results", "gpu", "2026-11-23-h100-speed-head", "widths_defaults.json")
 PEER = os.path.join(ROOT, "results", "gpu", "2026-11-23-h100-widths", "widths.json")
 EAGER = os.path.join(ROOT, "results", "gpu", "2026-11-23-h100-eager-layers", "eager.json")
+TE_EAGER = os.path.join(ROOT, "results", "gpu", "2026-11-24-h100-te-widths", "te_eager.json")
 
 
 def ratios(path: str, configs: list[str], names: list[str] | None = None) -> tuple[list[str], dict[str, list[float]]]:
     with open(path) as fh:
         widths = json.load(fh)["widths"]
     names = names or list(widths)
-    return names, {c: [widths[w]["runs"][c].get("speedup_vs_bf16") or 0.0 for w in names] for c in configs}
+
+    def ratio(run: dict) -> float:
+        if run.get("plan", {}).get("converted") == 0:  # the BF16 model: its ratio is noise, not FP8
+            return 0.0
+        return run.get("speedup_vs_bf16") or 0.0
+
+    return names, {c: [ratio(widths[w]["runs"][c]) for w in names] for c in configs}
 
 
 def main() -> None:
@@ -42,7 +50,8 @@ def main() -> None:
     panels = [
         ("compiled (vs compiled BF16)", [(COMPILED, ["torchao default", "msamp O2"]), (PEER, ["raw torchao"])],
          compiled_widths),
-        ("eager (vs eager BF16)", [(EAGER, ["torchao default", "torchao eager layers"])], None),
+        ("eager (vs eager BF16)", [(EAGER, ["torchao default", "torchao eager layers"]), (TE_EAGER, ["te default"])],
+         None),
     ]
     labels = {
         ("compiled", "torchao default"): "lowprec torchao (defaults)",
@@ -51,6 +60,7 @@ def main() -> None:
         # measured before the eager rule, which now keeps d1024 and d2048 in BF16 for these losses
         ("eager", "torchao default"): "lowprec torchao, FP8 layers compiled (d1024/d2048: now kept in BF16)",
         ("eager", "torchao eager layers"): "lowprec torchao, compile_fp8_layers=False",
+        ("eager", "te default"): "lowprec TransformerEngine (defaults; d1024 kept in BF16)",
     }
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, (title, sources, names) in zip(axes, panels):
@@ -63,6 +73,7 @@ def main() -> None:
             ax.bar([x + i * width for x in range(len(names))], values, width,
                    label=labels[(title.split()[0], config)])
         ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_ylim(0, 1.9)  # room for the legend above the bars
         ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names)
         ax.set_title(title)
         ax.legend(fontsize=7, loc="upper left")

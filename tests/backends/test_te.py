@@ -605,6 +605,20 @@ def test_precision_table_row(recipe, fmt):
     assert (delayed_note in plan.notes) is (recipe == "delayed")
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_compiled_model_is_told_what_te_costs_there(compiled):
+    from lowprec.backends.te.adapter import COMPILED_NOTE
+
+    with torch.device("meta"):
+        wide = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 4096))
+        narrow = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+    plan, _ = te_plan(wide, "current", compiled=compiled, skip_slow_shapes=True)
+    assert len(plan.converted) == 2
+    assert (COMPILED_NOTE in plan.notes) is compiled
+    plan, _ = te_plan(narrow, "current", compiled=compiled, skip_slow_shapes=True)
+    assert not plan.converted and COMPILED_NOTE not in plan.notes  # nothing of TE's runs: nothing to say
+
+
 def test_fp8_weights_in_the_plan():
     model = nn.ModuleDict({"a": nn.Linear(64, 64), "odd": nn.Linear(64, 40), "norm": nn.LayerNorm(64)})
     plan, _ = te_plan(model, "current", fp8_weights=True)

@@ -34,6 +34,14 @@ def _te_class_module(module: nn.Module) -> bool:
     return mod.startswith("transformer_engine") or mod == "lowprec.backends.te.modules"
 
 
+# results/gpu/2026-11-24-h100-te-widths (H100, d4096 proxy, against BF16 of the same mode).
+COMPILED_NOTE = (
+    "compiled model: dynamo breaks the graph around every TE module, which then runs eagerly between compiled "
+    "pieces (H100, d4096: 1.14x compiled BF16, where TE in an eager model measured 1.39x eager BF16 and "
+    "backend='torchao' compiled 1.30x): leave the model uncompiled for TE, or compile it with backend='torchao'"
+)
+
+
 class TEBackend(Backend):
     spec = backend_spec("te")
 
@@ -305,4 +313,6 @@ class TEBackend(Backend):
             notes.append("DelayedScaling: checkpoints keep scales and amax histories without pickle; not compilable")
         if self.recipe.fp8_weights:
             notes.append("fp8_weights: Adam/AdamW is replaced by TE FusedAdam(master_weights=True)")
+        if self.context.compiled and plan.converted:
+            notes.append(COMPILED_NOTE)
         return notes
