@@ -610,13 +610,18 @@ def test_a_compiled_model_is_told_what_te_costs_there(compiled):
     from lowprec.backends.te.adapter import COMPILED_NOTE
 
     with torch.device("meta"):
-        wide = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 4096))
-        narrow = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))
+        wide = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 4096))  # d4096: FP8 in either mode
+        middle = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 5632))  # d2048: FP8 only eager
+        narrow = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 2816))  # d1024: BF16 in either mode
     plan, _ = te_plan(wide, "current", compiled=compiled, skip_slow_shapes=True)
     assert len(plan.converted) == 2
     assert (COMPILED_NOTE in plan.notes) is compiled
-    plan, _ = te_plan(narrow, "current", compiled=compiled, skip_slow_shapes=True)
-    assert not plan.converted and COMPILED_NOTE not in plan.notes  # nothing of TE's runs: nothing to say
+    plan, _ = te_plan(middle, "current", compiled=compiled, skip_slow_shapes=True)
+    assert len(plan.converted) == (0 if compiled else 2)
+    assert (COMPILED_NOTE in plan.notes) is compiled  # compiling is what keeps them: it says how to get FP8 back
+    for model, kwargs in ((narrow, {}), (wide, {"exclude": ["*"]})):
+        plan, _ = te_plan(model, "current", compiled=compiled, skip_slow_shapes=True, **kwargs)
+        assert not plan.converted and COMPILED_NOTE not in plan.notes  # not for want of an eager model
 
 
 def test_fp8_weights_in_the_plan():

@@ -305,6 +305,13 @@ class TEBackend(Backend):
             out["master_weight"] = share * 4
         return out
 
+    def _kept_only_because_compiled(self, plan: PrecisionPlan) -> bool:
+        """Whether the compiled-model rule kept a Linear that an eager model would run in FP8."""
+        from ...speed import TE_EAGER, slow_reason
+
+        return any(m.rule == "skip_slow_shapes" and m.kind == "linear"
+                   and slow_reason(self.context.device, TE_EAGER, *m.shape) is None for m in plan.modules)
+
     def notes(self, plan: PrecisionPlan) -> list[str]:
         notes = ["TE FP8 GEMMs need batch x sequence divisible by 8 at run time (pad sequences)"]
         if not self.effective_options()["use_autocast_during_eval"]:
@@ -313,6 +320,6 @@ class TEBackend(Backend):
             notes.append("DelayedScaling: checkpoints keep scales and amax histories without pickle; not compilable")
         if self.recipe.fp8_weights:
             notes.append("fp8_weights: Adam/AdamW is replaced by TE FusedAdam(master_weights=True)")
-        if self.context.compiled and plan.converted:
+        if self.context.compiled and (plan.converted or self._kept_only_because_compiled(plan)):
             notes.append(COMPILED_NOTE)
         return notes
