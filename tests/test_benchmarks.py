@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -75,11 +76,16 @@ def test_widths_benchmark_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_widths_benchmark_eager_on_cpu(tmp_path):
     runs = _widths_on_cpu(tmp_path / "eager.json", "--compile", "none", "--configs", "bf16", "torchao default",
-                          "torchao eager layers", "--steps", "2", "--warmup", "1")
+                          "torchao eager layers", "--steps", "2", "--warmup", "1", "--rounds", "2")
     assert list(runs) == ["bf16", "torchao default", "torchao eager layers"]
     for label, r in runs.items():
         assert "error" not in r, (label, r.get("traceback"))
         assert r["step_ms_median"] > 0 and not r["dynamo"].get("stats", {}).get("unique_graphs")  # nothing compiled
+    # Two rounds in ABBA order; the medians over the rounds make the ratio.
+    assert [[x["position"] for x in r["rounds"]] for r in runs.values()] == [[0, 2], [1, 1], [2, 0]]
+    medians = {label: statistics.median(x["step_ms_median"] for x in r["rounds"]) for label, r in runs.items()}
+    assert {label: r["step_ms_median"] for label, r in runs.items()} == medians
+    assert runs["torchao default"]["speedup_vs_bf16"] == pytest.approx(medians["bf16"] / medians["torchao default"])
 
 
 def test_performance_plot_is_drawn_from_the_committed_results(tmp_path):
