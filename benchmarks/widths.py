@@ -63,8 +63,9 @@ The JSON is rewritten after every run, so a time limit keeps what finished; `wid
 RESULT.json` prints it as Markdown (the README's table).
 
 `--rounds R` runs every configuration R times per width in ABBA order (as given, reversed, as given,
-...), each run a fresh model and Accelerator. A step bound by the host (d1024: 23-81 ms) measured
-0.92-1.19x BF16 for the BF16 model itself depending on which ran first. Each run's record keeps round
+...), each run a fresh model and Accelerator. A step bound by the host (compiled d1024: 23-81 ms)
+measured 0.92-0.97x BF16 for the BF16 model itself, run after BF16 (results/gpu/2026-11-23-h100-speed-head):
+the order may be part of that. Each run's record keeps round
 0's details and lists every round's median step (`rounds`, with the run's position in that round);
 `step_ms_median` and `speedup_vs_bf16` are then taken from the medians over the rounds.
 

@@ -93,6 +93,8 @@ def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Backend) 
             reason, rule = why, "constraint"
         elif kind == "linear" and recipe.skip_slow_shapes and (why := backend.slow_shape(module)) is not None:
             reason, rule = f"{why} (skip_slow_shapes=True)", "skip_slow_shapes"
+        elif kind != "linear" and recipe.skip_slow_shapes and (why := backend.slow_replacement(module, kind)):
+            reason, rule = f"{why} (skip_slow_shapes=True)", "skip_slow_shapes"
         decisions.append(
             ModuleDecision(name, kind, _shape(module, kind), params, reason is None, reason or "FP8",
                            rule or "", _option(rule, backend, kind, pattern) if rule else "")
@@ -117,7 +119,8 @@ def _option(rule: str, backend: Backend, kind: str, pattern: str | None) -> str:
         "module_filter_fn": "let module_filter_fn return True for them (or module_filter_fn=None)",
         "skip_first_last": "skip_first_last=False converts them",
         "tied": "untie the weights, or backend='torchao' (it keeps the shared Parameter)",
-        "skip_slow_shapes": "skip_slow_shapes=False converts them anyway (FP8, though slower at these shapes)",
+        "skip_slow_shapes": ("skip_slow_shapes=False converts them anyway (FP8, though slower at these shapes)"
+                             if kind == "linear" else "skip_slow_shapes=False replaces them anyway (though slower)"),
     }[rule]
 
 

@@ -389,6 +389,11 @@ class Backend(ABC):
             return None
         return speed.slow_reason(self.context.device, self.speed_scaling, module.out_features, module.in_features)
 
+    def slow_replacement(self, module: nn.Module, kind: str) -> str | None:
+        """Why replacing a module other than a Linear (a norm) would make this run slower, or None.
+        `skip_slow_shapes` keeps such a module as it is, as it keeps a slow Linear."""
+        return None
+
     @abstractmethod
     def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
         """The precision table row this backend realises, one entry per tensor kind."""

@@ -624,6 +624,22 @@ def test_a_compiled_model_is_told_what_te_costs_there(compiled):
         assert not plan.converted and COMPILED_NOTE not in plan.notes  # not for want of an eager model
 
 
+@pytest.mark.parametrize("skip_slow_shapes", [True, False])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_norms_stay_the_models_own_in_a_compiled_model(compiled, skip_slow_shapes):
+    with torch.device("meta"):
+        model = nn.ModuleDict({"ln": nn.LayerNorm(4096), "rms": nn.RMSNorm(4096), "fc": nn.Linear(4096, 4096)})
+    plan, _ = te_plan(model, "current", compiled=compiled, skip_slow_shapes=skip_slow_shapes)
+    d = by_name(plan)
+    assert d["fc"].convert  # a d4096 GEMM pays in either mode
+    kept = compiled and skip_slow_shapes
+    for name in ("ln", "rms"):
+        assert d[name].convert is not kept
+        if kept:
+            assert d[name].rule == "skip_slow_shapes" and "TE's norm would be a graph break" in d[name].reason
+            assert d[name].option == "skip_slow_shapes=False replaces them anyway (though slower)"
+
+
 def test_fp8_weights_in_the_plan():
     model = nn.ModuleDict({"a": nn.Linear(64, 64), "odd": nn.Linear(64, 40), "norm": nn.LayerNorm(64)})
     plan, _ = te_plan(model, "current", fp8_weights=True)

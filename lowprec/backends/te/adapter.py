@@ -305,6 +305,15 @@ class TEBackend(Backend):
             out["master_weight"] = share * 4
         return out
 
+    def slow_replacement(self, module: nn.Module, kind: str) -> str | None:
+        # TE's norms run in high precision like the model's own; their gain is a fused eager kernel. Compiled,
+        # each is a graph break (dynamo skips TE's rmsnorm_fwd/layernorm_fwd builtins: the graph_break counts
+        # of results/gpu/2026-11-24-h100-te-widths), where inductor would fuse the model's own norm.
+        if self.context.compiled:
+            return ("compiled model: TE's norm would be a graph break, and it runs in high precision either way "
+                    "(torch.compile fuses the model's own)")
+        return None
+
     def _kept_only_because_compiled(self, plan: PrecisionPlan) -> bool:
         """Whether the compiled-model rule kept a Linear that an eager model would run in FP8."""
         from ...speed import TE_EAGER, slow_reason
