@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def round_order(configs: list[str], round_: int) -> list[str]:
     """The run order of one round: as given, then reversed, and so on (ABBA), so that no configuration
-    always runs first; a step bound by the host (d1024) was measured to depend on it."""
+    always runs first: a step bound by the host (d1024) may depend on it."""
     return list(configs) if round_ % 2 == 0 else list(reversed(configs))
 
 

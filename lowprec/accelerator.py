@@ -345,7 +345,8 @@ class Accelerator(_Accelerator):
         backend.setup_grad_comm(prepared)
         backend.compile_layers(inner)
         context = backend.forward_context(inner)
-        if context is not None:
+        # No FP8 GEMM, no FP8 context: a model the plan kept in high precision trains as the plain one.
+        if context is not None and any(d.kind == "linear" for d in plan.converted):
             _wrap_forward(prepared, context)
         object.__setattr__(prepared, _FINAL_ATTR, True)
 
