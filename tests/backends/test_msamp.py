@@ -669,3 +669,29 @@ def test_plan_without_converted_layers_shows_no_fp8_weights():
     assert (rows["gemm"], rows["weight"], rows["weight_grad"]) == ("FP32", "FP32", "FP32")
     assert rows["optimizer_states"] == "FP8 E4M3+FP16"  # the level's low-bit Adam still runs
     assert plan.bytes_per_param == {"weight": 4, "weight_grad": 4, "master_weight": 0, "optimizer_states": 3}
+
+
+@pytest.mark.parametrize("engine,compiled,compile_fp8_layers,eager_layers", [
+    ("single", False, None, False),  # layers compiled one by one: the plan says so instead
+    ("single", False, False, True), ("single", True, None, False), ("ddp", False, None, True),
+    ("ddp", False, True, False), ("ddp", True, None, False),
+])
+def test_eager_fp8_layers_are_named_with_what_they_cost(engine, compiled, compile_fp8_layers, eager_layers):
+    from lowprec import RunContext
+    from lowprec.backends import create_backend
+    from lowprec.backends.msamp import EAGER_LAYERS_NOTE
+    from lowprec.hardware import assumed_device, device_info
+    from lowprec.planning import build_plan
+
+    recipe = FP8RecipeKwargs(backend="msamp", opt_level="O2", compile_fp8_layers=compile_fp8_layers)
+    context = RunContext(device=assumed_device("9.0"), engine=engine, world_size=2 if engine == "ddp" else 1,
+                         compiled=compiled)
+    backend = create_backend(recipe, context, require_package=False)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 4096))
+    plan = build_plan(model, recipe, context=context, backend=backend)
+    assert len(plan.converted) == 2
+    assert (EAGER_LAYERS_NOTE in plan.notes) is eager_layers
+    assert not any("compile the model" in n and n != EAGER_LAYERS_NOTE for n in plan.notes)
+    cpu = RunContext(device=device_info("cpu"), engine=engine, world_size=context.world_size, compiled=compiled)
+    assert EAGER_LAYERS_NOTE not in build_plan(model, recipe, context=cpu).notes  # emulated: no speed to lose
