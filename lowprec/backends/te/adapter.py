@@ -307,8 +307,8 @@ class TEBackend(Backend):
 
     def slow_replacement(self, module: nn.Module, kind: str) -> str | None:
         # TE's norms run in high precision like the model's own; their gain is a fused eager kernel. Compiled,
-        # each is a graph break (dynamo skips TE's rmsnorm_fwd/layernorm_fwd builtins: the graph_break counts
-        # of results/gpu/2026-11-24-h100-te-widths), where inductor would fuse the model's own norm.
+        # each is a graph break (dynamo skips TE's norm kernels: rmsnorm_fwd in the graph_break counts of
+        # results/gpu/2026-11-24-h100-te-widths), where inductor would fuse the model's own norm.
         if self.context.compiled:
             return ("compiled model: TE's norm would be a graph break, and it runs in high precision either way "
                     "(torch.compile fuses the model's own)")
