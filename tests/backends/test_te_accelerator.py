@@ -217,6 +217,25 @@ def test_te_without_a_recipe_under_compile_trains_with_current_scaling(te_accele
     assert accelerator.precision_plan.recipe == "current"
 
 
+def test_a_compiled_d2048_model_under_te_speed_rules_is_the_plain_model(te_accelerator):
+    from accelerate.utils import TorchDynamoPlugin
+
+    accelerator = te_accelerator(None, gpu=H100, skip_slow_shapes=True,
+                                 dynamo_plugin=TorchDynamoPlugin(backend="aot_eager"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 2048), nn.LayerNorm(2048), nn.Linear(2048, 2048))
+    reference = copy.deepcopy(model)
+    prepared = accelerator.prepare(model)
+    plan = accelerator.precision_plan
+    assert not plan.converted and {d.rule for d in plan.modules} == {"skip_slow_shapes"}
+    inner = accelerator.unwrap_model(prepared, keep_torch_compile=False)
+    assert [type(m) for m in inner] == [nn.Linear, nn.LayerNorm, nn.Linear]  # nothing of TE's
+    calls = len(fake.autocast_calls)
+    x = torch.randn(8, 256)
+    torch.testing.assert_close(prepared(x).float(), reference(x), rtol=2e-2, atol=2e-2)  # BF16 autocast
+    assert len(fake.autocast_calls) == calls
+
+
 def test_prepare_mxfp8_on_hopper_is_an_error(te_accelerator):
     with pytest.raises(BackendUnavailableError, match="recipe 'mxfp8' needs sm_100"):
         te_accelerator("mxfp8", gpu=H100)
