@@ -168,6 +168,31 @@ def test_auto_under_compile_trains_with_a_compilable_te_recipe():
     assert all(v == v for v in losses) and losses[-1] < losses[0]
 
 
+def test_compiled_model_keeps_te_where_graph_breaks_cost_more():
+    """Compiled, TE's speed rules (results/gpu/2026-11-24-h100-te-widths): d2048-sized Linears and every norm
+    stay the model's own; d4096-sized Linears run in TE FP8. Both train."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.LayerNorm(2048), nn.Linear(2048, 4096), nn.GELU(),
+                          nn.Linear(4096, 4096), nn.LayerNorm(4096), nn.Linear(4096, 4096)).cuda()
+    accelerator = accelerator_for("current", dynamo=True, skip_slow_shapes=True)
+    prepared, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    inner = accelerator.unwrap_model(prepared, keep_torch_compile=False)
+    assert [type(m).__name__ for m in inner] == ["Linear", "LayerNorm", "Linear", "GELU", "Linear", "LayerNorm",
+                                                  "Linear"]
+    assert [isinstance(m, te.Linear) for m in inner if isinstance(m, nn.Linear) or isinstance(m, te.Linear)] == [
+        False, False, True, True]
+    assert not any(isinstance(m, (te.LayerNorm, te.RMSNorm)) for m in inner)
+    x = torch.randn(256, 2048, device="cuda")
+    losses = []
+    for _ in range(4):
+        loss = prepared(x).float().square().mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert all(v == v for v in losses) and losses[-1] < losses[0]
+
+
 def test_eval_precision_follows_the_recipe():
     for flag in (False, True):
         accelerator = accelerator_for("current", use_autocast_during_eval=flag)
