@@ -346,7 +346,7 @@ class Accelerator(_Accelerator):
         backend.compile_layers(inner)
         context = backend.forward_context(inner)
         # No FP8 GEMM, no FP8 context: a model the plan kept in high precision trains as the plain one.
-        if context is not None and any(d.kind == "linear" for d in plan.converted):
+        if context is not None and plan.fp8_linear_param_fraction > 0:
             _wrap_forward(prepared, context)
         object.__setattr__(prepared, _FINAL_ATTR, True)
 

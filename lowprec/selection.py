@@ -91,9 +91,8 @@ def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Backend) 
             rule = "tied"
         elif (why := backend.constraint(module)) is not None:
             reason, rule = why, "constraint"
-        elif kind == "linear" and recipe.skip_slow_shapes and (why := backend.slow_shape(module)) is not None:
-            reason, rule = f"{why} (skip_slow_shapes=True)", "skip_slow_shapes"
-        elif kind != "linear" and recipe.skip_slow_shapes and (why := backend.slow_replacement(module, kind)):
+        elif recipe.skip_slow_shapes and (why := backend.slow_shape(module) if kind == "linear"
+                                          else backend.slow_replacement(module, kind)):
             reason, rule = f"{why} (skip_slow_shapes=True)", "skip_slow_shapes"
         decisions.append(
             ModuleDecision(name, kind, _shape(module, kind), params, reason is None, reason or "FP8",
