@@ -76,6 +76,7 @@ class Accelerator(_Accelerator):
             recipe = to_recipe(fp8_handlers[0])
         elif requested == "fp8":
             recipe = FP8RecipeKwargs()
+        inherited = _inherited_dynamo(kwargs)
         self.fp8_recipe: FP8RecipeKwargs | None = recipe
         self._lowprec: list[tuple[nn.Module, Backend, PrecisionPlan]] = []
         self._health: list[FP8HealthMonitor] = []
@@ -90,6 +91,21 @@ class Accelerator(_Accelerator):
             **kwargs,
         )
         self.fp8_enabled = recipe is not None
+        # What compiles the model when this Accelerator's own arguments did not ask for it (see _inherited_dynamo).
+        self._compile_source = ""
+        if inherited is not None:
+            was, asked = inherited
+            self._compile_source = (f"dynamo_backend={was} inherited from an earlier Accelerator in this process "
+                                    "(Accelerate keeps one AcceleratorState per process)")
+            what = "not compile the model" if was == "NO" else "compile the model"
+            warnings.warn(
+                f"lowprec: this Accelerator's defaults ask for dynamo_backend={asked}, but an earlier Accelerator in "
+                f"this process set dynamo_backend={was}, and Accelerate keeps that (one AcceleratorState per process): "
+                f"prepare() will {what}, and lowprec plans for that (speed rules, backend='auto''s order). Call "
+                "accelerate.state.AcceleratorState._reset_state(reset_partial_state=True) before building this "
+                "Accelerator, or run each configuration in its own process.",
+                stacklevel=2,
+            )
         if recipe is not None:
             # Fail here, not at prepare(): a missing package, no FP8 hardware with emulate=False, a
             # recipe this device or engine cannot run. The backend is made again per model in prepare().
@@ -169,7 +185,8 @@ class Accelerator(_Accelerator):
 
         compiled = self.state.dynamo_plugin is not None and self.state.dynamo_plugin.backend != DynamoBackend.NO
         return RunContext(device=device_info(self.device), engine=engine, world_size=self.num_processes,
-                          compiled=compiled, precision=self._engine_precision(engine))
+                          compiled=compiled, compile_source=self._compile_source if compiled else "",
+                          precision=self._engine_precision(engine))
 
     def _engine_plugin(self, engine: str):
         """Accelerate's plugin for `engine` (FSDP or DeepSpeed), or None."""
@@ -299,7 +316,8 @@ class Accelerator(_Accelerator):
     def _convert(self, model: nn.Module) -> nn.Module:
         context = self.run_context()
         backend = create_backend(self.fp8_recipe, context)
-        plan = build_plan(model, backend.recipe, context=context, backend=backend)
+        # the user's recipe (backend='auto' included): the plan says how the backend was chosen
+        plan = build_plan(model, self.fp8_recipe, context=context, backend=backend)
         before = dict(model.named_parameters())
         with torch.no_grad():
             new = backend.convert(model, plan)
@@ -349,6 +367,39 @@ class Accelerator(_Accelerator):
         if context is not None and plan.fp8_linear_param_fraction > 0:
             _wrap_forward(prepared, context)
         object.__setattr__(prepared, _FINAL_ATTR, True)
+
+
+def _inherited_dynamo(kwargs: dict[str, Any]) -> tuple[str, str] | None:
+    """The dynamo backend an earlier Accelerator of this process left in Accelerate's shared AcceleratorState,
+    where it differs from what these Accelerator arguments ask for; None where they agree (or nothing is left).
+
+    Accelerate keeps the first AcceleratorState of a process and ignores a later Accelerator's dynamo settings:
+    an Accelerator built after a compiled one compiles its model too, silently. lowprec plans by whether the
+    model is compiled (speed rules, auto's order), so a run measured as "eager" would get the compiled plan.
+    Raises ValueError where the arguments name a dynamo setting explicitly, as Accelerate does for
+    mixed_precision; returns (inherited, asked) where they leave it to the default (ACCELERATE_DYNAMO_BACKEND).
+    """
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import TorchDynamoPlugin
+
+    previous = AcceleratorState._shared_state.get("dynamo_plugin") if AcceleratorState._shared_state else None
+    if previous is None:
+        return None
+    plugin, named = kwargs.get("dynamo_plugin"), kwargs.get("dynamo_backend")
+    explicit = plugin is not None or named is not None
+    if plugin is None:
+        plugin = TorchDynamoPlugin(backend=named) if named is not None else TorchDynamoPlugin()
+    if plugin.backend == previous.backend:
+        return None
+    was, asked = previous.backend.value, plugin.backend.value
+    if explicit:
+        raise ValueError(
+            f"lowprec: this Accelerator asks for dynamo_backend={asked}, but an earlier Accelerator in this process "
+            f"set dynamo_backend={was}, and Accelerate keeps the first (one AcceleratorState per process): it would "
+            f"run {was} and ignore {asked}. Call accelerate.state.AcceleratorState._reset_state("
+            "reset_partial_state=True) before building this Accelerator, or run it in its own process."
+        )
+    return was, asked
 
 
 def _wrap_forward(model: nn.Module, context_factory) -> None:

@@ -86,6 +86,10 @@ class PrecisionPlan:
     total_params: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # How the model runs ("eager", or compiled and from where) and how the backend was chosen (by name, or
+    # what backend='auto' chose and passed over): speed rules and auto's order depend on both.
+    model_mode: str = ""
+    choice: str = ""
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -221,6 +225,8 @@ class PrecisionPlan:
             f"lowprec precision plan: backend {self.backend} ({self.backend_display}), recipe {self.recipe!r}, "
             f"format {self.fp8_format}" + (f", memory level {self.opt_level}" if self.opt_level else ""),
             f"  where:     {self.engine} x{self.world_size} on {self.device}",
+            *([f"  model:     {self.model_mode}"] if self.model_mode else []),
+            *([f"  backend:   {self.choice}"] if self.choice else []),
             f"  execution: {self.execution}",
             "",
             self.table(),

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .backends import RunContext, create_backend
+from .backends import RunContext, create_backend, describe_choice
 from .hardware import DeviceInfo, assumed_device, device_info
 from .plan import PrecisionPlan, short_dtype
 from .selection import select_modules
@@ -25,6 +25,13 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
         if p.is_floating_point():
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
     return max(counts, key=counts.get) if counts else torch.float32
+
+
+def model_mode(context: RunContext) -> str:
+    """'eager', or how the model is compiled and, where the run's own arguments did not ask for it, why."""
+    if not context.compiled:
+        return "eager"
+    return "compiled (torch.compile)" + (f": {context.compile_source}" if context.compile_source else "")
 
 
 def build_plan(
@@ -67,6 +74,8 @@ def build_plan(
         bytes_per_param={},
         total_params=sum(p.numel() for p in model.parameters()),
         options=backend.effective_options(),
+        model_mode=model_mode(context),
+        choice=describe_choice(recipe, context),
     )
     plan.tensors = backend.tensor_precisions(plan)
     plan.bytes_per_param = backend.model_state_bytes(plan, param_dtype)

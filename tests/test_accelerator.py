@@ -485,3 +485,64 @@ def test_a_model_prepared_without_its_optimizer_warns_where_gradients_live(fresh
         assert messages == []
     else:
         assert len(messages) == 1 and where in messages[0] and f"backend={knobs['backend']!r}" in messages[0]
+
+
+# ---- a dynamo setting left by an earlier Accelerator (issue 26) ------------------------------------------------
+def _compiled_first():
+    from accelerate.utils import TorchDynamoPlugin
+
+    return Accelerator(mixed_precision="bf16", dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
+
+
+def test_an_accelerator_after_a_compiled_one_says_it_compiles_and_plans_so(fresh_accelerate_state):
+    # Accelerate keeps the first AcceleratorState: this one compiles its model although nothing here asked. The
+    # plan must say so (speed rules and auto's order differ for compiled models), not show an "eager" run.
+    _compiled_first()
+    with pytest.warns(UserWarning, match="ask for dynamo_backend=NO.*earlier Accelerator in this "
+                      "process set dynamo_backend=INDUCTOR"):
+        accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()])
+    assert accelerator.run_context().compiled
+    accelerator.prepare(regression_model())
+    plan = accelerator.precision_plan
+    assert plan.model_mode.startswith("compiled") and "inherited from an earlier Accelerator" in plan.model_mode
+    assert "model:     compiled" in str(plan)
+
+
+def test_an_explicit_dynamo_setting_the_state_would_ignore_is_refused(fresh_accelerate_state):
+    _compiled_first()
+    with pytest.raises(ValueError, match=r"asks for dynamo_backend=NO.*set dynamo_backend=INDUCTOR.*_reset_state"):
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()], dynamo_backend="no")
+
+
+def test_the_same_dynamo_setting_again_is_quiet(fresh_accelerate_state, recwarn):
+    from accelerate.utils import TorchDynamoPlugin
+
+    _compiled_first()
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()],
+                              dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
+    assert not [w for w in recwarn if "earlier Accelerator" in str(w.message)]
+    assert accelerator.run_context().compile_source == ""
+    accelerator.prepare(regression_model())
+    assert accelerator.precision_plan.model_mode == "compiled (torch.compile)"
+
+
+def test_an_eager_accelerator_plans_an_eager_model(fresh_accelerate_state, recwarn):
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()])
+    accelerator.prepare(regression_model())
+    assert accelerator.precision_plan.model_mode == "eager"
+    assert not [w for w in recwarn if "earlier Accelerator" in str(w.message)]
+
+
+def test_the_plan_says_how_auto_chose_its_backend(fresh_accelerate_state):
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs()])
+    accelerator.prepare(regression_model())
+    plan = accelerator.precision_plan
+    # the CPU host has no TE (conftest): auto passes it over, by name and why, and takes torchao
+    assert plan.backend == "torchao"
+    assert plan.choice.startswith("backend='auto' chose 'torchao': the first of te, torchao, msamp (the order for "
+                                  "eager models)")
+    assert "passed over te: transformer_engine is not installed" in plan.choice
+    assert f"backend:   {plan.choice}" in str(plan)
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()])
+    accelerator.prepare(regression_model())
+    assert accelerator.precision_plan.choice == "backend='torchao' named by the recipe"

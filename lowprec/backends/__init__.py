@@ -27,9 +27,11 @@ __all__ = [
     "BackendUnavailableError",
     "RecipeInfo",
     "RunContext",
+    "auto_choice",
     "backend_class",
     "canonical_name",
     "create_backend",
+    "describe_choice",
     "register_backend",
     "registered_backends",
     "resolve_backend",
@@ -78,6 +80,34 @@ def _why_not(cls: type[Backend], recipe: FP8RecipeKwargs, context: RunContext) -
     return None
 
 
+def auto_choice(recipe: FP8RecipeKwargs, context: RunContext) -> tuple[type[Backend] | None, list[str]]:
+    """What `backend='auto'` picks in `context`, and why it passed over each backend tried before it:
+    (class or None, ["te: <reason>", ...])."""
+    passed_over = []
+    for name in auto_order(context.compiled):
+        cls = backend_class(name)
+        why = _why_not(cls, recipe, context)
+        if why is None:
+            return cls, passed_over
+        passed_over.append(f"{name}: {why}")
+    return None, passed_over
+
+
+def describe_choice(recipe: FP8RecipeKwargs, context: RunContext) -> str:
+    """How the plan names the way its backend was chosen: by the recipe, or by 'auto' (in which order, for
+    which kind of model, and what it passed over)."""
+    if recipe.backend != "auto":
+        return f"backend={recipe.backend!r} named by the recipe"
+    cls, passed_over = auto_choice(recipe, context)
+    kind = "compiled" if context.compiled else "eager"
+    order = ", ".join(auto_order(context.compiled))
+    text = f"backend='auto' chose {cls.name if cls else None!r}: the first of {order} (the order for {kind} models) " \
+           "that can run this recipe here"
+    if passed_over:
+        text += "; passed over " + "; ".join(passed_over)
+    return text
+
+
 def resolve_backend(recipe: FP8RecipeKwargs, context: RunContext | DeviceInfo) -> type[Backend]:
     """The backend class `recipe` asks for; for 'auto', the best one that can honour it in `context`
     (a device alone means one uncompiled process on it)."""
@@ -85,15 +115,12 @@ def resolve_backend(recipe: FP8RecipeKwargs, context: RunContext | DeviceInfo) -
         context = RunContext(device=context)
     if recipe.backend != "auto":
         return backend_class(recipe.backend)
-    reasons = []
-    for name in auto_order(context.compiled):
-        cls = backend_class(name)
-        why = _why_not(cls, recipe, context)
-        if why is None:
-            return cls
-        reasons.append(f"  {name}: {why}")
+    cls, passed_over = auto_choice(recipe, context)
+    if cls is not None:
+        return cls
     raise BackendUnavailableError(
-        "FP8RecipeKwargs(backend='auto') found no backend that can honour this recipe here:\n" + "\n".join(reasons)
+        "FP8RecipeKwargs(backend='auto') found no backend that can honour this recipe here:\n"
+        + "\n".join(f"  {line}" for line in passed_over)
     )
 
 

@@ -52,6 +52,9 @@ class RunContext:
     engine: str = "single"  # "single", "ddp", "fsdp2", "deepspeed", "fsdp1"
     world_size: int = 1
     compiled: bool = False  # the model will run under torch.compile
+    # Where `compiled` comes from, when not from this run's own arguments (an AcceleratorState an earlier
+    # Accelerator of the process set up): the plan says so, since the user did not ask for it here.
+    compile_source: str = ""
     # What the engine does with precision; None: what Accelerate gives the engine by default.
     precision: EnginePrecision | None = None
 

@@ -123,7 +123,10 @@ def run_steps(accelerator, model, optimizer, loader):
 
 @pytest.mark.parametrize("recipe,dynamo", [("delayed", False), ("current", False), ("current", True)])
 def test_llama_trains_with_te_modules(recipe, dynamo):
-    accelerator = accelerator_for(recipe, dynamo=dynamo, skip_first_last=True, skip_slow_shapes=True)
+    # The "small" model is d1024: every Linear has K=1024, where TE's FP8 measured 0.69x BF16 on an H100, so
+    # the speed rule (skip_slow_shapes) rightly keeps them all in BF16 (test_speed_rules_keep_d1024_in_bf16).
+    # This test is about TE's modules training, so it turns the rule off.
+    accelerator = accelerator_for(recipe, dynamo=dynamo, skip_first_last=True, skip_slow_shapes=False)
     model, optimizer, loader = llama_training(accelerator)
     plan = accelerator.precision_plan
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
@@ -137,7 +140,8 @@ def test_llama_trains_with_te_modules(recipe, dynamo):
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_levels_train_with_fp16_te_weights_and_fp8_gradients(level):
-    accelerator = accelerator_for("current", opt_level=level, skip_first_last=True, skip_slow_shapes=True)
+    # skip_slow_shapes=False: the d1024 model's Linears are all in TE's slow region (see above)
+    accelerator = accelerator_for("current", opt_level=level, skip_first_last=True, skip_slow_shapes=False)
     model, optimizer, loader = llama_training(accelerator)
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
     linears = [m for m in inner.modules()
@@ -154,18 +158,39 @@ def test_delayed_with_compile_is_a_clear_error():
         accelerator_for("delayed", dynamo=True)
 
 
-def test_auto_under_compile_trains_with_a_compilable_te_recipe():
-    # issue 16: auto picked TE's delayed recipe here and then failed under torch.compile
-    from accelerate.utils import TorchDynamoPlugin
-
-    reset()
-    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(skip_slow_shapes=False)],
-                              dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
+@pytest.mark.parametrize("dynamo", [False, True])
+def test_speed_rules_keep_d1024_in_bf16(dynamo):
+    """TE's measured rules on the d1024 model (K=1024 throughout: 0.69x BF16 eager): no Linear in FP8, and
+    no te.autocast around a model that has none; compiled, the model's own norms stay too. It trains."""
+    accelerator = accelerator_for("current" if dynamo else "delayed", dynamo=dynamo, skip_first_last=False,
+                                  skip_slow_shapes=True)
     model, optimizer, loader = llama_training(accelerator, steps=8)
     plan = accelerator.precision_plan
-    assert (plan.backend, plan.recipe, plan.emulated) == ("te", "current", False)
+    linears = [m for m in plan.modules if m.kind == "linear"]
+    assert linears and all(not m.convert and m.rule == "skip_slow_shapes" for m in linears)
+    assert {m.kind for m in plan.converted} == (set() if dynamo else {"rmsnorm"})
+    inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+    assert not any(isinstance(m, te.Linear) for m in inner.modules())
     losses = run_steps(accelerator, model, optimizer, loader)
     assert all(v == v for v in losses) and losses[-1] < losses[0]
+
+
+def test_auto_under_compile_picks_torchao_and_te_picks_a_compilable_recipe():
+    """Compiled, auto tries torchao first (AUTO_ORDER_COMPILED: TE's graph breaks made it 1.14x compiled BF16 at
+    d4096 against torchao's 1.30x). Named under compile, TE defaults to current scaling, which compiles (issue 16:
+    its delayed recipe failed there). Both train."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    for handler, expected in ((FP8RecipeKwargs(skip_slow_shapes=False), ("torchao", "tensorwise")),
+                              (FP8RecipeKwargs(backend="te", skip_slow_shapes=False), ("te", "current"))):
+        reset()
+        accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[handler],
+                                  dynamo_plugin=TorchDynamoPlugin(backend="inductor"))
+        model, optimizer, loader = llama_training(accelerator, steps=8)
+        plan = accelerator.precision_plan
+        assert (plan.backend, plan.recipe, plan.emulated) == (*expected, False)
+        losses = run_steps(accelerator, model, optimizer, loader)
+        assert all(v == v for v in losses) and losses[-1] < losses[0]
 
 
 def test_compiled_model_keeps_te_where_graph_breaks_cost_more():
@@ -175,7 +200,8 @@ def test_compiled_model_keeps_te_where_graph_breaks_cost_more():
     model = nn.Sequential(nn.Linear(2048, 2048), nn.LayerNorm(2048), nn.Linear(2048, 4096), nn.GELU(),
                           nn.Linear(4096, 4096), nn.LayerNorm(4096), nn.Linear(4096, 4096)).cuda()
     accelerator = accelerator_for("current", dynamo=True, skip_slow_shapes=True)
-    prepared, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    # lr 1e-4: at 1e-3 Adam's first steps overshoot this width even in FP32 (0.334 -> 0.847 -> 6.07 -> 0.349)
+    prepared, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     inner = accelerator.unwrap_model(prepared, keep_torch_compile=False)
     assert [type(m).__name__ for m in inner] == ["Linear", "LayerNorm", "Linear", "GELU", "Linear", "LayerNorm",
                                                   "Linear"]
@@ -190,7 +216,8 @@ def test_compiled_model_keeps_te_where_graph_breaks_cost_more():
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    assert all(v == v for v in losses) and losses[-1] < losses[0]
+    # FP32 on the CPU: 0.334 -> 0.256 -> 0.197 -> 0.147
+    assert all(v == v for v in losses) and losses[-1] < 0.75 * losses[0], losses
 
 
 def test_eval_precision_follows_the_recipe():

@@ -1,0 +1,334 @@
+"""The headline comparison: lowprec's main configurations against BF16 on one GPU, in one process.
+
+    python3 benchmarks/headline.py --out OUT.json [--widths d4096] [--configs ...] [--steps 16 --warmup 8]
+
+What `scripts/gpu/verify.sh` runs after the GPU suite, so that every GPU-touching change ends with the
+numbers the README and docs quote, measured on the tree it changes. Each configuration is compared with
+BF16 of the same mode (eager with eager, compiled with compiled) measured in the same process:
+
+- "bf16 eager" / "bf16 compiled": lowprec.Accelerator(mixed_precision="bf16"); compiled = Accelerate's
+  dynamo plugin (inductor, regional: the identical blocks share one graph).
+- "torchao": FP8RecipeKwargs(backend="torchao"), compiled (its fast mode).
+- "msamp O2": FP8RecipeKwargs(backend="msamp", opt_level="O2"), compiled.
+- "te": FP8RecipeKwargs(backend="te"), eager (TE's fast mode).
+- "auto" / "auto compiled": FP8RecipeKwargs() (backend="auto"), eager / compiled: which backend it
+  chose, and why each one before it was passed over, are recorded.
+- "raw te": no lowprec: every Linear but the head swapped for te.Linear by hand (weights copied), the
+  step under te.autocast(DelayedScaling(HYBRID)) inside plain accelerate.Accelerator(mixed_precision="bf16").
+  lowprec's TE should match its speed and peak memory.
+- "te no norms": "te" with the norms excluded (exclude=("*norm*",)): what TE's norms cost or save.
+
+Model: a Llama-style decoder written here (no `transformers`): token embedding, per block RMSNorm, one
+fused QKV Linear, causal SDPA (heads of 128), output Linear, RMSNorm, fused gate+up Linear, SiLU-gated
+down Linear; final RMSNorm and an untied head over a 32000-token vocabulary; batch 4 x 2048 random ids,
+cross-entropy on the next token. Optimizer torch AdamW(fused=True) handed to prepare().
+
+Per run: median step after `--warmup` steps (the loss read each step synchronises), tokens/s, peak CUDA
+memory from right after prepare(), CUDA memory held after prepare() and after the first optimizer step
+(model state), FP8 Linears in the plan. `--summarize OUT.json` prints the table again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 32000
+# name -> (hidden, ffn, layers); heads of 128, batch 4 x 2048 tokens
+WIDTHS = {"tiny": (64, 128, 2), "d2048": (2048, 7168, 4), "d4096": (4096, 14336, 4), "d8192": (8192, 28672, 2)}
+BATCH, SEQ = 4, 2048
+
+# label -> (mode, FP8RecipeKwargs fields | None for BF16 | "raw te")
+CONFIGS: dict[str, tuple[str, dict | str | None]] = {
+    "bf16 eager": ("eager", None),
+    "te": ("eager", dict(backend="te")),
+    "auto": ("eager", dict()),
+    "raw te": ("eager", "raw te"),
+    "te no norms": ("eager", dict(backend="te", exclude=("*norm*",))),
+    "bf16 compiled": ("compiled", None),
+    "torchao": ("compiled", dict(backend="torchao")),
+    "msamp O2": ("compiled", dict(backend="msamp", opt_level="O2")),
+    "auto compiled": ("compiled", dict()),
+    # TE in a compiled model (a graph break around each TE module), with lowprec and by hand
+    "te compiled": ("compiled", dict(backend="te")),
+    "raw te compiled": ("compiled", "raw te"),
+}
+DEFAULT_CONFIGS = ["bf16 eager", "te", "auto", "raw te", "bf16 compiled", "torchao", "msamp O2", "auto compiled"]
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, ff: int):
+        super().__init__()
+        self.heads = d // 128 if d >= 128 else 1
+        self.attn_norm = nn.RMSNorm(d, eps=1e-5)
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
+        self.o = nn.Linear(d, d, bias=False)
+        self.mlp_norm = nn.RMSNorm(d, eps=1e-5)
+        self.gate_up = nn.Linear(d, 2 * ff, bias=False)
+        self.down = nn.Linear(ff, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Proxy(nn.Module):
+    def __init__(self, d: int, ff: int, layers: int, vocab: int = VOCAB):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, ff) for _ in range(layers))
+        self.norm = nn.RMSNorm(d, eps=1e-5)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def _raw_te(model: Proxy) -> Proxy:
+    """Every Linear but the head swapped for te.Linear by hand, weights copied: what a TE user writes."""
+    import transformer_engine.pytorch as te
+
+    for block in model.blocks:
+        for name in ("qkv", "o", "gate_up", "down"):
+            old = getattr(block, name)
+            new = te.Linear(old.in_features, old.out_features, bias=False, params_dtype=old.weight.dtype,
+                            device=old.weight.device)
+            with torch.no_grad():
+                new.weight.copy_(old.weight)
+            setattr(block, name, new)
+    return model
+
+
+def _auto_reasons(recipe, context) -> list[str]:
+    """Why `backend='auto'` passed over each backend it tried before the one it chose."""
+    from lowprec.backends import _why_not, auto_order, backend_class
+
+    reasons = []
+    for name in auto_order(context.compiled):
+        why = _why_not(backend_class(name), recipe, context)
+        if why is None:
+            reasons.append(f"{name}: chosen")
+            break
+        reasons.append(f"{name}: {why}")
+    return reasons
+
+
+def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int) -> dict:
+    from accelerate import Accelerator as PlainAccelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import TorchDynamoPlugin
+
+    from lowprec import Accelerator, FP8RecipeKwargs
+
+    mode, spec = CONFIGS[label]
+    cuda = torch.cuda.is_available()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if mode == "compiled" else None
+    extra = {"dynamo_plugin": dynamo} if dynamo is not None else {}
+    recipe = None
+    if spec is None:
+        accelerator = Accelerator(mixed_precision="bf16", **extra)
+    elif spec == "raw te":
+        accelerator = PlainAccelerator(mixed_precision="bf16", **extra)
+    else:
+        recipe = FP8RecipeKwargs(**spec)
+        accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **extra)
+    hidden, ffn, layers = WIDTHS[width]
+    torch.manual_seed(0)
+    with torch.device(accelerator.device):
+        model = Proxy(hidden, ffn, layers)
+    step_context = None
+    if spec == "raw te":
+        import transformer_engine.pytorch as te
+        from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+        model = _raw_te(model)
+        # DelayedScaling does not compile; compiled, TE's user writes current scaling (as lowprec's default there)
+        te_recipe = (DelayedScaling(fp8_format=Format.HYBRID) if mode == "eager"
+                     else Float8CurrentScaling(fp8_format=Format.HYBRID))
+
+        def step_context():
+            return te.autocast(enabled=True, recipe=te_recipe)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=cuda)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    memory = {}
+    if cuda:
+        torch.cuda.synchronize()
+        memory["after_prepare_gib"] = torch.cuda.memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+
+    def step(ids: torch.Tensor) -> float:
+        ids = ids.to(accelerator.device, non_blocking=True)
+        if step_context is not None:
+            with step_context():
+                loss = model(ids)
+        else:
+            loss = model(ids)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()  # synchronises
+
+    times, losses = [], []
+    for i, ids in enumerate(data):
+        t0 = time.perf_counter()
+        losses.append(step(ids))
+        times.append(time.perf_counter() - t0)
+        if i == 0 and cuda:
+            memory["after_first_step_gib"] = torch.cuda.memory_allocated() / 2**30
+    median = statistics.median(times[warmup:])
+    result = {
+        "mode": mode,
+        "step_ms_median": 1000 * median,
+        "step_ms": [round(1000 * t, 3) for t in times],
+        "tokens_per_s": data[0].numel() / median,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        **memory,
+    }
+    inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+    linears = [m for m in inner.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Linear"]
+    result["linears"] = len(linears)
+    plan = getattr(accelerator, "precision_plan", None)
+    if plan is not None:
+        result["backend"] = plan.backend
+        result["recipe"] = plan.recipe
+        result["fp8_linears"] = sum(m.convert for m in plan.modules if m.kind == "linear")
+        result["converted_norms"] = sum(m.convert for m in plan.modules if m.kind != "linear")
+        result["kept"] = sorted({f"{m.shape}: {m.reason}" for m in plan.modules if not m.convert})
+        result["notes"] = list(plan.notes)
+        if recipe is not None and recipe.backend == "auto":
+            result["auto"] = _auto_reasons(recipe, accelerator.run_context())
+    elif spec == "raw te":
+        result["backend"], result["recipe"] = "raw te", "delayed"
+        result["fp8_linears"] = sum(type(m).__module__.startswith("transformer_engine") for m in linears)
+    else:
+        result["fp8_linears"] = 0
+    return result
+
+
+def _cleanup() -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _ratios(runs: dict) -> None:
+    """Each configuration's speed and peak memory against BF16 of its mode (eager or compiled), where measured."""
+    for label, r in runs.items():
+        base = runs.get(f"bf16 {r.get('mode')}")
+        if label.startswith("bf16") or not base or "step_ms_median" not in base or "step_ms_median" not in r:
+            continue
+        r["speedup_vs_bf16"] = base["step_ms_median"] / r["step_ms_median"]
+        if base.get("peak_gib") and r.get("peak_gib"):
+            r["peak_vs_bf16"] = r["peak_gib"] / base["peak_gib"]
+
+
+def markdown(results: dict) -> str:
+    rows = ["| width | configuration | backend (recipe) | step ms | vs BF16 (same mode) | peak GiB | vs BF16 peak | "
+            "FP8 Linears |", "|---|---|---|---|---|---|---|---|"]
+    for width, runs in results["widths"].items():
+        for label, r in runs.items():
+            if "step_ms_median" not in r:
+                rows.append(f"| {width} | {label} | error: {r.get('error', '')[:120]} | | | | | |")
+                continue
+            backend = f"{r.get('backend', 'bf16')}" + (f" ({r['recipe']})" if r.get("recipe") else "")
+            speed = f"{r['speedup_vs_bf16']:.3f}" if "speedup_vs_bf16" in r else "-"
+            peak = f"{r['peak_gib']:.2f}" if r.get("peak_gib") is not None else "-"
+            mem = f"{r['peak_vs_bf16']:.3f}" if "peak_vs_bf16" in r else "-"
+            rows.append(f"| {width} | {label} | {backend} | {r['step_ms_median']:.2f} | {speed} | {peak} | {mem} | "
+                        f"{r['fp8_linears']}/{r['linears']} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--summarize"]:
+        for path in argv[1:]:
+            with open(path) as fh:
+                print(markdown(json.load(fh)))
+        return {}
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--widths", nargs="+", default=["d4096"], choices=list(WIDTHS))
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS),
+                   help="BF16 of a mode must come before the configurations compared with it")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the configurations this many times, in ABBA order (as given, reversed, ...); step times "
+                        "and ratios from the median over rounds (a first run in the process can pay one-off costs)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if args.steps <= args.warmup:
+        p.error("--steps must exceed --warmup")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    cuda = torch.cuda.is_available()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    results: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                     "commit": commit, "argv": argv, "steps": args.steps, "warmup": args.warmup, "widths": {}}
+    for name in ("accelerate", "torchao", "transformer_engine"):
+        try:
+            results[name] = __import__(name).__version__
+        except Exception as exc:  # noqa: BLE001 - recorded; the configurations that need it fail alone
+            results[name] = f"unavailable: {type(exc).__name__}"
+    for width in args.widths:
+        runs = results["widths"][width] = {}
+        g = torch.Generator().manual_seed(0)
+        data = [torch.randint(0, VOCAB, (BATCH, SEQ) if width != "tiny" else (2, 64), generator=g)
+                for _ in range(args.steps)]
+        for round_ in range(args.rounds):
+            order = args.configs if round_ % 2 == 0 else args.configs[::-1]
+            for label in order:
+                if round_ and "step_ms_median" not in runs[label]:
+                    continue  # failed once: more rounds would not change that
+                try:
+                    r = run_one(label, width, data, args.warmup)
+                except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others
+                    r = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+                _cleanup()
+                if round_:
+                    first = runs[label]
+                    first["rounds_ms"].append(r["step_ms_median"])
+                    first["step_ms_median"] = statistics.median(first["rounds_ms"])
+                    first["peak_gib"] = max(first["peak_gib"] or 0, r.get("peak_gib") or 0) or None
+                else:
+                    if "step_ms_median" in r:
+                        r["rounds_ms"] = [r["step_ms_median"]]
+                    runs[label] = r
+                _ratios(runs)
+                with open(args.out, "w") as fh:  # after every run: a time limit keeps what finished
+                    json.dump(results, fh, indent=1)
+                print(f"{width} {label} (round {round_}): " + (f"{r['step_ms_median']:.2f} ms, peak {r.get('peak_gib')}"
+                                                               if "step_ms_median" in r else r["error"][:300]),
+                      flush=True)
+    print(markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

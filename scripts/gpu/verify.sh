@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The one command every GPU-touching change ends with: on the GPU host, in one device call (under 10
+# minutes with the set-up), the whole GPU suite and the headline comparison on the current tree.
+#
+#   bash scripts/gpu/verify.sh OUT [COMMIT]
+#
+# Writes OUT/<date>-<gpu>-verify/: commit.txt (the tree measured: COMMIT, or `git rev-parse HEAD` where
+# the tree is a checkout; the device's copy of the working tree has no .git), env.txt (packages),
+# pytest.txt (the suite, -rA), headline.json + headline.md (benchmarks/headline.py). Commit that folder
+# under results/gpu/. The set-up (.gpubundle, see ../shared/gpu/make_bundle.sh) runs once per machine.
+# HEADLINE_ARGS replaces the headline's default arguments (d4096, every default configuration);
+# PYTEST_ARGS adds pytest options (-k, -x, ...). VERIFY_BUDGET_S (default 570) bounds the whole script,
+# set-up included, so that it ends inside one device call: the headline gets what the suite leaves and
+# keeps every configuration that finished (its JSON is rewritten after each one).
+set -uo pipefail
+start=$(date +%s)
+out=${1:?usage: bash scripts/gpu/verify.sh OUT [COMMIT]}
+commit=${2:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+cd "$(dirname "$0")/../.."
+if [ ! -f /tmp/site/.lowprec-setup-done ]; then
+  bash .gpubundle/setup.sh || exit 1
+  touch /tmp/site/.lowprec-setup-done
+fi
+export PYTHONPATH=/tmp/site:$PWD NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H100|H200|B200|A100|L40S' || echo gpu)
+dir="$out/$(date -u +%Y-%m-%d)-${gpu,,}-verify"
+mkdir -p "$dir"
+echo "$commit" > "$dir/commit.txt"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 - <<'PY'
+import importlib
+for m in ["torch", "accelerate", "transformers", "torchao", "deepspeed", "transformer_engine", "triton"]:
+    try:
+        print(f"{m} {importlib.import_module(m).__version__}")
+    except Exception as e:  # noqa: BLE001
+        print(f"{m} unavailable: {type(e).__name__}: {str(e)[:200]}")
+PY
+} > "$dir/env.txt" 2>&1
+t0=$(date +%s)
+# shellcheck disable=SC2086
+python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider --durations=15 ${PYTEST_ARGS:-} > "$dir/pytest.txt" 2>&1
+rc=$?
+echo "pytest exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$dir/pytest.txt"
+tail -3 "$dir/pytest.txt"
+# shellcheck disable=SC2086
+left=$(( ${VERIFY_BUDGET_S:-570} - ($(date +%s) - start) ))
+echo "headline: $left s left"
+timeout "$left" python3 benchmarks/headline.py ${HEADLINE_ARGS:---widths d4096} --out "$dir/headline.json" \
+  > "$dir/headline.log" 2>&1 || echo "headline exit $? (124: cut off by the budget)" | tee -a "$dir/headline.log"
+python3 benchmarks/headline.py --summarize "$dir/headline.json" | tee "$dir/headline.md"
+exit $rc
