@@ -38,7 +38,11 @@ PY
 } > "$dir/env.txt" 2>&1
 t0=$(date +%s)
 # shellcheck disable=SC2086
-python3 -m pytest -m gpu tests/gpu -q -rA -p no:cacheprovider --durations=15 ${PYTEST_ARGS:-} > "$dir/pytest.txt" 2>&1
+# -v names each test as it starts; faulthandler dumps every thread's stack of a test past 150 s; the suite
+# leaves HEADLINE_RESERVE_S (default 150) of the budget to the headline.
+timeout $(( ${VERIFY_BUDGET_S:-570} - ${HEADLINE_RESERVE_S:-150} - ($(date +%s) - start) )) \
+  python3 -m pytest -m gpu tests/gpu -v -rA -p no:cacheprovider --durations=15 -o faulthandler_timeout=150 \
+  ${PYTEST_ARGS:-} > "$dir/pytest.txt" 2>&1
 rc=$?
 echo "pytest exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$dir/pytest.txt"
 tail -3 "$dir/pytest.txt"
