@@ -213,10 +213,12 @@ def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int) -> di
     if plan is not None:
         result["backend"] = plan.backend
         result["recipe"] = plan.recipe
+        result["linears"] = sum(m.kind == "linear" for m in plan.modules)  # msamp's FP8 layers are no nn.Linear
         result["fp8_linears"] = sum(m.convert for m in plan.modules if m.kind == "linear")
         result["converted_norms"] = sum(m.convert for m in plan.modules if m.kind != "linear")
         result["kept"] = sorted({f"{m.shape}: {m.reason}" for m in plan.modules if not m.convert})
         result["notes"] = list(plan.notes)
+        result["model_mode"], result["choice"] = plan.model_mode, plan.choice
         if recipe is not None and recipe.backend == "auto":
             result["auto"] = _auto_reasons(recipe, accelerator.run_context())
     elif spec == "raw te":

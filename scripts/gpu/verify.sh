@@ -6,8 +6,8 @@
 #
 # Writes OUT/<date>-<gpu>-verify/: commit.txt (the tree measured: COMMIT, or `git rev-parse HEAD` where
 # the tree is a checkout; the device's copy of the working tree has no .git), env.txt (packages),
-# pytest.txt (the suite, -rA), headline.json + headline.md (benchmarks/headline.py). Commit that folder
-# under results/gpu/. The set-up (.gpubundle, see ../shared/gpu/make_bundle.sh) runs once per machine.
+# pytest_torchao_msamp.txt + pytest_te.txt (the suite, -rA; TE's part once its extension is compiled),
+# headline.json + headline.md + headline.log (benchmarks/headline.py). Commit that folder under results/gpu/. The set-up (.gpubundle, see ../shared/gpu/make_bundle.sh) runs once per machine.
 # HEADLINE_ARGS replaces the headline's default arguments (d4096, every default configuration);
 # PYTEST_ARGS adds pytest options (-k, -x, ...). VERIFY_BUDGET_S (default 570) bounds the whole script,
 # set-up included, so that it ends inside one device call: the headline gets what the suite leaves and
@@ -17,15 +17,37 @@ start=$(date +%s)
 out=${1:?usage: bash scripts/gpu/verify.sh OUT [COMMIT]}
 commit=${2:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 cd "$(dirname "$0")/../.."
-if [ ! -f /tmp/site/.lowprec-setup-done ]; then
-  bash .gpubundle/setup.sh || exit 1
-  touch /tmp/site/.lowprec-setup-done
-fi
-export PYTHONPATH=/tmp/site:$PWD NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H100|H200|B200|A100|L40S' || echo gpu)
 dir="$out/$(date -u +%Y-%m-%d)-${gpu,,}-verify"
 mkdir -p "$dir"
+setup_pid=""
+if [ ! -f /tmp/site/.lowprec-setup-done ]; then
+  # setup.sh installs the wheels, then compiles TE's torch extension in /tmp/tebuild (~2.5 minutes on all
+  # cores): the suite's torchao and msamp parts need only the wheels, so they run while TE compiles.
+  rm -rf /tmp/tebuild
+  (bash .gpubundle/setup.sh > /tmp/setup.log 2>&1 && touch /tmp/site/.lowprec-setup-done) &
+  setup_pid=$!
+  while [ ! -d /tmp/tebuild ] && kill -0 "$setup_pid" 2>/dev/null; do sleep 2; done
+fi
+export PYTHONPATH=/tmp/site:$PWD NVTE_FRAMEWORK=pytorch PYTHONUNBUFFERED=1
 echo "$commit" > "$dir/commit.txt"
+t0=$(date +%s)
+suite() {  # suite NAME TESTS...: one part of the GPU suite, bounded so that the headline keeps its reserve
+  local name=$1; shift
+  # -v names each test as it starts; faulthandler dumps every thread's stack of a test past 150 s
+  # shellcheck disable=SC2086
+  timeout $(( ${VERIFY_BUDGET_S:-570} - ${HEADLINE_RESERVE_S:-150} - ($(date +%s) - start) )) \
+    python3 -m pytest -m gpu "$@" -v -rA -p no:cacheprovider --durations=10 -o faulthandler_timeout=150 \
+    ${PYTEST_ARGS:-} > "$dir/pytest_$name.txt" 2>&1
+  local code=$?
+  grep -E "^(=+ )?[0-9]+ (passed|failed)" "$dir/pytest_$name.txt" | tail -1
+  echo "pytest ($name) exit $code" | tee -a "$dir/pytest_$name.txt"
+  return $code
+}
+suite torchao_msamp tests/gpu/test_torchao_gpu.py tests/gpu/test_msamp_gpu.py; rc=$?
+if [ -n "$setup_pid" ]; then
+  wait "$setup_pid" || { echo "setup failed:"; tail -20 /tmp/setup.log; exit 1; }
+fi
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 - <<'PY'
 import importlib
@@ -36,17 +58,9 @@ for m in ["torch", "accelerate", "transformers", "torchao", "deepspeed", "transf
         print(f"{m} unavailable: {type(e).__name__}: {str(e)[:200]}")
 PY
 } > "$dir/env.txt" 2>&1
-t0=$(date +%s)
-# shellcheck disable=SC2086
-# -v names each test as it starts; faulthandler dumps every thread's stack of a test past 150 s; the suite
-# leaves HEADLINE_RESERVE_S (default 150) of the budget to the headline.
-timeout $(( ${VERIFY_BUDGET_S:-570} - ${HEADLINE_RESERVE_S:-150} - ($(date +%s) - start) )) \
-  python3 -m pytest -m gpu tests/gpu -v -rA -p no:cacheprovider --durations=15 -o faulthandler_timeout=150 \
-  ${PYTEST_ARGS:-} > "$dir/pytest.txt" 2>&1
-rc=$?
-echo "pytest exit $rc in $(( $(date +%s) - t0 )) s" | tee -a "$dir/pytest.txt"
-tail -3 "$dir/pytest.txt"
-# shellcheck disable=SC2086
+suite te tests/gpu/test_te_gpu.py; rc_te=$?
+[ "$rc" = 0 ] && rc=$rc_te
+echo "GPU suite: exit $rc in $(( $(date +%s) - t0 )) s"
 left=$(( ${VERIFY_BUDGET_S:-570} - ($(date +%s) - start) ))
 echo "headline: $left s left"
 timeout "$left" python3 benchmarks/headline.py ${HEADLINE_ARGS:---widths d4096} --out "$dir/headline.json" \
