@@ -23,7 +23,7 @@ mkdir -p "$dir"
 setup_pid=""
 if [ ! -f /tmp/site/.lowprec-setup-done ]; then
   # setup.sh installs the wheels, then compiles TE's torch extension in /tmp/tebuild (~2.5 minutes on all
-  # cores): the suite's torchao and msamp parts need only the wheels, so they run while TE compiles.
+  # cores): the suite's torchao and msamp parts need only the wheels, so they start while TE compiles.
   rm -rf /tmp/tebuild
   (bash .gpubundle/setup.sh > /tmp/setup.log 2>&1 && touch /tmp/site/.lowprec-setup-done) &
   setup_pid=$!
@@ -44,7 +44,10 @@ suite() {  # suite NAME TESTS...: one part of the GPU suite, bounded so that the
   echo "pytest ($name) exit $code" | tee -a "$dir/pytest_$name.txt"
   return $code
 }
-suite torchao_msamp tests/gpu/test_torchao_gpu.py tests/gpu/test_msamp_gpu.py; rc=$?
+# The suite's two parts run side by side on the GPU (correctness tests: nothing in them is timed), torchao's
+# and msamp's from the start, TE's once its extension is built; the headline runs alone after both.
+suite torchao_msamp tests/gpu/test_torchao_gpu.py tests/gpu/test_msamp_gpu.py > "$dir/.suite1" 2>&1 &
+suite_pid=$!
 if [ -n "$setup_pid" ]; then
   wait "$setup_pid" || { echo "setup failed:"; tail -20 /tmp/setup.log; exit 1; }
 fi
@@ -59,6 +62,8 @@ for m in ["torch", "accelerate", "transformers", "torchao", "deepspeed", "transf
 PY
 } > "$dir/env.txt" 2>&1
 suite te tests/gpu/test_te_gpu.py; rc_te=$?
+wait "$suite_pid"; rc=$?
+cat "$dir/.suite1"; rm -f "$dir/.suite1"
 [ "$rc" = 0 ] && rc=$rc_te
 echo "GPU suite: exit $rc in $(( $(date +%s) - t0 )) s"
 left=$(( ${VERIFY_BUDGET_S:-570} - ($(date +%s) - start) ))
