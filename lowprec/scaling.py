@@ -88,18 +88,21 @@ def current_scale(tensor: torch.Tensor, fp8_dtype: torch.dtype, margin: int = 0,
     return compute_scale(amax, fp8_dtype, margin, previous), amax
 
 
-def quantize(tensor: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """`tensor * scale` cast to `fp8_dtype`, saturating at the format's max (casts of out-of-range
-    values to float8_e4m3fn would otherwise give NaN)."""
+def quantize(tensor: torch.Tensor, scale: torch.Tensor | float, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """`tensor * scale` cast to `fp8_dtype`, saturating finite values at the format's max (casts of
+    out-of-range values to float8_e4m3fn would otherwise give NaN). Every FP8 cast of lowprec's own goes
+    through here (or the Triton kernel that matches it). An inf or NaN element becomes NaN: saturated, an
+    inf would come out as a finite ±max, and an overflow upstream would train as a large finite step that
+    no non-finite check (a skipping loop, DDP's bucket fallback, the norm) ever sees."""
     limit = format_max(fp8_dtype)
-    return (tensor.float() * scale).clamp(-limit, limit).to(fp8_dtype)
+    return (inf_to_nan(tensor.float()) * scale).clamp(-limit, limit).to(fp8_dtype)
 
 
 def inf_to_nan(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` with every inf replaced by NaN, for a gradient about to be stored in E4M3.
+    """`tensor` with every inf replaced by NaN, for a tensor about to be cast to FP8 (`quantize`).
 
-    E4M3 has no infinity: the saturating cast would turn an overflowed gradient into a finite ±448,
-    and the overflow would be applied as a large step. As NaN it stays visible to the norm, the
+    E4M3 has no infinity: the saturating cast would turn an overflow into a finite ±448, and the
+    overflow would be applied as a large step. As NaN it stays visible to the loss, the norm, the
     clipping and the reduction, which skip or report it."""
     return torch.where(torch.isinf(tensor), torch.full_like(tensor, float("nan")), tensor)
 

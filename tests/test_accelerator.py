@@ -546,3 +546,24 @@ def test_the_plan_says_how_auto_chose_its_backend(fresh_accelerate_state):
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()])
     accelerator.prepare(regression_model())
     assert accelerator.precision_plan.choice == "backend='torchao' named by the recipe"
+
+
+# ---- non-finite values stay non-finite through every backend and level (issue 27) -------------------------------
+@pytest.mark.parametrize("config", [dict(backend="torchao"), dict(backend="torchao", opt_level="O1"),
+                                    dict(backend="torchao", opt_level="O2"), dict(backend="msamp", opt_level="O1"),
+                                    dict(backend="msamp", opt_level="O2")], ids=lambda c: "-".join(c.values()))
+@pytest.mark.parametrize("where", ["input", "grad"])
+def test_an_overflow_is_never_trained_on_as_a_finite_step(fresh_accelerate_state, config, where):
+    # msamp clamped an inf to +-448/scale: loss and gradient norm stayed finite (1e5) and a normal step was taken,
+    # unseen by a loop that skips non-finite steps. As in BF16, the loss (inf input) and the gradient norm must not
+    # be finite: the norm counts the gradients lowprec keeps outside .grad (FP8 stores) too.
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(**config)])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.ReLU(), nn.Linear(128, 32, bias=False))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    x, g = torch.randn(16, 64), torch.randn(16, 32)
+    (x if where == "input" else g)[2, 3] = float("inf")
+    loss = (model(x).float() * g).sum()
+    accelerator.backward(loss)
+    norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    assert not torch.isfinite(loss) and not torch.isfinite(torch.as_tensor(norm)), (loss, norm)

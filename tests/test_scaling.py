@@ -318,3 +318,13 @@ def test_empty_tensors_keep_the_previous_scale():
     assert scale.item() == 4.0 and amax.item() == 0.0
     history = AmaxHistory(2, "max", E4M3)
     assert history.scale_for(torch.empty(0)).item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_quantize_saturates_finite_values_and_keeps_non_finite_ones_visible(dtype):
+    # issue 27: a saturating cast turned inf into a finite +-max, so an overflow trained as a large step
+    limit = format_max(dtype)
+    x = torch.tensor([1.0, -2.0, 1e6, -1e6, float("inf"), float("-inf"), float("nan")])
+    q = quantize(x, torch.tensor(1.0), dtype).float()
+    assert q[:4].tolist() == [1.0, -2.0, limit, -limit]  # finite overflow saturates, as MS-AMP's cast
+    assert torch.isnan(q[4:]).all()

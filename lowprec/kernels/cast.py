@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..scaling import format_max
+from ..scaling import format_max, quantize
 from . import triton_available
 
 
@@ -21,8 +21,7 @@ def cast_transpose_reference(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: to
     absolute = torch.where(torch.isnan(absolute), torch.full_like(absolute, float("inf")), absolute)
     if absolute.numel():
         torch.maximum(amax_out, absolute.amax(), out=amax_out)
-    limit = format_max(fp8_dtype)
-    q = (x.float() * scale).clamp(-limit, limit).to(fp8_dtype)
+    q = quantize(x, scale, fp8_dtype)
     return q, (q.t().contiguous() if transpose else None)
 
 
@@ -46,8 +45,10 @@ def _build_kernel():
         absolute = tl.where(x == x, tl.abs(x), float("inf"))
         tl.atomic_max(amax_ptr, tl.max(tl.max(absolute, axis=1), axis=0))
         scale = tl.load(scale_ptr)
-        # saturate like torch.clamp, which keeps a NaN (PTX min/max would turn it into the bound)
+        # saturate like torch.clamp, which keeps a NaN (PTX min/max would turn it into the bound); an inf
+        # input becomes NaN, as in scaling.quantize, so an overflow never comes out as a finite +-max
         y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        y = tl.where(tl.abs(x) == float("inf"), float("nan"), y)
         q_type = tl.float8e4nv if FP8_E4M3 else tl.float8e5
         tl.store(q_ptr + rm[:, None] * N + rn[None, :], y.to(q_type), mask=mask)
         if WRITE_T:
@@ -55,7 +56,9 @@ def _build_kernel():
             # tl.trans: on Triton 3.6 / sm_90, tl.trans of this tile gave wrong values for FP32 inputs.
             mask_t = (rn[:, None] < N) & (rm[None, :] < M)
             xt = tl.load(x_ptr + rm[None, :] * stride_m + rn[:, None] * stride_n, mask=mask_t, other=0.0)
-            yt = tl.clamp(xt.to(tl.float32) * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+            xt = xt.to(tl.float32)
+            yt = tl.clamp(xt * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+            yt = tl.where(tl.abs(xt) == float("inf"), float("nan"), yt)
             tl.store(qt_ptr + rn[:, None] * M + rm[None, :], yt.to(q_type), mask=mask_t)
 
     return cast_transpose_kernel

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..scaling import compute_scale, format_max, inf_to_nan, nan_to_inf
+from ..scaling import compute_scale, nan_to_inf, quantize
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 1024
@@ -64,9 +64,7 @@ def _global_amax(blocks: torch.Tensor, group) -> torch.Tensor:
 
 def _cast(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`values` [..., blocks, block] to E4M3 with one scale per block; inf becomes NaN."""
-    limit = format_max(E4M3)
-    # clamp keeps NaN but would turn inf into a finite +-448: inf goes over as NaN (E4M3 has no inf)
-    return (inf_to_nan(values) * scale.unsqueeze(-1)).clamp(-limit, limit).to(E4M3)
+    return quantize(values, scale.unsqueeze(-1), E4M3)
 
 
 def _reduce_scatter_blocks(blocks: torch.Tensor, scale: torch.Tensor, group) -> torch.Tensor:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..scaling import compute_scale, format_max, nan_to_inf
+from ..scaling import compute_scale, nan_to_inf, quantize
 from .comm_hooks import all_gather_flat
 
 E4M3 = torch.float8_e4m3fn
@@ -91,12 +91,11 @@ class FP8GradReducer:
         padded = -(-total // n) * n
         flat = torch.zeros(padded, dtype=E4M3, device=layers[0].fp8_grad_data.device)
         offset = 0
-        limit = format_max(E4M3)
         for i, layer in enumerate(layers):
             size = sizes[i]
             mine = layer.fp8_grad_data.float() * (shared_send[i] / local_scale[i])
             mine = torch.where(layer.fp8_grad_valid > 0, mine, torch.zeros_like(mine))
-            flat[offset:offset + size].copy_(mine.clamp(-limit, limit).reshape(-1).to(E4M3))
+            flat[offset:offset + size].copy_(quantize(mine, 1.0, E4M3).reshape(-1))
             offset += size
         if self.method == "nccl_fp8":
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)

@@ -19,7 +19,7 @@ import functools
 import torch
 from torch import nn
 
-from ..scaling import compute_scale, format_max, inf_to_nan, tensor_amax
+from ..scaling import compute_scale, quantize, tensor_amax
 
 STORE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 _PREFIX = "_lowprec_grad_"
@@ -95,8 +95,7 @@ def accumulate_into(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
     total_amax = tensor_amax(total)
     if data.dtype == torch.float8_e4m3fn:
         new_scale = compute_scale(total_amax, data.dtype, previous=scale)
-        limit = format_max(data.dtype)
-        data.copy_((inf_to_nan(total) * new_scale).clamp(-limit, limit).to(data.dtype))
+        data.copy_(quantize(total, new_scale, data.dtype))
         scale.copy_(new_scale)
     else:
         data.copy_(total.to(data.dtype))

@@ -489,3 +489,37 @@ def test_state_dict_round_trip_restores_delayed_scaling():
     torch.testing.assert_close(restored(x), layer(x), rtol=0, atol=0)
     unrestored = fp8(reference_linear(), amax_history_len=window)  # same weights, fresh (in-time) state
     assert not torch.equal(unrestored(x), layer(x))
+
+
+@pytest.mark.parametrize("where", ["input", "grad"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("warm", [False, True], ids=["own-amax", "delayed-scale"])
+def test_non_finite_values_come_out_non_finite(where, bad, warm):
+    # issue 27: the saturating cast clamped an inf to +-448/scale, so the output, the input gradient and the
+    # stored weight gradient stayed finite and the overflow trained as a large step
+    window = 4
+    layer = fp8(reference_linear(), amax_history_len=window)
+    for _ in range(window + 1 if warm else 0):
+        step(layer, torch.randn(16, 128))
+    assert layer.in_time() is not warm
+    x = torch.randn(16, 128, requires_grad=True)
+    g = torch.randn(16, 64)
+    (x.data if where == "input" else g)[3, 5] = bad
+    y = layer(x)
+    y.backward(g)
+    # as in high precision: y = x W^T sees the input, dx = g W the gradient, dW = g^T x both
+    assert torch.isfinite(y).all().item() is (where == "grad")
+    assert torch.isfinite(x.grad).all().item() is (where == "input")
+    assert not torch.isfinite(layer.weight_grad()).all()
+    assert torch.isfinite(layer.scales).all() and torch.isfinite(layer.fp8_grad_scale).all()
+
+
+def test_cast_reference_turns_inf_into_nan():
+    from lowprec.kernels.cast import cast_transpose_reference
+
+    x = torch.randn(8, 16)
+    x[1, 2], x[3, 4] = float("inf"), float("-inf")
+    amax = torch.zeros(())
+    q, qt = cast_transpose_reference(x, torch.tensor(1.0), E4M3, amax)
+    assert torch.isnan(q.float()[1, 2]) and torch.isnan(q.float()[3, 4]) and torch.isnan(qt.float()[2, 1])
+    assert torch.isfinite(q.float()).sum() == x.numel() - 2 and amax.item() == float("inf")

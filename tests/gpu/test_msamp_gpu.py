@@ -60,6 +60,21 @@ def test_triton_cast_of_strided_input_and_nan():
     assert torch.isnan(q[3, 3].float()) and torch.isnan(qt[3, 3].float())  # the NaN is kept, as torch's clamp does
 
 
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_triton_cast_turns_inf_into_nan(fp8):
+    # issue 27: saturated, an inf came out as a finite +-max; as in scaling.quantize it becomes NaN
+    x = torch.randn(128, 256, device="cuda")
+    x[5, 7], x[9, 200] = float("inf"), float("-inf")
+    x[0, 0] = 1e6  # a finite overflow still saturates
+    amax = torch.zeros((), device="cuda")
+    q, qt = cast_transpose(x, torch.tensor(1.0, device="cuda"), fp8, amax)
+    q_ref, _ = cast_transpose_reference(x, torch.tensor(1.0, device="cuda"), fp8, torch.zeros((), device="cuda"))
+    for t in (q.float(), qt.float().t()):
+        assert torch.isnan(t[5, 7]) and torch.isnan(t[9, 200]) and t[0, 0].item() == q_ref[0, 0].float().item()
+        assert torch.isnan(t).sum().item() == 2 and torch.equal(t.nan_to_num(0.0), q_ref.float().nan_to_num(0.0))
+    assert amax.item() == float("inf")
+
+
 # ---- fused low-bit Adam -----------------------------------------------------------------------------
 @pytest.mark.parametrize("cls", ["LowBitAdamW", "LowBitAdam"])  # decoupled decay, and L2 (pass 1 reads p)
 @pytest.mark.parametrize("states", [("fp32", "fp32"), ("e4m3", "fp16"), ("fp16", "fp16"), ("bf16", "e5m2")])

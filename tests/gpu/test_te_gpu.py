@@ -220,6 +220,16 @@ def test_compiled_model_keeps_te_where_graph_breaks_cost_more():
     assert all(v == v for v in losses) and losses[-1] < 0.75 * losses[0], losses
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_an_inf_input_gives_a_non_finite_loss(recipe):
+    # issue 27: every backend keeps an overflow visible (lowprec's own casts turn inf into NaN; TE's casts too?)
+    accelerator = accelerator_for(recipe)
+    model = accelerator.prepare(mlp())
+    x = torch.randn(256, 1024, device="cuda")
+    x[3, 5] = float("inf")
+    assert not torch.isfinite(model(x).float().sum())
+
+
 def test_eval_precision_follows_the_recipe():
     for flag in (False, True):
         accelerator = accelerator_for("current", use_autocast_during_eval=flag)

@@ -35,7 +35,7 @@ from torch import nn
 
 from ...kernels import triton_available
 from ...optim.grad_store import accumulate_into
-from ...scaling import compute_scale, dequantize, format_max, tensor_amax
+from ...scaling import compute_scale, dequantize, quantize, tensor_amax
 from .fsdp import FP8GatheredWeight, FP8MasterWeight, master_view
 
 E4M3 = torch.float8_e4m3fn
@@ -65,8 +65,7 @@ def cast_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, transp
         q, qt = cast_transpose(x, scale, dtype, amax, transpose=transpose)
         return q, qt, amax
     amax = tensor_amax(x)
-    limit = format_max(dtype)
-    q = (x.float() * scale).clamp(-limit, limit).to(dtype)
+    q = quantize(x, scale, dtype)
     return q, (q.t().contiguous() if transpose else None), amax
 
 
