@@ -210,6 +210,7 @@ class Accelerator(_Accelerator):
         if self.fp8_recipe is None:
             return super().prepare(*args, device_placement=device_placement)
         args = list(args)
+        self._refuse_prepared_again(args)
         optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
         to_convert = [i for i, obj in enumerate(args)
                       if isinstance(obj, nn.Module) and getattr(obj, _PLAN_ATTR, None) is None]
@@ -248,7 +249,11 @@ class Accelerator(_Accelerator):
                         _track_step_for_scheduler(obj.optimizer)
         for _, backend, _ in self._lowprec:
             backend.before_engine_prepare(args, self)
-        result = super().prepare(*args, device_placement=device_placement)
+        self._preparing = True
+        try:
+            result = super().prepare(*args, device_placement=device_placement)
+        finally:
+            self._preparing = False
         # One prepared object comes back bare; several as a tuple (or a list on the FSDP2 path).
         results = tuple(result) if isinstance(result, (tuple, list)) and len(args) > 1 else (result,)
         for i in converted:
@@ -267,6 +272,38 @@ class Accelerator(_Accelerator):
                                "prepared by this Accelerator reads them. Pass the optimizer to prepare() (with the "
                                "model or right after it)")
         return result
+
+    def _refuse_prepared_again(self, args: list) -> None:
+        """A model lowprec already converted, or an optimizer already prepared, handed to prepare() again.
+
+        Passed over, the model kept its FP8 layers with no plan and the user's plain optimizer (msamp's FP8
+        weights, whose gradients live outside .grad, then stopped training); its layers, gradient stores and
+        hooks belong to the Accelerator that converted it, so it is refused rather than half-prepared."""
+        from accelerate.optimizer import AcceleratedOptimizer
+
+        for obj in args:
+            if isinstance(obj, AcceleratedOptimizer):
+                raise ValueError(
+                    "lowprec: prepare() got an optimizer that was already prepared (an AcceleratedOptimizer around "
+                    f"{type(obj.optimizer).__name__}): pass the optimizer you built, once, with its model")
+            if not isinstance(obj, nn.Module):
+                continue
+            inner = self.unwrap_model(obj, keep_torch_compile=False)
+            plan = getattr(inner, _PLAN_ATTR, None) or getattr(obj, _PLAN_ATTR, None)
+            if plan is None:
+                continue
+            what = (f"backend {plan.backend!r}, recipe {plan.recipe!r}" + (f", {plan.opt_level}" if plan.opt_level
+                                                                           else ""))
+            if any(entry[0] is inner for entry in self._lowprec):
+                raise ValueError(
+                    f"lowprec: model {type(inner).__name__} was already prepared by this Accelerator ({what}): "
+                    "prepare() each model once; an optimizer built afterwards can be prepared on its own")
+            raise ValueError(
+                f"lowprec: model {type(inner).__name__} was already converted to FP8 by another lowprec.Accelerator "
+                f"({what}). Its FP8 layers, gradient stores and hooks belong to that Accelerator: prepared here it "
+                "would train without a plan or lowprec's optimizer. Prepare the original, unconverted model with "
+                "this Accelerator, or load lowprec.portable_state_dict(model) into a fresh plain model and prepare "
+                "that.")
 
     def backward(self, loss, **kwargs):
         super().backward(loss, **kwargs)
@@ -307,6 +344,8 @@ class Accelerator(_Accelerator):
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if self.fp8_recipe is None:
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        if not getattr(self, "_preparing", False):  # called by the user, not from prepare() with the converted model
+            self._refuse_prepared_again([model])
         if getattr(model, _PLAN_ATTR, None) is None:
             model = self._convert(model)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)

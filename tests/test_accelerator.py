@@ -79,7 +79,8 @@ def test_plan_is_logged_once(caplog):
     caplog.set_level(logging.INFO, logger="lowprec")
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe()])
     model = accelerator.prepare(regression_model())
-    accelerator.prepare(model)  # a second prepare of the same model converts nothing again
+    with pytest.raises(ValueError, match="already prepared"):  # a second prepare of the model is refused (issue 27)
+        accelerator.prepare(model)
     logged = [r for r in caplog.records if "lowprec precision plan" in r.getMessage()]
     assert len(logged) == 1
     assert len(accelerator.precision_plans) == 1
@@ -567,3 +568,50 @@ def test_an_overflow_is_never_trained_on_as_a_finite_step(fresh_accelerate_state
     accelerator.backward(loss)
     norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
     assert not torch.isfinite(loss) and not torch.isfinite(torch.as_tensor(norm)), (loss, norm)
+
+
+# ---- a converted model or a prepared optimizer handed to prepare() again (issue 27) ------------------------------
+@pytest.fixture
+def prepared_msamp(fresh_accelerate_state):
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(backend="msamp", opt_level="O2")])
+    model = regression_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return accelerator, model, optimizer
+
+
+@pytest.mark.parametrize("call", ["model and optimizer", "model", "prepare_model"])
+def test_preparing_a_model_twice_is_refused_by_name(prepared_msamp, call):
+    accelerator, model, optimizer = prepared_msamp
+    with pytest.raises(ValueError, match=r"model Sequential was already prepared by this Accelerator \(backend "
+                                         r"'msamp', recipe 'delayed', O2\): prepare\(\) each model once"):
+        if call == "model and optimizer":
+            accelerator.prepare(model, optimizer)
+        elif call == "model":
+            accelerator.prepare(model)
+        else:
+            accelerator.prepare_model(model)
+
+
+def test_a_prepared_optimizer_is_refused_by_name(prepared_msamp):
+    accelerator, _, optimizer = prepared_msamp
+    with pytest.raises(ValueError, match="already prepared .*AcceleratedOptimizer around LowBitAdamW"):
+        accelerator.prepare(optimizer)
+
+
+def test_a_model_converted_by_another_accelerator_is_refused_with_the_way_out(prepared_msamp):
+    from accelerate.state import AcceleratorState, GradientState
+
+    _, model, _ = prepared_msamp
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    other = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(backend="msamp", opt_level="O2")])
+    with pytest.raises(ValueError, match=r"already converted to FP8 by another lowprec\.Accelerator .*"
+                                         r"portable_state_dict"):
+        other.prepare(model, torch.optim.AdamW(model.parameters()))
+    # the way out it names works: the exported weights load into a fresh plain model, which prepares and trains
+    import lowprec
+
+    fresh = regression_model(seed=1)
+    fresh.load_state_dict(lowprec.portable_state_dict(model))
+    fresh, optimizer = other.prepare(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+    assert other.precision_plan.backend == "msamp" and type(optimizer.optimizer).__name__ == "LowBitAdamW"
