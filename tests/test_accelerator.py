@@ -615,3 +615,61 @@ def test_a_model_converted_by_another_accelerator_is_refused_with_the_way_out(pr
     fresh.load_state_dict(lowprec.portable_state_dict(model))
     fresh, optimizer = other.prepare(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
     assert other.precision_plan.backend == "msamp" and type(optimizer.optimizer).__name__ == "LowBitAdamW"
+
+
+# ---- checkpoints across optimizer-state precisions (issue 27) ----------------------------------------------------
+def _moments(optimizer) -> list[torch.Tensor]:
+    """Every parameter's (exp_avg, exp_avg_sq) in FP32, dequantised where lowprec stores them scaled."""
+    from lowprec.kernels.adam import SCALED
+
+    base = getattr(optimizer, "optimizer", optimizer)
+    out = []
+    for group in base.param_groups:
+        for p in group["params"]:
+            state = base.state[p]
+            for key in ("exp_avg", "exp_avg_sq"):
+                scale = state.get(f"{key}_scale")
+                value = state[key].float()
+                out.append(value / scale if scale is not None and state[key].dtype in SCALED else value)
+    return out
+
+
+@pytest.mark.parametrize("saved,loaded", [
+    (dict(optimizer_states="fp8"), dict()),  # FP8 states into plain AdamW: moments were 5e5x-1e14x too large
+    (dict(), dict(optimizer_states="fp8")),  # plain AdamW into FP8 states: KeyError 'exp_avg_scale' at the step
+    (dict(backend="msamp", opt_level="O1"), dict(backend="msamp", opt_level="O2")),  # kept O1's FP32 states
+    (dict(backend="msamp", opt_level="O2"), dict(backend="msamp", opt_level="O1")),
+], ids=["fp8-to-plain", "plain-to-fp8", "O1-to-O2", "O2-to-O1"])
+def test_a_checkpoint_of_another_state_precision_is_converted(tmp_path, fresh_accelerate_state, saved, loaded):
+    from accelerate.state import AcceleratorState, GradientState
+
+    def setup(spec, seed):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(**spec)])
+        model = regression_model(seed)
+        return accelerator, *accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    accelerator, model, optimizer = setup(saved, 0)
+    loader = torch.utils.data.DataLoader(regression_data(96), batch_size=32)
+    for x, y in loader:
+        accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    before = _moments(optimizer)
+    accelerator.save_state(str(tmp_path / "ckpt"))
+
+    accelerator, model, optimizer = setup(loaded, 1)
+    planned = accelerator.precision_plan.tensor("optimizer_states").dtype
+    accelerator.load_state(str(tmp_path / "ckpt"))
+    from lowprec.optim.levels import built_states
+
+    # the plan's state precision, not the file's
+    assert built_states(optimizer.optimizer, accelerator.precision_plan.param_dtype) == planned
+    after = _moments(optimizer)
+    for a, b in zip(before, after):  # the same moments, up to the rounding of the coarser format (E4M3: 2**-4)
+        assert torch.allclose(b, a, rtol=0.07, atol=0.07 * a.abs().max().item()), (a.abs().max(), b.abs().max())
+    x, y = next(iter(loader))
+    accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
+    optimizer.step()  # and training goes on
+    assert all(torch.isfinite(p).all() for p in model.parameters())
