@@ -109,3 +109,26 @@ def test_eager_layers_benchmark_on_cpu(tmp_path):
     runs = json.loads(out.read_text())["runs"]
     assert runs["bf16 eager"]["converted"] == 0 and runs["torchao eager"]["converted"] > 0
     assert all(r["step_ms_median"] > 0 and len(r["losses"]) == 2 for r in runs.values())
+
+
+def test_headline_benchmark_on_cpu(tmp_path):
+    """benchmarks/headline.py, what scripts/gpu/verify.sh runs after the GPU suite: each configuration against BF16
+    of its mode, auto's choice and what it passed over, two rounds' medians; a configuration that cannot run here
+    (TE on a CPU host) is recorded as an error without losing the others."""
+    out = tmp_path / "headline.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "headline.py"), "--widths", "tiny",
+                           "--configs", "bf16 eager", "auto", "te", "--steps", "2", "--warmup", "1", "--rounds", "2",
+                           "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["widths"]["tiny"]
+    assert "transformer_engine is not installed" in runs["te"]["error"]
+    auto = runs["auto"]
+    assert auto["backend"] == "torchao" and auto["model_mode"] == "eager"
+    assert auto["auto"][0].startswith("te: transformer_engine is not installed")
+    assert auto["auto"][-1] == "torchao: chosen"
+    for r in (runs["bf16 eager"], auto):
+        assert len(r["rounds_ms"]) == 2 and r["step_ms_median"] == pytest.approx(statistics.median(r["rounds_ms"]))
+    assert auto["speedup_vs_bf16"] == pytest.approx(runs["bf16 eager"]["step_ms_median"] / auto["step_ms_median"])
+    assert auto["fp8_linears"] == auto["linears"] == 9
+    assert "| tiny | auto | torchao (tensorwise) |" in proc.stdout
