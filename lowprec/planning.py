@@ -3,6 +3,7 @@ and describe the modules."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,24 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
         if p.is_floating_point():
             counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
     return max(counts, key=counts.get) if counts else torch.float32
+
+
+FROZEN = "frozen (requires_grad=False): no gradient to store"
+
+
+def _mark_frozen(model: nn.Module, modules: list, backend: Backend, param_dtype: torch.dtype) -> list:
+    """`modules` with each converted Linear whose weight is frozen saying it gets no gradient store.
+
+    Its GEMMs still run in FP8 (a compute choice, as for any layer); a store would hold nothing."""
+    if not backend.stores_weight_grads(param_dtype):
+        return modules
+    out = []
+    for d in modules:
+        weight = getattr(model.get_submodule("" if d.fqn == "<root>" else d.fqn), "weight", None)
+        if d.convert and d.kind == "linear" and isinstance(weight, nn.Parameter) and not weight.requires_grad:
+            d = dataclasses.replace(d, reason=f"FP8, {FROZEN}")
+        out.append(d)
+    return out
 
 
 def model_mode(context: RunContext) -> str:
@@ -69,7 +88,7 @@ def build_plan(
         engine=context.engine,
         world_size=context.world_size,
         tensors=[],
-        modules=select_modules(model, backend.recipe, backend),
+        modules=_mark_frozen(model, select_modules(model, backend.recipe, backend), backend, param_dtype),
         param_dtype=short_dtype(param_dtype),
         bytes_per_param={},
         total_params=sum(p.numel() for p in model.parameters()),

@@ -175,6 +175,14 @@ class Backend(ABC):
             return torch.bfloat16
         return None
 
+    def stores_weight_grads(self, param_dtype: torch.dtype) -> bool:
+        """Whether converted Linears keep their weight gradients outside `.grad` (in stores, or on msamp's
+        layers) in a model of `param_dtype`."""
+        if self.native_storage:
+            return False
+        weight = self.weight_storage_dtype()
+        return self.grad_store_dtype(weight if weight is not None else param_dtype) is not None
+
     def _check_storage_engine(self) -> None:
         engine = self.context.engine
         if engine == "single":
@@ -299,8 +307,10 @@ class Backend(ABC):
                 continue
             if planned is not None and weight.dtype != planned:
                 wrong.append(f"{name}.weight: planned {planned}, built {weight.dtype}")
-            if not self.native_storage and (self.grad_store_dtype(weight.dtype) is not None) != (id(weight) in stored):
-                wrong.append(f"{name}.weight: gradient store planned {self.grad_store_dtype(weight.dtype)}, "
+            # a frozen weight has no gradient to store (the plan's module list says so)
+            store = self.grad_store_dtype(weight.dtype) if weight.requires_grad else None
+            if not self.native_storage and (store is not None) != (id(weight) in stored):
+                wrong.append(f"{name}.weight: gradient store planned {store}, "
                              f"built {'one' if id(weight) in stored else 'none'}")
         if wrong:
             raise PlanMismatchError("the converted model does not store weights as its plan says:\n  "

@@ -116,16 +116,18 @@ def install_grad_stores(modules: list[nn.Module], dtype: torch.dtype) -> list[Gr
     return stores
 
 
-def ignore_in_ddp(root: nn.Module, modules, buffer_prefix: str = _PREFIX) -> None:
+def ignore_in_ddp(root: nn.Module, modules, buffer_prefix: str = _PREFIX, *, weights: bool = True) -> None:
     """DDP must neither all-reduce the weights of `modules` (their gradients are not in .grad) nor
     broadcast their buffers whose names start with `buffer_prefix` (rank-local gradients and
-    scales); FP8GradReducer averages the gradients instead. `buffer_prefix=""`: every buffer."""
+    scales); FP8GradReducer averages the gradients instead. `buffer_prefix=""`: every buffer;
+    `weights=False`: the buffers only (a frozen weight, which DDP broadcasts and never reduces)."""
     wanted = {id(m) for m in modules}
     names = []
     for prefix, module in root.named_modules():
         if id(module) in wanted:
             dot = prefix + "." if prefix else ""
-            names.append(dot + "weight")
+            if weights:
+                names.append(dot + "weight")
             names += [dot + name for name, _ in module.named_buffers(recurse=False) if name.startswith(buffer_prefix)]
     existing = list(getattr(root, "_ddp_params_and_buffers_to_ignore", []))
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(root, existing + names)

@@ -106,6 +106,32 @@ def test_levels_train_a_llama_as_the_table_says(backend, level):
     assert sum(losses[-4:]) / 4 < 0.6 * sum(losses[:4]) / 4, losses
 
 
+@pytest.mark.parametrize("recipe", [dict(backend="torchao", opt_level="O1"), dict(backend="torchao", opt_level="O2"),
+                                    dict(backend="torchao", weight_grad_dtype="fp8"),
+                                    dict(backend="msamp", opt_level="O1"), dict(backend="msamp", opt_level="O2")])
+def test_a_frozen_linear_runs_in_fp8_without_a_gradient_store(recipe):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+    model[2].requires_grad_(False)
+    acc = accelerator(**recipe)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model, opt = acc.prepare(model, opt)
+    backend, plan = acc._lowprec[-1][1], acc.precision_plan
+    frozen = model[2].weight.detach().clone()
+    assert len(plan.converted) == 3 and backend.is_converted(model[2])  # its GEMMs still run in FP8
+    assert {d.fqn: d.reason for d in plan.modules}["2"] == "FP8, frozen (requires_grad=False): no gradient to store"
+    assert "frozen (requires_grad=False)" in str(plan)
+    assert [s.weight for s in backend.grad_stores] == [model[0].weight, model[4].weight]
+    if recipe["backend"] == "msamp":  # DDP broadcasts the frozen weight, never the layer's rank-local FP8 state
+        ignored = model._ddp_params_and_buffers_to_ignore
+        assert "2.weight" not in ignored and "2.fp8_meta_scale_input" in ignored and "0.weight" in ignored
+    trained = model[0].weight.detach().clone()
+    acc.backward(model(torch.randn(16, 32)).float().pow(2).mean())
+    opt.step()
+    assert torch.equal(model[2].weight, frozen) and model[2].weight.grad is None
+    assert not torch.equal(model[0].weight, trained)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_levels_train_like_fp32(backend):
     _, _, fp32 = train(accelerator(backend="torchao"))

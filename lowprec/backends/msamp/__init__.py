@@ -121,6 +121,9 @@ class MSAMPBackend(Backend):
         # Under DeepSpeed the FP8 layers' gradients go in FP8 on their own; the rest as DeepSpeed sends them.
         return self.recipe.grad_comm_dtype or ("fp8" if self.sharded else None)
 
+    def stores_weight_grads(self, param_dtype: torch.dtype) -> bool:
+        return self.level in ("O1", "O2")  # O3's gradients go through FSDP2's .grad or DeepSpeed's ZeRO
+
     def candidate_kind(self, module: nn.Module) -> str | None:
         if isinstance(module, nn.Linear) and not _is_mha_projection(module):
             return "linear"
@@ -177,10 +180,14 @@ class MSAMPBackend(Backend):
             clear_in_zero_grad(root, self.layers)
             return root
         # The layers hold their FP8 weight gradients as gradient stores do: the base adapter's
-        # optimizer swap, clipping, zero_grad and DDP reduction (FP8GradReducer) serve both.
-        self.grad_stores = self.layers
-        # DDP neither reduces their weights nor broadcasts their FP8 state (scales, amax histories)
-        ignore_in_ddp(root, self.layers, buffer_prefix="")
+        # optimizer swap, clipping, zero_grad and DDP reduction (FP8GradReducer) serve both. A frozen
+        # layer has none to hold, so it is no store (nothing to average or step), as under torchao.
+        self.grad_stores = [layer for layer in self.layers if layer.weight.requires_grad]
+        frozen = [layer for layer in self.layers if not layer.weight.requires_grad]
+        # DDP neither reduces their weights nor broadcasts their FP8 state (scales, amax histories); a
+        # frozen weight DDP broadcasts at wrap like any other, as the stores' weights are (setup_grad_stores)
+        ignore_in_ddp(root, self.grad_stores, buffer_prefix="")
+        ignore_in_ddp(root, frozen, buffer_prefix="", weights=False)
         clear_in_zero_grad(root, self.layers)
         return root
 
