@@ -39,6 +39,39 @@ def test_a_prepared_model_loads_into_the_plain_one(fresh_accelerate_state, knobs
         torch.testing.assert_close(value, trained[name])
 
 
+@pytest.fixture
+def gloo_group():
+    """A one-process gloo group, for a DDP wrapper on the CPU."""
+    import torch.distributed as dist
+    from conftest import free_port
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+    yield
+    dist.destroy_process_group()
+
+
+WRAPPERS = {
+    "compiled": torch.compile,  # `_orig_mod.` before every key, without running it
+    "ddp": nn.parallel.DistributedDataParallel,  # `module.`
+    "compiled_ddp": lambda model: torch.compile(nn.parallel.DistributedDataParallel(model)),
+}
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+@pytest.mark.parametrize("knobs", [None, dict(backend="torchao"), dict(backend="msamp", opt_level="O2")])
+def test_a_wrapped_model_loses_the_wrappers_prefix(fresh_accelerate_state, gloo_group, knobs, wrapper):
+    model = mlp()
+    if knobs is not None:
+        recipe = FP8RecipeKwargs(skip_first_last=False, skip_slow_shapes=False, **knobs)
+        accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], cpu=True)
+        model, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    state = portable_state_dict(WRAPPERS[wrapper](model))
+    plain = mlp()
+    assert set(state) == set(plain.state_dict())
+    assert all(state[k].dtype == v.dtype for k, v in plain.state_dict().items())  # msamp's FP16 weights restored
+    plain.load_state_dict(state, strict=True)
+
+
 def test_a_model_of_unknown_origin_gets_every_backends_clean_up():
     from lowprec import RunContext, build_plan
     from lowprec.backends import create_backend
