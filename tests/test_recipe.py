@@ -281,11 +281,21 @@ def test_fp8_in_eval_accepted_for_torchao():
 
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
 def test_fsdp_fp8_all_gather_only_for_tensorwise(recipe):
-    assert FP8RecipeKwargs(backend="torchao", enable_fsdp_float8_all_gather=True).enable_fsdp_float8_all_gather
-    assert FP8RecipeKwargs(backend="torchao", recipe=recipe, enable_fsdp_float8_all_gather=False)
+    tensorwise = FP8RecipeKwargs(backend="torchao", enable_fsdp_float8_all_gather=True)
+    kept = [FP8RecipeKwargs(backend="torchao", recipe=recipe, enable_fsdp_float8_all_gather=option)
+            for option in (None, False)]
     message = f"enable_fsdp_float8_all_gather=True cannot be honoured by torchao recipe '{recipe}'"
     with pytest.raises(ValueError, match=message):
         FP8RecipeKwargs(backend="torchao", recipe=recipe, enable_fsdp_float8_all_gather=True)
+    pytest.importorskip("torchao")
+    from lowprec import RunContext
+    from lowprec.backends import create_backend
+    from lowprec.hardware import DeviceInfo
+
+    fsdp2 = RunContext(device=DeviceInfo("cuda", "H100", (9, 0)), engine="fsdp2", world_size=2)
+    assert create_backend(tensorwise, fsdp2).fsdp_fp8_all_gather
+    # unset or refused, a rowwise recipe's weights are all-gathered in high precision
+    assert not any(create_backend(kwargs, fsdp2).fsdp_fp8_all_gather for kwargs in kept)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowprec import Accelerator, BackendUnavailableError, FP8RecipeKwargs, RunContext
+from lowprec import Accelerator, BackendUnavailableError, FP8RecipeKwargs, RunContext, build_plan
 from lowprec.backends import create_backend
 from lowprec.hardware import device_info
 from lowprec.optim import LowBitAdam, LowBitAdamW
@@ -257,12 +257,28 @@ def test_sharded_engines_are_refused_until_sharded_fp8_communication_exists(engi
                    RunContext(device=device_info("cpu"), engine=engine, world_size=2))
 
 
-@pytest.mark.parametrize("knobs", [dict(opt_level="O1"), dict(opt_level="O2"), dict(weight_grad_dtype="fp8"),
-                                   dict(weight_dtype="bf16"), dict(weight_dtype="bf16", weight_grad_dtype="bf16")])
-def test_ddp_takes_what_it_can_average(knobs):
+@pytest.mark.parametrize("knobs, store", [
+    (dict(opt_level="O1"), torch.float8_e4m3fn), (dict(opt_level="O2"), torch.float8_e4m3fn),
+    (dict(weight_grad_dtype="fp8"), torch.float8_e4m3fn),
+    (dict(weight_dtype="bf16"), None), (dict(weight_dtype="bf16", weight_grad_dtype="bf16"), None),
+])
+def test_ddp_takes_what_it_can_average(knobs, store):
     # .grad in the weights' dtype (DDP), or FP8 stores (FP8GradReducer): tests/optim/test_grad_store_ddp.py
-    create_backend(FP8RecipeKwargs(backend="torchao", **knobs),
-                   RunContext(device=device_info("cpu"), engine="ddp", world_size=2))
+    context = RunContext(device=device_info("cpu"), engine="ddp", world_size=2)
+    recipe = FP8RecipeKwargs(backend="torchao", skip_first_last=False, skip_slow_shapes=False, **knobs)
+    backend = create_backend(recipe, context)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    plan = build_plan(model, recipe, context=context, backend=backend)
+    model = backend.convert(model, plan)
+    backend.apply_storage(model)
+    backend.verify_storage(model)
+    weights = {f"{name}.weight" for name, m in model.named_modules() if backend.converted_kind(m) == "linear"}
+    assert len(weights) == 2
+    assert [s.dtype for s in backend.grad_stores] == ([store] * 2 if store else [])
+    # the stored weights are FP8GradReducer's, not DDP's; every other gradient is DDP's, in .grad
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    assert {name for name in ignored if name.endswith("weight")} == (weights if store else set())
+    assert plan.tensor("grad_comm").dtype.startswith("FP8 E4M3, shared scale") == (store is not None)
 
 
 @pytest.mark.parametrize("knobs", [dict(weight_grad_dtype="bf16"), dict(weight_dtype="fp16", weight_grad_dtype="bf16")])
