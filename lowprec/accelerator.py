@@ -29,6 +29,7 @@ from .engines import EnginePrecision, apply_grad_comm_dtype, deepspeed_precision
 from .export import BACKEND_ATTR
 from .hardware import device_info
 from .health import FP8HealthMonitor
+from .optim.low_bit_adam import LowBitAdamW, plain_adam_state_dict
 from .plan import PrecisionPlan
 from .planning import build_plan
 from .recipe import FP8RecipeKwargs, warn_unapplied_launcher_defaults
@@ -241,6 +242,10 @@ class Accelerator(_Accelerator):
                     args[i] = backend.wrap_optimizer(obj, plan)
                     replaced[id(obj)] = args[i]
                     plan.verify_optimizer(args[i])
+                    if not isinstance(args[i], LowBitAdamW):
+                        # a checkpoint saved with low-bit states (another level) loads as FP32 moments, not as
+                        # E4M3 bytes torch would read as numbers up to their scale (LowBitAdamW converts itself)
+                        args[i].register_load_state_dict_pre_hook(_from_low_bit_states)
             # An LR scheduler built on the user's optimizer must drive its replacement.
             for obj in args:
                 if hasattr(obj, "optimizer") and id(obj.optimizer) in replaced:
@@ -439,6 +444,10 @@ def _inherited_dynamo(kwargs: dict[str, Any]) -> tuple[str, str] | None:
             "reset_partial_state=True) before building this Accelerator, or run it in its own process."
         )
     return was, asked
+
+
+def _from_low_bit_states(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    return plain_adam_state_dict(state_dict)
 
 
 def _wrap_forward(model: nn.Module, context_factory) -> None:

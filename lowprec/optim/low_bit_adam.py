@@ -58,6 +58,27 @@ def _decode(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return stored.float() / scale if stored.dtype in SCALED else stored.float()
 
 
+def plain_adam_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A LowBitAdamW checkpoint as torch's Adam/AdamW stores one: FP32 moments (each dequantised with its
+    scale) and no scales or lowprec-only group keys. Anything else is returned as it is. Loaded as it was,
+    torch would cast the scaled E4M3 moments to numbers as large as their scale (5e5x to 1e14x too large)."""
+    states = state_dict.get("state", {})
+    if not any(isinstance(s, dict) and "exp_avg_scale" in s for s in states.values()):
+        return state_dict
+    new_states = {}
+    for pid, state in states.items():
+        state = dict(state)
+        for key in ("exp_avg", "exp_avg_sq"):
+            scale = state.pop(f"{key}_scale", None)
+            if key in state and scale is not None:
+                state[key] = _decode(state[key], scale.to(state[key].device))
+        new_states[pid] = state
+    # "fused" too: LowBitAdamW's (None: when available) is not torch's switch of the same name
+    groups = [{k: v for k, v in group.items() if k not in ("exp_avg_dtype", "exp_avg_sq_dtype", "fused")}
+              for group in state_dict["param_groups"]]
+    return {**state_dict, "state": new_states, "param_groups": groups}
+
+
 class LowBitAdamW(torch.optim.Optimizer):
     """AdamW whose `exp_avg` / `exp_avg_sq` live in `exp_avg_dtype` / `exp_avg_sq_dtype`.
 
@@ -220,20 +241,36 @@ class LowBitAdamW(torch.optim.Optimizer):
                                                                  state["exp_avg_sq_scale"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint of this optimizer, of a LowBitAdamW with other state dtypes (lowprec's O1 and O2,
+        optimizer_states='fp8'), or of torch's Adam/AdamW. The states keep this optimizer's dtypes: a saved
+        moment is dequantised with its own scale and requantised into them (E4M3 <-> FP32 moves no value by
+        more than E4M3's rounding), rather than keeping the checkpoint's precision behind the plan's back."""
         # torch casts floating-point states to the parameter's dtype on load: an FP32 moment or a
         # scale of 2**35 would become FP16 (inf). Take the saved tensors as they are instead.
+        own = [{key: group[key] for key in ("exp_avg_dtype", "exp_avg_sq_dtype")} for group in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, dtypes in zip(self.param_groups, own):
+            group.update(dtypes)  # the run's storage, not the checkpoint's
         saved = state_dict["state"]
         ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        groups = [group for group in self.param_groups for _ in group["params"]]
         params = [p for group in self.param_groups for p in group["params"]]
-        for pid, p in zip(ids, params):
+        for pid, p, group in zip(ids, params, groups):
             if pid not in saved:
                 continue
-            state = self.state[p]
-            for key, value in saved[pid].items():
-                if isinstance(value, torch.Tensor):
-                    state[key] = value.detach().to(device="cpu" if key == "step" else p.device, copy=True)
-            state["step"] = state["step"].float()
+            entry = saved[pid]
+            missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
+            if missing:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: the state of parameter {pid} has no "
+                                 f"{', '.join(missing)}: not an Adam/AdamW checkpoint")
+            state = self.state[p] = {}
+            state["step"] = torch.as_tensor(entry["step"]).detach().to("cpu", torch.float32, copy=True).reshape(())
+            for key in ("exp_avg", "exp_avg_sq"):
+                stored = entry[key].detach().to(p.device)
+                scale = entry.get(f"{key}_scale")  # torch's Adam: none, an unscaled FP32 moment
+                scale = (torch.ones((), device=p.device) if scale is None
+                         else scale.detach().to(p.device, torch.float32, copy=True))
+                state[key], state[f"{key}_scale"] = _encode(_decode(stored, scale), group[f"{key}_dtype"], scale)
 
     def state_bytes(self) -> int:
         """Bytes held by optimizer states (moments and their scales)."""
