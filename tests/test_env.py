@@ -343,6 +343,8 @@ def test_mxfp8_with_torchao_backend_is_rejected(monkeypatch):
         ("ACCELERATE_FP8_MARGIN", "x", "margin"),
         ("ACCELERATE_FP8_LOWPREC_AMAX_HISTORY_LEN", "0", "amax_history_len"),
         ("ACCELERATE_FP8_AMAX_HISTORY_LENGTH", "-4", "amax_history_len"),
+        ("ACCELERATE_FP8_MARGIN", "16", "margin"),
+        ("ACCELERATE_FP8_LOWPREC_AMAX_HISTORY_LEN", "1000000000", "amax_history_len"),
         ("ACCELERATE_FP8_FORMAT", "E5M2", "fp8_format"),
         ("ACCELERATE_FP8_BACKEND", "cuda", "backend"),
         ("ACCELERATE_FP8_SKIP_FIRST_LAST", "perhaps", "skip_first_last"),

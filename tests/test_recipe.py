@@ -24,6 +24,9 @@ BAD_VALUES = [
     ("margin", "two", [">= 0"]),
     ("amax_history_len", 0, [">= 1"]),
     ("amax_history_len", "16.0", [">= 1"]),
+    ("amax_history_len", 10**9, [">= 1", "<= 65536", "TE's default is 1024"]),
+    ("margin", 9, [">= 0", "<= 8", "power-of-2 backoff", "E4M3"]),
+    ("margin", 200, ["<= 8", "underflow"]),
     ("amax_compute_algo", "mean", ["'max'", "'most_recent'"]),
     ("opt_level", "O4", ["'O1'", "'O2'", "'O3'"]),
     ("opt_level", 2, ["'O1'", "'O2'", "'O3'"]),
@@ -321,13 +324,18 @@ def test_bools(field, value, expected):
     assert getattr(FP8RecipeKwargs(**{field: value}), field) is expected
 
 
-@pytest.mark.parametrize("value,expected", [("3", 3), (" 12 ", 12), (0, 0), ("0", 0)])
+@pytest.mark.parametrize("value,expected", [("3", 3), (" 8 ", 8), (0, 0), ("0", 0)])
 def test_margin_from_string(value, expected):
     assert FP8RecipeKwargs(margin=value).margin == expected
 
 
 def test_amax_history_len_from_string():
     assert FP8RecipeKwargs(amax_history_len="1024").amax_history_len == 1024
+
+
+def test_bounds_are_inclusive():
+    r = FP8RecipeKwargs(backend="te", margin=8, amax_history_len=65536)
+    assert (r.margin, r.amax_history_len) == (8, 65536)
 
 
 def test_module_filter_fn_kept():
