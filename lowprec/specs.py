@@ -87,6 +87,17 @@ class BackendSpec:
             out[knob] = value if value is not None else row.get(knob)
         return out
 
+    def written(self, recipe: FP8RecipeKwargs, knob: str) -> str:
+        """`knob=value` for a message: as the user wrote it, or with the level it comes from, e.g.
+        "weight_dtype='fp16' (from opt_level='O2')"; a rejection must not show a value nobody wrote."""
+        if getattr(recipe, knob) is not None:
+            return f"{knob}={getattr(recipe, knob)!r}"
+        storage = self.storage(recipe)
+        level = f"opt_level={storage['opt_level']!r}"
+        if recipe.opt_level is None:
+            level = f"{level}, backend {self.name!r}'s default"
+        return f"{knob}={storage[knob]!r} (from {level})"
+
     def check_recipe(self, recipe: FP8RecipeKwargs) -> None:
         """Raise ValueError for a combination of options this backend cannot honour."""
         field = "FP8RecipeKwargs"
@@ -158,16 +169,16 @@ class BackendSpec:
         for knob, accepted in (("weight_dtype", self.weight_dtypes), ("weight_grad_dtype", self.weight_grad_dtypes)):
             value = storage[knob]
             if value is not None and value not in accepted:
-                source = "" if getattr(recipe, knob) is not None else f" (from opt_level={storage['opt_level']!r})"
                 raise ValueError(
-                    f"{field}.{knob}={value!r}{source} cannot be honoured by backend {self.name!r}: "
+                    f"{field}.{self.written(recipe, knob)} cannot be honoured by backend {self.name!r}: "
                     f"it accepts {', '.join(map(repr, accepted))}"
                 )
         weight, grad = storage["weight_dtype"], storage["weight_grad_dtype"]
         if grad == "fp32" and weight not in (None, "fp32"):
             raise ValueError(
-                f"{field}.weight_grad_dtype='fp32' cannot be kept for {weight} weights (no FP32 master copy "
-                "exists to hold it); use weight_dtype='fp32', or weight_grad_dtype 'bf16' / 'fp8'"
+                f"{field}.{self.written(recipe, 'weight_grad_dtype')} cannot be kept with "
+                f"{self.written(recipe, 'weight_dtype')}: {weight} weights have no FP32 master copy to hold it; "
+                "use weight_dtype='fp32', or weight_grad_dtype 'bf16' / 'fp8'"
             )
         if recipe.fp8_weights and (recipe.opt_level is not None or recipe.optimizer_states is not None):
             chosen = (f"opt_level={recipe.opt_level!r}" if recipe.opt_level is not None
@@ -177,9 +188,11 @@ class BackendSpec:
                 "(TE FusedAdam with FP32 masters vs lowprec's low-bit Adam); set one of them"
             )
         if recipe.fp8_weights and (weight is not None or grad is not None):
+            chosen = " and ".join(self.written(recipe, k) for k, v in (("weight_dtype", weight),
+                                                                         ("weight_grad_dtype", grad)) if v is not None)
             raise ValueError(
                 f"{field}.fp8_weights=True keeps TE's FP8 weights with FP32 masters; it cannot be combined with "
-                f"weight_dtype={weight!r} / weight_grad_dtype={grad!r} (or a level that sets them); set one of them"
+                f"{chosen}; set one of them"
             )
         if recipe.emulate and not self.supports_emulation:
             raise ValueError(f"{field}.emulate=True cannot be honoured: backend {self.name!r} has no emulation mode")

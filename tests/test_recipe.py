@@ -126,8 +126,12 @@ def test_msamp_keeps_weight_gradients_in_fp8_only(grad):
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_fp32_gradients_of_fp16_weights_are_refused(level):
-    with pytest.raises(ValueError, match="weight_grad_dtype='fp32' cannot be kept for fp16 weights"):
+    # the message names the weight dtype as the level implies it, not as if the user had written it
+    with pytest.raises(ValueError, match=rf"weight_grad_dtype='fp32' cannot be kept with weight_dtype='fp16' "
+                                         rf"\(from opt_level='{level}'\): fp16 weights have no FP32 master"):
         FP8RecipeKwargs(backend="torchao", opt_level=level, weight_grad_dtype="fp32")
+    with pytest.raises(ValueError, match=r"weight_grad_dtype='fp32' cannot be kept with weight_dtype='bf16':"):
+        FP8RecipeKwargs(backend="te", weight_dtype="bf16", weight_grad_dtype="fp32")
     # with FP32 weights the level's other parts still apply
     r = FP8RecipeKwargs(backend="torchao", opt_level=level, weight_dtype="fp32", weight_grad_dtype="fp32")
     assert (r.opt_level, r.weight_dtype, r.weight_grad_dtype) == (level, "fp32", "fp32")
@@ -136,6 +140,9 @@ def test_fp32_gradients_of_fp16_weights_are_refused(level):
 def test_fp8_weights_and_weight_storage_knobs_are_one_choice():
     with pytest.raises(ValueError, match="fp8_weights=True keeps TE's FP8 weights.*weight_dtype='bf16'"):
         FP8RecipeKwargs(backend="te", fp8_weights=True, weight_dtype="bf16")
+    with pytest.raises(ValueError) as err:  # only what was set: no "weight_dtype=None"
+        FP8RecipeKwargs(backend="te", fp8_weights=True, weight_grad_dtype="bf16")
+    assert "combined with weight_grad_dtype='bf16'; set one" in str(err.value) and "None" not in str(err.value)
 
 
 # ---- recipes -----------------------------------------------------------------------------------

@@ -199,13 +199,15 @@ class Backend(ABC):
                     "this version of lowprec; use weight_grad_dtype='fp8' (averaged in FP8) or weight_dtype='bf16'"
                 )
             return
-        wanted = [f"{knob}={storage[knob]!r}" for knob in ("weight_dtype", "weight_grad_dtype")
-                  if storage[knob] not in (None, "fp32")]
-        if storage["opt_level"] is not None:
-            wanted.insert(0, f"opt_level={storage['opt_level']!r}")
+        # Named as the user set them: a knob the level filled in is shown as part of the level.
+        knobs = [k for k in ("weight_dtype", "weight_grad_dtype") if storage[k] not in (None, "fp32")]
+        wanted = [f"{k}={storage[k]!r}" for k in knobs if getattr(self.recipe, k) is not None]
+        implied = [f"{k}={storage[k]!r}" for k in knobs if getattr(self.recipe, k) is None]
+        if implied:
+            wanted.append(f"opt_level={storage['opt_level']!r} ({', '.join(implied)})")
         if wanted:
             raise BackendUnavailableError(
-                f"FP8RecipeKwargs(backend={self.name!r}, {', '.join(wanted)}) runs on one process or under DDP in "
+                f"FP8RecipeKwargs(backend={self.name!r}): {', '.join(wanted)} runs on one process or under DDP in "
                 f"this version of lowprec, not under {engine}: its low-precision weights and gradients need "
                 "sharded FP8 gradient communication, which is not there yet. Keep these knobs unset there "
                 "(optimizer_states works everywhere)"
@@ -428,7 +430,7 @@ class Backend(ABC):
         if self.optimizer_states is not None:
             from ..optim.levels import check_optimizer
 
-            check_optimizer(optimizer, self.optimizer_states, backend=self.name, option=self._states_option)
+            check_optimizer(optimizer, self.optimizer_states, backend=self.name, asked=self._states_asked)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, plan: PrecisionPlan) -> torch.optim.Optimizer:
         """Optimizer-state precision: low-bit states replace Adam/AdamW with lowprec's low-bit Adam,
@@ -437,7 +439,7 @@ class Backend(ABC):
             return optimizer
         from ..optim.levels import low_bit_optimizer
 
-        new = low_bit_optimizer(optimizer, self.optimizer_states, backend=self.name, option=self._states_option)
+        new = low_bit_optimizer(optimizer, self.optimizer_states, backend=self.name, asked=self._states_asked)
         if self.grad_stores:
             new.attach_fp8_grads(self.grad_stores)
             new.add_fp8_pre_step(self._reduce_stores_if_pending)
@@ -464,12 +466,17 @@ class Backend(ABC):
         return storage["weight_dtype"] in ("fp16", "bf16") or storage["weight_grad_dtype"] in ("fp8", "bf16")
 
     @property
-    def _states_option(self) -> str:
+    def _states_asked(self) -> str:
+        """The option that asks for lowprec's low-bit Adam, as the user set it, for messages (the states in
+        force are the level's or FP32, which the user may never have written)."""
         if self.recipe.optimizer_states is not None:
-            return "optimizer_states"
-        if self.storage["opt_level"] is not None:
-            return "opt_level"
-        return "weight_dtype" if self.storage["weight_dtype"] in ("fp16", "bf16") else "weight_grad_dtype"
+            return f"optimizer_states={self.recipe.optimizer_states!r}"
+        level = self.storage["opt_level"]
+        if level is not None:
+            return f"opt_level={level!r}" + ("" if self.recipe.opt_level is not None else
+                                             f" (backend {self.name!r}'s default)")
+        knob = "weight_dtype" if self.storage["weight_dtype"] in ("fp16", "bf16") else "weight_grad_dtype"
+        return self.spec.written(self.recipe, knob)
 
     def optimizer_state_precision(self, param_dtype: str) -> TensorPrecision:
         """The optimizer-state column: the low-bit states in force, or the parameters' dtype."""

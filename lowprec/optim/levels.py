@@ -80,26 +80,30 @@ def state_bytes(choice) -> int:
     return m.itemsize + v.itemsize
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, choice, *, backend: str, option: str = "opt_level") -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer, choice, *, backend: str, asked: str | None = None) -> None:
     """Raise ValueError if `optimizer` cannot become a low-bit Adam with the states `choice` names.
 
-    `option` is the FP8RecipeKwargs field that asked for low-bit states, for the message.
+    `asked` is the FP8RecipeKwargs option that asked for low-bit Adam as the user set it, for the message
+    (`choice` may be what it implies: FP32 states for weight_dtype='fp16'); None: `choice` itself.
     """
     if isinstance(optimizer, LowBitAdamW):
         return
-    shown = choice if isinstance(choice, str) else state_description(choice)
+    if asked is None:
+        shown = choice if isinstance(choice, str) else state_description(choice)
+        asked = f"{'opt_level' if choice in LEVEL_ROWS else 'optimizer_states'}={shown!r}"
+    needs = (f"FP8RecipeKwargs(backend={backend!r}): {asked} needs lowprec's low-bit Adam (optimizer states "
+             f"{state_description(choice)})")
     if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
         raise ValueError(
-            f"FP8RecipeKwargs(backend={backend!r}, {option}={shown!r}) stores optimizer states in low precision "
-            "through lowprec's low-bit Adam: pass torch.optim.Adam or torch.optim.AdamW (replaced by "
-            f"LowBitAdam / LowBitAdamW) or lowprec.optim.LowBitAdamW; got {type(optimizer).__name__}"
+            f"{needs}: pass torch.optim.Adam or torch.optim.AdamW (replaced by LowBitAdam / LowBitAdamW) or "
+            f"lowprec.optim.LowBitAdamW; got {type(optimizer).__name__}"
         )
     if optimizer.defaults.get("amsgrad"):
-        raise ValueError(f"{option}={shown!r}: low-bit Adam has no AMSGrad variant (MS-AMP neither); use amsgrad=False")
+        raise ValueError(f"{needs}, which has no AMSGrad variant (MS-AMP's neither); use amsgrad=False")
 
 
 def low_bit_optimizer(optimizer: torch.optim.Optimizer, choice, *, backend: str,
-                      option: str = "opt_level") -> LowBitAdamW:
+                      asked: str | None = None) -> LowBitAdamW:
     """The LowBitAdam(W) that replaces `optimizer` with the states `choice` names (a level, a
     preset or a dtype pair); a LowBitAdamW is returned as is.
 
@@ -108,7 +112,7 @@ def low_bit_optimizer(optimizer: torch.optim.Optimizer, choice, *, backend: str,
     """
     if isinstance(optimizer, LowBitAdamW):
         return optimizer  # the user chose its state dtypes
-    check_optimizer(optimizer, choice, backend=backend, option=option)
+    check_optimizer(optimizer, choice, backend=backend, asked=asked)
     defaults = optimizer.defaults
     decoupled = isinstance(optimizer, torch.optim.AdamW) or defaults.get("decoupled_weight_decay", False)
     m_dtype, v_dtype = state_pair(choice)

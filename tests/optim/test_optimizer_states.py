@@ -163,6 +163,28 @@ def test_an_optimizer_low_bit_adam_cannot_replace_is_refused_before_conversion(b
     assert all(type(m) is not None and type(m).__name__ != "Float8Linear" for m in net.modules())
 
 
+@pytest.mark.parametrize(
+    "knobs,named,wrong",
+    [
+        (dict(backend="torchao", opt_level="O2"), "opt_level='O2' needs", "opt_level='fp8'"),
+        (dict(backend="torchao", weight_dtype="fp16"), "weight_dtype='fp16' needs", "weight_dtype='fp32'"),
+        (dict(backend="torchao", weight_grad_dtype="fp8"), "weight_grad_dtype='fp8' needs", "weight_grad_dtype='fp32'"),
+        (dict(backend="msamp"), "opt_level='O2' (backend 'msamp''s default) needs", "opt_level='fp8'"),
+    ],
+)
+def test_the_refusal_names_the_option_as_the_user_set_it(knobs, named, wrong):
+    # The states in force are the level's (fp8) or FP32 (for weight_dtype): values the user never wrote.
+    from lowprec import RunContext
+    from lowprec.backends import create_backend
+    from lowprec.hardware import device_info
+
+    backend = create_backend(FP8RecipeKwargs(**knobs), RunContext(device=device_info("cpu")))
+    for bad in (torch.optim.SGD(model().parameters(), lr=0.1), torch.optim.Adam(model().parameters(), amsgrad=True)):
+        with pytest.raises(ValueError) as err:
+            backend.check_optimizer(bad)
+        assert named in str(err.value) and wrong not in str(err.value)
+
+
 def test_a_users_low_bit_adam_is_kept_and_shown_in_the_plan():
     acc = accelerator("torchao", None)
     net = model()

@@ -252,6 +252,11 @@ def test_sharded_engines_are_refused_until_sharded_fp8_communication_exists(engi
     recipe = FP8RecipeKwargs(backend="torchao", **knobs)
     with pytest.raises(BackendUnavailableError, match=f"one process or under DDP.*not under {engine}"):
         create_backend(recipe, RunContext(device=device_info("cpu"), engine=engine, world_size=2))
+    named = {"opt_level": "opt_level='O1' (weight_dtype='fp16', weight_grad_dtype='fp8')",
+             "weight_grad_dtype": "weight_grad_dtype='fp8' runs", "weight_dtype": "weight_dtype='bf16' runs"}
+    with pytest.raises(BackendUnavailableError) as err:  # what the level implies is shown as the level's
+        create_backend(recipe, RunContext(device=device_info("cpu"), engine=engine, world_size=2))
+    assert named[next(iter(knobs))] in str(err.value)
     # FP32 weights with FP32 gradients need no FP8 communication
     create_backend(FP8RecipeKwargs(backend="torchao", weight_dtype="fp32", weight_grad_dtype="fp32"),
                    RunContext(device=device_info("cpu"), engine=engine, world_size=2))
