@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import logging
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -231,6 +232,21 @@ class FP8RecipeKwargs(KwargsHandler):
             if sources:
                 raise ValueError(f"{exc} (read from environment variable {', '.join(sources)})") from None
             raise
+
+    @property
+    def __class__(self):
+        # accelerate.Accelerator maps kwargs_handlers by exact class and fails deep in its __init__ with
+        # KeyError(<class FP8RecipeKwargs>) on this one: the most common mistake. It offers no hook to refuse
+        # a handler (its isinstance check passes, nothing on the handler is called), and reading the class is
+        # the first thing it does with it; lowprec.Accelerator takes the handler out before that code runs.
+        caller = sys._getframe(1)
+        if caller.f_code.co_name == "__init__" and caller.f_globals.get("__name__") == "accelerate.accelerator":
+            raise TypeError(
+                "lowprec.FP8RecipeKwargs works with lowprec.Accelerator: `from lowprec import Accelerator`. "
+                "accelerate.Accelerator maps kwargs_handlers by exact class and does not know it (its own FP8 "
+                "handlers, AORecipeKwargs / TERecipeKwargs / MSAMPRecipeKwargs, are also accepted by lowprec's)"
+            )
+        return type(self)
 
     @staticmethod
     def _parse(name: str, value: Any) -> Any:

@@ -110,6 +110,26 @@ def test_accelerate_handler_is_translated():
     assert accelerator.fp8_recipe.pad_inner_dim is True  # Accelerate's default, honoured
 
 
+@pytest.mark.parametrize("mixed_precision", [None, "fp8"])
+def test_lowprecs_handler_in_accelerates_accelerator_points_at_lowprecs(mixed_precision):
+    # the most common mistake: before, a KeyError naming the class from deep inside Accelerate's __init__
+    import accelerate
+
+    class Subclass(accelerate.Accelerator):
+        pass
+
+    for cls in (accelerate.Accelerator, Subclass):
+        with pytest.raises(TypeError) as err:
+            cls(mixed_precision=mixed_precision, kwargs_handlers=[FP8RecipeKwargs(backend="torchao")])
+        assert "lowprec.FP8RecipeKwargs works with lowprec.Accelerator: `from lowprec import Accelerator`" in str(
+            err.value)
+        assert "maps kwargs_handlers by exact class" in str(err.value)
+    # lowprec's Accelerator and the handler's own uses are untouched
+    handler = FP8RecipeKwargs(backend="torchao")
+    assert handler.__class__ is FP8RecipeKwargs and handler.replace(recipe="rowwise").recipe == "rowwise"
+    assert Accelerator(mixed_precision=mixed_precision, kwargs_handlers=[handler]).fp8_recipe is handler
+
+
 def test_without_fp8_accelerate_is_untouched():
     accelerator = Accelerator(mixed_precision="bf16")
     model = accelerator.prepare(regression_model())
