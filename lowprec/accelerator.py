@@ -116,6 +116,13 @@ class Accelerator(_Accelerator):
             apply_grad_comm_dtype(recipe.grad_comm_dtype, engine, self._engine_plugin(engine))
             backend = create_backend(recipe, self.run_context())
             warn_unapplied_launcher_defaults(recipe, backend)
+            if recipe.grad_comm_dtype is not None and self.num_processes == 1:
+                # Accepted (the same recipe runs on several processes) but not silently: the plan row alone says N/A.
+                warnings.warn(
+                    f"lowprec: FP8RecipeKwargs.grad_comm_dtype={recipe.grad_comm_dtype!r} has no effect in this run: "
+                    "one process communicates no gradients (it applies under DDP, FSDP and DeepSpeed)",
+                    stacklevel=2,
+                )
 
     # ---- what Accelerate sees ----------------------------------------------------------------
     @property

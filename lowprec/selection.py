@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from difflib import get_close_matches
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,25 @@ def _matches(fqn: str, patterns) -> str | None:
     return None
 
 
+def check_exclude(model: nn.Module, patterns) -> None:
+    """Raise ValueError for an exclude pattern that names no module of `model`: a typo ("lm_haed") would
+    otherwise leave the module it meant in FP8 with nothing said."""
+    names = [fqn or "<root>" for fqn, _ in model.named_modules()]
+    for pattern in patterns:
+        if any(fnmatchcase(name, pattern) or fnmatchcase(name, f"*.{pattern}") for name in names):
+            continue
+        # Compare with every dotted suffix too: a bare name matches the last components of a full name.
+        suffixes = {".".join(name.split(".")[i:]) for name in names for i in range(name.count(".") + 1)}
+        close = get_close_matches(pattern, sorted(suffixes), n=3, cutoff=0.6)
+        raise ValueError(
+            f"FP8RecipeKwargs.exclude has {pattern!r}, which matches no module of {type(model).__name__}: patterns "
+            "are fnmatch-style module names (a bare name also matches the last components, 'lm_head' covers "
+            "'model.lm_head'), and one that matches nothing keeps nothing in high precision. "
+            + (f"Closest module names: {', '.join(map(repr, close))}" if close
+               else "No module name is close; print(model) lists them")
+        )
+
+
 def _shape(module: nn.Module, kind: str) -> tuple[int, ...]:
     if kind == "linear":
         return (module.out_features, module.in_features)
@@ -55,8 +75,9 @@ def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Backend) 
     The checks run in a fixed order and the first that keeps a module in high precision is its
     reported reason: exclude, include, module_filter_fn, skip_first_last, the backend's hard
     constraint (shape), then the speed rule (skip_slow_shapes). Each module is decided on its own:
-    one unfit module never affects its siblings.
+    one unfit module never affects its siblings. Raises ValueError for an exclude pattern naming no module.
     """
+    check_exclude(model, recipe.exclude)
     candidates = []
     for fqn, module in model.named_modules():
         kind = "converted" if backend.is_converted(module) else backend.candidate_kind(module)

@@ -453,6 +453,20 @@ def test_exclude_covering_everything_is_a_warning():
     assert len(found) == 1 and "4 Linear layers: excluded by pattern '*' -> remove '*' from exclude" in found[0]
 
 
+def test_exclude_pattern_matching_nothing_fails_before_conversion():
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(exclude=["lm_haed"])])
+    model = regression_model()
+    with pytest.raises(ValueError, match="exclude has 'lm_haed', which matches no module of Sequential"):
+        accelerator.prepare(model)
+    assert not any(is_fp8(m) for m in model.modules())
+
+
+def test_grad_comm_dtype_on_one_process_is_a_warning():
+    with pytest.warns(UserWarning, match=r"grad_comm_dtype='bf16' has no effect in this run: one process"):
+        accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(grad_comm_dtype="bf16")])
+    assert accelerator.fp8_recipe.grad_comm_dtype == "bf16"  # accepted: the same recipe runs on several processes
+
+
 def test_each_model_with_no_fp8_layer_gets_its_warning():
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(exclude="*")])
     _, found, _ = prepare_recording(accelerator, regression_model(), regression_model(1))

@@ -92,8 +92,7 @@ def test_skip_first_last_off_converts_all():
         ("layers.*.attn.o_proj", ["layers.0.attn.o_proj", "layers.1.attn.o_proj"]),
         ("mlp.down_proj", ["layers.0.mlp.down_proj", "layers.1.mlp.down_proj"]),  # a name suffix
         ("*_proj", LINEARS[:-1]),
-        ("proj", []),  # no partial-word match
-        ("layers.0.attn.q", []),
+        ("embed", []),  # a module that is not a candidate: named, so accepted
     ],
 )
 def test_exclude_patterns(pattern, excluded):
@@ -101,6 +100,23 @@ def test_exclude_patterns(pattern, excluded):
     assert [n for n in LINEARS if not d[n].convert] == excluded
     for name in excluded:
         assert d[name].reason == f"excluded by pattern {pattern!r}"
+
+
+@pytest.mark.parametrize(
+    "pattern,closest",
+    [
+        ("lm_haed", "Closest module names: 'lm_head'"),  # a typo once left the head in FP8, silently
+        ("proj", "Closest module names: 'q_proj', 'o_proj'"),  # no partial-word match
+        ("layers.0.attn.q", "'layers.0.attn.q_proj'"),
+        ("xyz", "No module name is close"),
+    ],
+)
+def test_exclude_pattern_matching_no_module_is_an_error(pattern, closest):
+    with pytest.raises(ValueError) as err:
+        decide(Tiny(), exclude=["lm_head", pattern], **FAST)
+    message = str(err.value)
+    assert message.startswith(f"FP8RecipeKwargs.exclude has {pattern!r}, which matches no module of Tiny: ")
+    assert "fnmatch-style module names" in message and closest in message
 
 
 def test_exclude_comma_string_and_several_patterns():
@@ -357,7 +373,7 @@ def test_first_failing_check_is_the_reason(kwargs, reason):
 @pytest.mark.parametrize(
     "kwargs,rule,option",
     [
-        (dict(exclude=["x", "1"]), "exclude", "remove '1' from exclude"),
+        (dict(exclude=["2", "1"]), "exclude", "remove '1' from exclude"),
         (dict(include=["0"]), "include", "add a pattern naming them to include (include=None considers every module)"),
         (dict(module_filter_fn=lambda m, fqn: fqn != "1"), "module_filter_fn",
          "let module_filter_fn return True for them (or module_filter_fn=None)"),
