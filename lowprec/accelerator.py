@@ -413,6 +413,7 @@ class Accelerator(_Accelerator):
         backend.setup_grad_stores(prepared)
         backend.setup_grad_comm(prepared)
         backend.compile_layers(inner)
+        inner.register_load_state_dict_pre_hook(_ForeignBackendEntries(plan))
         context = backend.forward_context(inner)
         # No FP8 GEMM, no FP8 context: a model the plan kept in high precision trains as the plain one.
         if context is not None and plan.fp8_linear_param_fraction > 0:
@@ -451,6 +452,39 @@ def _inherited_dynamo(kwargs: dict[str, Any]) -> tuple[str, str] | None:
             "reset_partial_state=True) before building this Accelerator, or run it in its own process."
         )
     return was, asked
+
+
+class _ForeignBackendEntries:
+    """A load_state_dict pre-hook on a converted model: a checkpoint saved under another backend or level
+    loads its weights (cast to this run's storage by copy_) instead of failing on the other backend's own
+    entries after half the tensors were copied. The other backend's entries (msamp's scales and amax
+    histories, TE's _extra_state) are dropped, and this backend's own entries the checkpoint lacks keep their
+    current values: that scaling state restarts, which the warning says. Parameters and buffers of the model
+    itself are left to strict loading."""
+
+    def __init__(self, plan: PrecisionPlan):
+        self.plan = plan
+
+    def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                 error_msgs) -> None:
+        from .backends import strip_backend_entries
+
+        incoming = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        own = module.state_dict()
+        backend_keys = (set(incoming) - set(strip_backend_entries(incoming))) | (set(own) - set(
+            strip_backend_entries(own)))
+        foreign = [k for k in incoming if k in backend_keys and k not in own]
+        absent = [k for k in own if k in backend_keys and k not in incoming]
+        if not foreign and not absent:
+            return
+        for key in foreign:
+            del state_dict[prefix + key]
+        for key in absent:
+            state_dict[prefix + key] = own[key]
+        _warn_once(
+            f"lowprec: the checkpoint loaded into this {self.plan.backend} model was saved under another backend or "
+            f"level: its weights were loaded; {len(foreign)} entries of the other backend's scaling state were "
+            f"dropped and {len(absent)} of this one's kept their current values (its scaling starts afresh)")
 
 
 def _from_low_bit_states(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:

@@ -707,3 +707,35 @@ def test_a_checkpoint_of_another_state_precision_is_converted(tmp_path, fresh_ac
     accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
     optimizer.step()  # and training goes on
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("saved,loaded", [(dict(backend="msamp", opt_level="O2"), dict(backend="torchao")),
+                                          (dict(backend="torchao"), dict(backend="msamp", opt_level="O2"))],
+                         ids=["msamp-to-torchao", "torchao-to-msamp"])
+def test_a_checkpoint_of_another_backend_loads_its_weights(tmp_path, fresh_accelerate_state, saved, loaded):
+    # Before: torch's strict load copied every weight, then raised on msamp's scale entries (missing or
+    # unexpected): a half-loaded model. Now the weights load and the scaling state restarts, with a warning.
+    from accelerate.state import AcceleratorState, GradientState
+
+    def setup(spec, seed):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(**spec)])
+        model = regression_model(seed)
+        return accelerator, *accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+    accelerator, model, optimizer = setup(saved, 0)
+    x, y = next(iter(torch.utils.data.DataLoader(regression_data(32), batch_size=32)))
+    accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
+    optimizer.step()
+    weights = {k: v.float().clone() for k, v in accelerator.get_state_dict(model).items()}
+    accelerator.save_state(str(tmp_path / "ckpt"))
+
+    accelerator, model, optimizer = setup(loaded, 1)
+    with pytest.warns(UserWarning, match=f"loaded into this {loaded['backend']} model was saved under another"):
+        accelerator.load_state(str(tmp_path / "ckpt"))
+    for key, value in accelerator.get_state_dict(model).items():
+        assert torch.allclose(value.float(), weights[key], rtol=1e-3, atol=1e-4), key  # FP16 storage at most
+    accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
