@@ -118,3 +118,85 @@ def test_validating_a_recipe_imports_no_adapter():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in SOURCES}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The lowprec modules `path` imports at run time (inside functions too; TYPE_CHECKING blocks aside), each as
+    the module a name comes from: `from .linear import X` is lowprec...linear, `from .. import x` the submodule x
+    where there is one, else the package."""
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    here = _module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "lowprec":
+                base = node.module.split(".")
+            else:
+                continue
+            for alias in node.names:
+                sub = ".".join(base + [alias.name])
+                found.add(sub if sub in MODULES else ".".join(base))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "lowprec")
+    return {m for m in found if m in MODULES and m != _module_name(path)}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_between_modules():
+    # issue 28: backends/msamp/fsdp.py <-> backends/msamp/linear.py imported each other at run time
+    graph = {name: _imported_modules(path) for name, path in MODULES.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert "lowprec.backends.msamp.fsdp" in _imported_modules(PACKAGE / "backends" / "msamp" / "linear.py")
+    assert "lowprec.backends" in _imported_modules(PACKAGE / "planning.py")  # from .backends import ...

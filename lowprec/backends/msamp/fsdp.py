@@ -233,10 +233,9 @@ def fully_shard_fp8_layers(model: torch.nn.Module, **fsdp_kwargs) -> list[torch.
     group with the model's FP32 norms. Returns the layers sharded."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from .linear import FP8Linear
-
+    # By the weight, not by FP8Linear: an O3 layer's is an FP8MasterWeight, and linear.py imports this module
     layers = [m for m in model.modules()
-              if isinstance(m, FP8Linear) and m.sharded_master and not isinstance(m, FSDPModule)]
+              if isinstance(getattr(m, "weight", None), FP8MasterWeight) and not isinstance(m, FSDPModule)]
     for layer in layers:
         fully_shard(layer, **fsdp_kwargs)
     return layers
