@@ -266,11 +266,15 @@ class LowBitAdamW(torch.optim.Optimizer):
             state = self.state[p] = {}
             state["step"] = torch.as_tensor(entry["step"]).detach().to("cpu", torch.float32, copy=True).reshape(())
             for key in ("exp_avg", "exp_avg_sq"):
-                stored = entry[key].detach().to(p.device)
+                stored = entry[key].detach().to(p.device, copy=True)  # a copy: the step updates states in place
                 scale = entry.get(f"{key}_scale")  # torch's Adam: none, an unscaled FP32 moment
                 scale = (torch.ones((), device=p.device) if scale is None
                          else scale.detach().to(p.device, torch.float32, copy=True))
-                state[key], state[f"{key}_scale"] = _encode(_decode(stored, scale), group[f"{key}_dtype"], scale)
+                target = group[f"{key}_dtype"]
+                if stored.dtype == target:  # the same storage: bit-exact, scale and all
+                    state[key], state[f"{key}_scale"] = stored, scale
+                else:
+                    state[key], state[f"{key}_scale"] = _encode(_decode(stored, scale), target, scale)
 
     def state_bytes(self) -> int:
         """Bytes held by optimizer states (moments and their scales)."""
