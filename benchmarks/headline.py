@@ -118,17 +118,11 @@ def _raw_te(model: Proxy) -> Proxy:
 
 
 def _auto_reasons(recipe, context) -> list[str]:
-    """Why `backend='auto'` passed over each backend it tried before the one it chose."""
-    from lowprec.backends import _why_not, auto_order, backend_class
+    """Why `backend='auto'` passed over each backend it tried before the one it chose, then the chosen one."""
+    from lowprec.backends import auto_choice
 
-    reasons = []
-    for name in auto_order(context.compiled):
-        why = _why_not(backend_class(name), recipe, context)
-        if why is None:
-            reasons.append(f"{name}: chosen")
-            break
-        reasons.append(f"{name}: {why}")
-    return reasons
+    chosen, passed_over = auto_choice(recipe, context)
+    return passed_over + ([f"{chosen.name}: chosen"] if chosen is not None else [])
 
 
 def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int) -> dict:

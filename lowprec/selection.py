@@ -46,7 +46,7 @@ def check_exclude(model: nn.Module, patterns) -> None:
     otherwise leave the module it meant in FP8 with nothing said."""
     names = [fqn or "<root>" for fqn, _ in model.named_modules()]
     for pattern in patterns:
-        if any(fnmatchcase(name, pattern) or fnmatchcase(name, f"*.{pattern}") for name in names):
+        if any(_matches(name, (pattern,)) for name in names):
             continue
         # Compare with every dotted suffix too: a bare name matches the last components of a full name.
         suffixes = {".".join(name.split(".")[i:]) for name in names for i in range(name.count(".") + 1)}

@@ -668,6 +668,17 @@ def _moments(optimizer) -> list[torch.Tensor]:
     return out
 
 
+def _fresh_prepared(spec: dict, seed: int):
+    """A new Accelerator (Accelerate's state reset) with `recipe(**spec)`, and a regression model + AdamW prepared."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(**spec)])
+    model = regression_model(seed)
+    return accelerator, *accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
 @pytest.mark.parametrize("saved,loaded", [
     (dict(optimizer_states="fp8"), dict()),  # FP8 states into plain AdamW: moments were 5e5x-1e14x too large
     (dict(), dict(optimizer_states="fp8")),  # plain AdamW into FP8 states: KeyError 'exp_avg_scale' at the step
@@ -675,16 +686,7 @@ def _moments(optimizer) -> list[torch.Tensor]:
     (dict(backend="msamp", opt_level="O2"), dict(backend="msamp", opt_level="O1")),
 ], ids=["fp8-to-plain", "plain-to-fp8", "O1-to-O2", "O2-to-O1"])
 def test_a_checkpoint_of_another_state_precision_is_converted(tmp_path, fresh_accelerate_state, saved, loaded):
-    from accelerate.state import AcceleratorState, GradientState
-
-    def setup(spec, seed):
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(**spec)])
-        model = regression_model(seed)
-        return accelerator, *accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-
-    accelerator, model, optimizer = setup(saved, 0)
+    accelerator, model, optimizer = _fresh_prepared(saved, 0)
     loader = torch.utils.data.DataLoader(regression_data(96), batch_size=32)
     for x, y in loader:
         accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
@@ -693,7 +695,7 @@ def test_a_checkpoint_of_another_state_precision_is_converted(tmp_path, fresh_ac
     before = _moments(optimizer)
     accelerator.save_state(str(tmp_path / "ckpt"))
 
-    accelerator, model, optimizer = setup(loaded, 1)
+    accelerator, model, optimizer = _fresh_prepared(loaded, 1)
     planned = accelerator.precision_plan.tensor("optimizer_states").dtype
     accelerator.load_state(str(tmp_path / "ckpt"))
     from lowprec.optim.levels import built_states
@@ -715,23 +717,14 @@ def test_a_checkpoint_of_another_state_precision_is_converted(tmp_path, fresh_ac
 def test_a_checkpoint_of_another_backend_loads_its_weights(tmp_path, fresh_accelerate_state, saved, loaded):
     # Before: torch's strict load copied every weight, then raised on msamp's scale entries (missing or
     # unexpected): a half-loaded model. Now the weights load and the scaling state restarts, with a warning.
-    from accelerate.state import AcceleratorState, GradientState
-
-    def setup(spec, seed):
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
-        accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(**spec)])
-        model = regression_model(seed)
-        return accelerator, *accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-
-    accelerator, model, optimizer = setup(saved, 0)
+    accelerator, model, optimizer = _fresh_prepared(saved, 0)
     x, y = next(iter(torch.utils.data.DataLoader(regression_data(32), batch_size=32)))
     accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
     optimizer.step()
     weights = {k: v.float().clone() for k, v in accelerator.get_state_dict(model).items()}
     accelerator.save_state(str(tmp_path / "ckpt"))
 
-    accelerator, model, optimizer = setup(loaded, 1)
+    accelerator, model, optimizer = _fresh_prepared(loaded, 1)
     with pytest.warns(UserWarning, match=f"loaded into this {loaded['backend']} model was saved under another"):
         accelerator.load_state(str(tmp_path / "ckpt"))
     for key, value in accelerator.get_state_dict(model).items():

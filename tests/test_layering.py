@@ -42,13 +42,19 @@ def _top(module_path: Path) -> str:
     return rel.parts[0] if len(rel.parts) > 1 else rel.stem
 
 
-def _imported_tops(path: Path) -> set[str]:
-    """First path parts under lowprec/ of everything `path` imports at run time."""
-    tree = ast.parse(path.read_text())
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under `if TYPE_CHECKING:`, imports that never run."""
     skip: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    return skip
+
+
+def _imported_tops(path: Path) -> set[str]:
+    """First path parts under lowprec/ of everything `path` imports at run time."""
+    tree = ast.parse(path.read_text())
+    skip = _type_checking_only(tree)
     package_parts = path.relative_to(PACKAGE).parts[:-1]
     tops = set()
     for node in ast.walk(tree):
@@ -134,10 +140,7 @@ def _imported_modules(path: Path) -> set[str]:
     the module a name comes from: `from .linear import X` is lowprec...linear, `from .. import x` the submodule x
     where there is one, else the package."""
     tree = ast.parse(path.read_text())
-    skip: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skip.update(id(child) for stmt in node.body for child in ast.walk(stmt))
+    skip = _type_checking_only(tree)
     here = _module_name(path).split(".")
     package = here if path.name == "__init__.py" else here[:-1]
     found = set()
