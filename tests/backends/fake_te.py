@@ -4,7 +4,8 @@ A test double, not an emulator:
 - `Linear`, `LayerNorm`, `RMSNorm` take TE 2.x's constructor arguments (names, keyword-only where TE's
   are, `device` defaulting to CUDA as TE's does) and compute in high precision.
 - `autocast` only records how it was entered, and sets `module.fp8` for the forwards inside it, which
-  is what TE's modules report.
+  is what TE's modules report. Inside it `Linear` saturates as TE's FP8 casts do: an inf input comes
+  out as ±448, an inf output gradient as ±57344; NaN stays NaN.
 - Extra state is TE's format (a pickled dict in a byte tensor). A TE-format payload given back to
   `set_extra_state` is recorded, never unpickled: TE itself gates that behind
   NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE.
@@ -155,7 +156,25 @@ class Linear(_BaseModule):
         # TE computes in the activation dtype whatever its parameters are stored in (FP16 weights
         # of level O1/O2 included): it quantises or casts them first.
         bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.fp8:
+            return _SaturatingCast.apply(F.linear(_SaturatingCast.apply(x, 448.0, None), self.weight.to(x.dtype), bias),
+                                         None, 57344.0)
         return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+class _SaturatingCast(torch.autograd.Function):
+    """TE's FP8 casts saturate: inf comes out as the format's max, NaN as NaN (measured on an H100,
+    results/gpu/2026-11-24-h100-te-nonfinite). Forward: the input clamped at `fwd_max` (E4M3); backward:
+    the gradient clamped at `bwd_max` (E5M2); None leaves that side as it is."""
+
+    @staticmethod
+    def forward(ctx, x, fwd_max, bwd_max):
+        ctx.bwd_max = bwd_max
+        return x.clamp(-fwd_max, fwd_max) if fwd_max is not None else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad.clamp(-ctx.bwd_max, ctx.bwd_max) if ctx.bwd_max is not None else grad), None, None
 
 
 class _Norm(_BaseModule):

@@ -478,3 +478,70 @@ def test_converted_checkpoint_loads_into_the_original_model(fake_te):
         assert torch.equal(tensor, state[name])
     with pytest.raises(RuntimeError, match="Unexpected key"):
         copy.deepcopy(original).load_state_dict(state, strict=True)  # why the portable form is needed
+
+
+# ---- an overflow stays visible (guard.py; the stand-in saturates as TE's casts do) --------------------------
+NON_FINITE = [float("inf"), float("-inf"), float("nan")]
+
+
+def _linear_pair(fake_te, bias=True):
+    torch.manual_seed(0)
+    module = nn.Linear(16, 8, bias=bias)
+    plain = fake_te.Linear(16, 8, bias=bias, device="cpu")
+    plain.load_state_dict(module.state_dict(), strict=False)  # TE's own Linear also wants an _extra_state
+    return plain, from_float(module, "linear")
+
+
+@pytest.mark.parametrize("value", NON_FINITE)
+def test_a_non_finite_input_gives_a_non_finite_output(fake_te, value):
+    plain, ours = _linear_pair(fake_te)
+    x = torch.randn(4, 16)
+    x[1, 3] = value
+    with fake_te.autocast(enabled=True):
+        plain_finite = bool(torch.isfinite(plain(x)).all())
+        y = ours(x)
+    assert plain_finite is (value == value)  # the stand-in, as TE, turns inf into a finite +-448; NaN it keeps
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2, 3]]).all()
+    # finite rows are TE's result exactly: the guard changes no finite value
+    with fake_te.autocast(enabled=True):
+        torch.testing.assert_close(y[[0, 2, 3]], plain(x[[0, 2, 3]]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value", NON_FINITE)
+def test_a_non_finite_output_gradient_gives_non_finite_gradients(fake_te, value):
+    plain, ours = _linear_pair(fake_te)
+    x = torch.randn(4, 16, requires_grad=True)
+    grads = {}
+    for name, layer in (("plain", plain), ("ours", ours)):
+        x.grad = None
+        with fake_te.autocast(enabled=True):
+            y = layer(x)
+        g = torch.randn_like(y)
+        g[2, 5] = value
+        y.backward(g)
+        grads[name] = (x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
+    if value == value:  # inf: the stand-in saturates it, so the test can tell the guard's work from TE's
+        assert all(torch.isfinite(t).all() for t in grads["plain"])
+    dx, dw, db = grads["ours"]
+    assert torch.isnan(dx[2]).all() and torch.isfinite(dx[[0, 1, 3]]).all()
+    assert torch.isnan(dw[5]).all() and torch.isnan(db[5]) and torch.isfinite(db[torch.arange(8) != 5]).all()
+
+
+def test_the_guard_leaves_finite_values_and_gradients_exact():
+    from lowprec.backends.te.guard import guard_input, guard_output_grad
+
+    x = torch.tensor([1.5, -0.0, 0.0, 1e-40, -3e38, float("inf"), float("-inf"), float("nan")], requires_grad=True)
+    y = guard_input(x)
+    assert torch.equal(y[:5], x[:5]) and torch.signbit(y[1]) and torch.isnan(y[5:]).all()
+    g = torch.arange(8.0)
+    y.backward(g)
+    assert torch.equal(x.grad, g)  # identity backward: no mask saved, no gradient changed
+    z = torch.tensor([2.0, 3.0], requires_grad=True)
+    out = guard_output_grad(z)
+    assert torch.equal(out, z)
+    out.backward(torch.tensor([float("inf"), 4.0]))
+    assert torch.isnan(z.grad[0]) and z.grad[1] == 4.0
+    # tensors that need no gradient pass the forward guard too; integer tensors are left alone
+    assert torch.isnan(guard_input(torch.tensor([float("inf")]))).all()
+    ids = torch.tensor([1, 2])
+    assert guard_input(ids) is ids and guard_output_grad(ids) is ids

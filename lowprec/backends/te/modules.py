@@ -7,6 +7,7 @@
   store the same state as a byte tensor of a JSON header plus raw tensor bytes, and load it back
   without unpickling anything. TE's own pickled payloads still go through TE's gate.
 - A state dict without `_extra_state` (a plain model's) loads into them with `strict=True`.
+- Their Linear turns inf into NaN before TE's saturating FP8 casts (guard.py).
 """
 
 from __future__ import annotations
@@ -171,12 +172,24 @@ class _PickleFreeExtraState(_AcceptsPlainCheckpoints):
                 getattr(self.fp8_meta[entry], attr).copy_(decoded[name])
 
 
+class _KeepsOverflowVisible:
+    """inf -> NaN before TE's saturating FP8 casts, forward and backward (see guard.py)."""
+
+    def forward(self, inp, *args, **kwargs):
+        from .guard import guard_input, guard_output_grad
+
+        out = super().forward(guard_input(inp), *args, **kwargs)
+        if isinstance(out, tuple):  # return_bias=True: (output, bias)
+            return (guard_output_grad(out[0]), *out[1:])
+        return guard_output_grad(out)
+
+
 @cache
 def module_classes() -> dict[str, type]:
     """lowprec's TE module classes (TE is imported on first use only)."""
     te = require("transformer_engine", feature="backend='te'")
 
-    class Linear(_PickleFreeExtraState, te.Linear):
+    class Linear(_KeepsOverflowVisible, _PickleFreeExtraState, te.Linear):
         pass
 
     class LayerNorm(_AcceptsPlainCheckpoints, te.LayerNorm):
