@@ -104,8 +104,12 @@ def inf_to_nan(tensor: torch.Tensor) -> torch.Tensor:
     E4M3 has no infinity: the saturating cast would turn an overflow into a finite ±448, and the
     overflow would be applied as a large step. As NaN it stays visible to the loss, the norm, the
     clipping and the reduction, which skip or report it."""
-    # One elementwise kernel, not isinf + where: lerp(x, x, w) is x + w * (x - x), where x - x is 0 for
-    # every finite x (the result is x exactly, signed zeros and subnormals included) and NaN for ±inf.
+    if torch.compiler.is_compiling():
+        # inductor fuses this into the cast that follows (a lerp kept the d4096 msamp O2 peak 1.4 GiB
+        # higher under torch 2.11: results/gpu/2026-11-24-h100-verify-4930ef2)
+        return torch.where(torch.isinf(tensor), float("nan"), tensor)
+    # Eager: one elementwise kernel, not isinf + where: lerp(x, x, w) is x + w * (x - x), where x - x is 0
+    # for every finite x (the result is x exactly, signed zeros and subnormals included) and NaN for ±inf.
     return torch.lerp(tensor, tensor, 0.5)
 
 

@@ -328,3 +328,15 @@ def test_quantize_saturates_finite_values_and_keeps_non_finite_ones_visible(dtyp
     q = quantize(x, torch.tensor(1.0), dtype).float()
     assert q[:4].tolist() == [1.0, -2.0, limit, -limit]  # finite overflow saturates, as MS-AMP's cast
     assert torch.isnan(q[4:]).all()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inf_to_nan_leaves_finite_values_exact(compiled, dtype):
+    # eager and compiled take different code (one lerp kernel; a where that inductor fuses): same result
+    from lowprec.scaling import inf_to_nan
+
+    fn = torch.compile(inf_to_nan, backend="aot_eager") if compiled else inf_to_nan
+    x = torch.tensor([1.5, -0.0, 0.0, 1e-40, -3e38, float("inf"), float("-inf"), float("nan")]).to(dtype)
+    y = fn(x)
+    assert y.dtype == dtype and torch.equal(y[:5], x[:5]) and torch.signbit(y[1]) and torch.isnan(y[5:]).all()
