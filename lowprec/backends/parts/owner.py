@@ -1,0 +1,36 @@
+"""What a part reads of the backend that owns it: the facts a backend may decide its own way."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from ...recipe import FP8RecipeKwargs
+    from ...specs import BackendSpec
+    from ..context import RunContext
+    from .storage import WeightStorage
+
+
+class Owner(Protocol):
+    recipe: FP8RecipeKwargs
+    context: RunContext
+    spec: BackendSpec
+    name: str
+    native_storage: bool
+    weight_storage: WeightStorage
+
+    @property
+    def storage(self) -> dict[str, str | None]: ...  # the storage knobs in force (BackendSpec.storage)
+
+    @property
+    def opt_level(self) -> str | None: ...
+
+    @property
+    def optimizer_states(self) -> str | None: ...
+
+    @property
+    def grad_comm_choice(self) -> str | None: ...
+
+    def converted_kind(self, module: nn.Module) -> str | None: ...
