@@ -1,0 +1,170 @@
+"""A new backend is one class plus one registry entry (issue 28): a toy FP8 backend, registered through
+`lowprec.backends.register_backend` alone, trains through `lowprec.Accelerator` on CPU.
+
+The toy emulates FP8: its Linear rounds input and weight through float8_e4m3fn with one per-tensor scale
+each and multiplies in FP32 (straight-through gradients). The block between the two rulers is the whole
+backend; the rest of the file is the test. lowprec has no `unregister_backend`, so the `toy` fixture
+registers it on a copy of the registry that monkeypatch puts back afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import lowprec
+import lowprec.specs
+from lowprec.backends import Backend, RecipeInfo, canonical_name, register_backend, registered_backends
+from lowprec.convert import swap_planned_modules
+from lowprec.plan import PrecisionPlan, TensorPrecision
+from lowprec.specs import BackendSpec
+
+
+# ---- the toy backend -----------------------------------------------------------------------------------
+def fake_e4m3(t: torch.Tensor) -> torch.Tensor:
+    """`t` rounded through float8_e4m3fn with one per-tensor scale (amax -> 448); the gradient passes
+    straight through."""
+    scale = torch.finfo(torch.float8_e4m3fn).max / t.detach().abs().amax().float().clamp(min=1e-12)
+    q = ((t.float() * scale).to(torch.float8_e4m3fn).float() / scale).to(t.dtype)
+    return t + (q - t).detach()
+
+
+class ToyFP8Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return nn.functional.linear(fake_e4m3(x).float(), fake_e4m3(self.weight).float(), bias).to(x.dtype)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, decision=None) -> ToyFP8Linear:
+        toy = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        toy.weight, toy.bias = linear.weight, linear.bias  # the same Parameters: the optimizer keeps them
+        return toy
+
+
+class ToyBackend(Backend):
+    spec = BackendSpec(
+        name="toy", display_name="Toy FP8 (emulated)", adapter=f"{__name__}:ToyBackend",
+        recipes={"tensorwise": RecipeInfo("tensorwise", "per-tensor E4M3 fake quantisation", ("E4M3",))},
+        default_recipe="tensorwise", supports_emulation=True,
+    )
+    reuses_parameters = True  # from_float keeps the Parameters, so tied weights may be converted
+
+    def candidate_kind(self, module: nn.Module) -> str | None:
+        # exactly nn.Linear: not its subclasses, such as MultiheadAttention's out_proj, which it never calls
+        return "linear" if type(module) is nn.Linear else None
+
+    def constraint(self, module: nn.Module) -> str | None:
+        return None  # emulation runs any shape
+
+    def is_converted(self, module: nn.Module) -> bool:
+        return isinstance(module, ToyFP8Linear)
+
+    def convert(self, model: nn.Module, plan: PrecisionPlan) -> nn.Module:
+        return swap_planned_modules(model, plan, ToyFP8Linear.from_float)
+
+    def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
+        hp = plan.param_dtype  # every kind of plan.TENSOR_KINDS; the base class writes all but two
+        return [TensorPrecision("gemm", "FP8 E4M3 (emulated)", "per-tensor scales from the current amax"),
+                *self.engine_rows(hp), TensorPrecision("weight_grad", hp), self.optimizer_state_precision(hp)]
+# ---------------------------------------------------------------------------------------------------------
+
+
+def register_toy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Register the toy on copies of the registry's tables, which `monkeypatch` undoes."""
+    monkeypatch.setattr(lowprec.specs, "_SPECS", dict(lowprec.specs._SPECS))
+    monkeypatch.setattr(lowprec.specs, "_ALIASES", dict(lowprec.specs._ALIASES))
+    register_backend(ToyBackend.spec)
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    register_toy(monkeypatch)
+    return ToyBackend
+
+
+def sqnr(reference: torch.Tensor, value: torch.Tensor) -> float:
+    return (20 * torch.log10(reference.norm() / (reference - value).norm())).item()
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
+
+
+def data(n: int = 256, seed: int = 0) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 32, generator=g)
+    return torch.utils.data.TensorDataset(x, torch.tanh(x @ (torch.randn(32, 16, generator=g) / 4)))
+
+
+@pytest.mark.parametrize(
+    "options,converted,states",
+    [
+        ({}, ["0", "2", "4"], "FP32+FP32"),
+        ({"skip_first_last": True}, ["2"], "FP32+FP32"),
+        ({"exclude": ["4"]}, ["0", "2"], "FP32+FP32"),
+        # optimizer-state precision comes from the base class: the toy writes nothing for it
+        ({"optimizer_states": "fp8"}, ["0", "2", "4"], "FP8 E4M3+FP16"),
+    ],
+    ids=["every-linear", "skip-first-last", "exclude", "fp8-states"],
+)
+def test_trains_with_the_toy_backend(toy, fresh_accelerate_state, options, converted, states):
+    recipe = lowprec.FP8RecipeKwargs(backend="toy", **options)
+    accelerator = lowprec.Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe])
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    loader = torch.utils.data.DataLoader(data(), batch_size=32)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+
+    plan = accelerator.precision_plan
+    assert (plan.backend, plan.recipe, plan.fp8_format, plan.emulated) == ("toy", "tensorwise", "E4M3", True)
+    assert "CPU has no FP8 tensor cores" in plan.execution
+    assert [d.fqn for d in plan.converted] == converted
+    assert plan.tensor("gemm").dtype == "FP8 E4M3 (emulated)" and plan.tensor("optimizer_states").dtype == states
+    printed = str(plan)
+    assert "backend toy (Toy FP8 (emulated))" in printed
+    assert f"modules: {len(converted)} of 3 Linear layers in FP8" in printed
+    built = {name: type(m) for name, m in accelerator.unwrap_model(model).named_modules() if isinstance(m, nn.Linear)}
+    assert built == {name: ToyFP8Linear if name in converted else nn.Linear for name in ("0", "2", "4")}
+
+    losses = []
+    for _ in range(4):
+        for x, y in loader:
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+    first, last = sum(losses[:8]) / 8, sum(losses[-8:]) / 8
+    assert last < 0.5 * first, (first, last)
+    mlp().load_state_dict(accelerator.get_state_dict(model))  # what it saves loads into the plain model
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (256, 128), (48, 40)], ids=lambda s: f"{s[1]}->{s[0]}")
+@pytest.mark.parametrize("input_scale", [1e-3, 1.0, 1e3])
+def test_toy_linear_has_fp8_accuracy(shape, input_scale):
+    torch.manual_seed(0)
+    ref = nn.Linear(shape[1], shape[0], bias=False)  # a bias would hide the GEMM's error at small inputs
+    layer = ToyFP8Linear.from_float(ref)
+    x = torch.randn(128, shape[1]) * input_scale
+    x_ref, x_toy = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y_toy = ref(x_ref), layer(x_toy)
+    # The FP8 band (about 29 dB measured): near FP32 at every input magnitude, thanks to the per-tensor
+    # scale, and not FP32 itself.
+    assert 25 < sqnr(y_ref, y_toy) < 35, sqnr(y_ref, y_toy)
+    y_ref.square().sum().backward()
+    y_toy.square().sum().backward()
+    assert 20 < sqnr(x_ref.grad, x_toy.grad) < 35, sqnr(x_ref.grad, x_toy.grad)
+
+
+def test_the_registry_is_as_it_was_after_the_toy():
+    before = registered_backends()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        register_toy(monkeypatch)
+        assert registered_backends() == [*before, ToyBackend] and canonical_name(" TOY ") == "toy"
+        assert (ToyBackend.name, ToyBackend.supports_emulation) == ("toy", True)  # copied from its spec
+        lowprec.FP8RecipeKwargs(backend="toy")
+    assert registered_backends() == before
+    with pytest.raises(ValueError, match="backend='toy' is not one of 'auto', 'torchao', 'te', 'msamp'"):
+        lowprec.FP8RecipeKwargs(backend="toy")
