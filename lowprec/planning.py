@@ -97,6 +97,7 @@ def build_plan(
         choice=describe_choice(recipe, context),
     )
     plan.tensors = backend.tensor_precisions(plan)
+    _check_rows(backend, plan.tensors)
     plan.bytes_per_param = backend.model_state_bytes(plan, param_dtype)
     plan.notes = backend.notes(plan)
     compiles, _ = backend.layer_compile()
@@ -119,3 +120,21 @@ def plan_for(model: nn.Module, recipe: FP8RecipeKwargs, *, capability: str | Non
     """Plan for an assumed device (`capability` like '9.0', or None for this machine)."""
     device: DeviceInfo = device_info() if capability is None else assumed_device(capability)
     return build_plan(model, recipe, context=RunContext(device=device, engine=engine, world_size=world_size))
+
+
+def _check_rows(backend, rows) -> None:
+    """Every kind of the precision table exactly once: a missing row would surface much later as a bare
+    StopIteration from `PrecisionPlan.tensor` (verifying the optimizer, printing the plan)."""
+    from .plan import TENSOR_KINDS
+
+    kinds = [row.kind for row in rows]
+    missing = [k for k in TENSOR_KINDS if k not in kinds]
+    extra = sorted({k for k in kinds if k not in TENSOR_KINDS or kinds.count(k) > 1})
+    if missing or extra:
+        raise TypeError(
+            f"{type(backend).__name__}.tensor_precisions() must give one row per kind of {list(TENSOR_KINDS)}; "
+            + "; ".join(part for part in (f"missing {missing}" if missing else "",
+                                          f"unknown or repeated {extra}" if extra else "") if part)
+            + ". Define gemm_precision(plan) and leave the other rows to the base class (lowprec/backends/base.py)"
+        )
+

@@ -224,9 +224,26 @@ class Backend(ABC):
         `skip_slow_shapes` keeps such a module as it is, as it keeps a slow Linear."""
         return None
 
-    @abstractmethod
+    # The backend all-gathers converted weights in FP8 under FSDP2 (the weight row says so).
+    gathers_fp8_weights: bool = False
+
+    def gemm_precision(self, plan: PrecisionPlan) -> TensorPrecision:
+        """The GEMM row of the precision table: the one row only the adapter can write."""
+        raise NotImplementedError(
+            f"{type(self).__name__} defines neither gemm_precision(plan) nor tensor_precisions(plan)")
+
     def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
-        """The precision table row this backend realises, one entry per tensor kind."""
+        """The precision table row this backend realises, one entry per kind of `plan.TENSOR_KINDS`: the
+        adapter's GEMM row, the rest from the shared parts (communication, storage knobs, optimizer states)."""
+        from ..plan import TensorPrecision
+
+        hp = plan.param_dtype
+        return self.storage_rows([
+            self.gemm_precision(plan),
+            *self.engine_rows(hp, fp8_gather=self.gathers_fp8_weights),
+            TensorPrecision("weight_grad", self.context.engine_precision.weight or hp),
+            self.optimizer_state_precision(hp),
+        ], plan)
 
     @abstractmethod
     def convert(self, model: nn.Module, plan: PrecisionPlan) -> nn.Module:

@@ -132,10 +132,13 @@ class TorchAOBackend(Backend):
         # One amax all-reduce for every weight after the step, instead of one per layer in forward.
         return lambda: precompute(model)
 
-    def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
+    @property
+    def gathers_fp8_weights(self) -> bool:
+        return self.fsdp_fp8_all_gather
+
+    def gemm_precision(self, plan: PrecisionPlan) -> TensorPrecision:
         from ..plan import TensorPrecision
 
-        hp = plan.param_dtype
         if self.recipe_name == "tensorwise":
             gemm = "FP8 E4M3/E5M2" if self.fp8_format == "HYBRID" else "FP8 E4M3"
             scaling = (
@@ -147,12 +150,7 @@ class TorchAOBackend(Backend):
         else:
             gemm = "FP8 E4M3 (wgrad BF16)"
             scaling = "dynamic per-row, power-of-2 scales; weight-gradient GEMM in high precision"
-        return self.storage_rows([
-            TensorPrecision("gemm", gemm, scaling),
-            *self.engine_rows(hp, fp8_gather=self.fsdp_fp8_all_gather),
-            TensorPrecision("weight_grad", self.context.engine_precision.weight or hp),
-            self.optimizer_state_precision(hp),
-        ], plan)
+        return TensorPrecision("gemm", gemm, scaling)
 
     def notes(self, plan: PrecisionPlan) -> list[str]:
         notes = []

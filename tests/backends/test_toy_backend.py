@@ -63,10 +63,9 @@ class ToyBackend(Backend):
     def convert(self, model: nn.Module, plan: PrecisionPlan) -> nn.Module:
         return swap_planned_modules(model, plan, ToyFP8Linear.from_float)
 
-    def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
-        hp = plan.param_dtype  # every kind of plan.TENSOR_KINDS; the base class writes all but two
-        return [TensorPrecision("gemm", "FP8 E4M3 (emulated)", "per-tensor scales from the current amax"),
-                *self.engine_rows(hp), TensorPrecision("weight_grad", hp), self.optimizer_state_precision(hp)]
+    def gemm_precision(self, plan: PrecisionPlan) -> TensorPrecision:
+        # the plan's other rows (communication, weights, gradients, optimizer states) come from the base class
+        return TensorPrecision("gemm", "FP8 E4M3 (emulated)", "per-tensor scales from the current amax")
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -168,3 +167,19 @@ def test_the_registry_is_as_it_was_after_the_toy():
     assert registered_backends() == before
     with pytest.raises(ValueError, match="backend='toy' is not one of 'auto', 'torchao', 'te', 'msamp'"):
         lowprec.FP8RecipeKwargs(backend="toy")
+
+
+@pytest.mark.parametrize("rows", ["gemm only", "a kind twice"])
+def test_a_backend_that_writes_the_table_itself_must_write_every_row(toy, monkeypatch, rows):
+    # a missing row used to surface as a bare StopIteration from PrecisionPlan.tensor, deep in prepare()
+    def partial(self, plan):
+        gemm = self.gemm_precision(plan)
+        if rows == "gemm only":
+            return [gemm]
+        return [gemm, gemm, *self.engine_rows(plan.param_dtype), TensorPrecision("weight_grad", "FP32"),
+                self.optimizer_state_precision(plan.param_dtype)]
+
+    monkeypatch.setattr(ToyBackend, "tensor_precisions", partial)
+    with pytest.raises(TypeError, match="ToyBackend.tensor_precisions.*"
+                       + ("missing \\['grad_comm'" if rows == "gemm only" else "repeated \\['gemm'\\]")):
+        lowprec.build_plan(mlp(), lowprec.FP8RecipeKwargs(backend="toy"))
