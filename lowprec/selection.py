@@ -5,13 +5,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from difflib import get_close_matches
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
 
 if TYPE_CHECKING:
-    from .backends.base import Backend
     from .recipe import FP8RecipeKwargs
+
+
+class SelectionBackend(Protocol):
+    """What `select_modules` asks of a backend: a `lowprec.backends.Backend` answers all of it. A protocol, not
+    the class itself, so that selection names nothing from the adapters, which import the plan and through it
+    this module (issue 28: no import circle, not even one of type names)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def pads_inner_dim(self) -> bool: ...
+    @property
+    def reuses_parameters(self) -> bool: ...
+    def candidate_kind(self, module: nn.Module) -> str | None: ...
+    def constraint(self, module: nn.Module) -> str | None: ...
+    def slow_shape(self, module: nn.Module) -> str | None: ...
+    def slow_replacement(self, module: nn.Module, kind: str) -> str | None: ...
+    def is_converted(self, module: nn.Module) -> bool: ...
+    def converted_kind(self, module: nn.Module) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -69,7 +87,7 @@ def _shape(module: nn.Module, kind: str) -> tuple[int, ...]:
     return tuple(shape or ())
 
 
-def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Backend) -> list[ModuleDecision]:
+def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: SelectionBackend) -> list[ModuleDecision]:
     """Decide every candidate module of `model` for `backend`, in registration order.
 
     The checks run in a fixed order and the first that keeps a module in high precision is its
@@ -122,7 +140,7 @@ def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Backend) 
     return decisions
 
 
-def _option(rule: str, backend: Backend, kind: str, pattern: str | None) -> str:
+def _option(rule: str, backend: SelectionBackend, kind: str, pattern: str | None) -> str:
     """The recipe option (and value) that would convert a module `rule` kept in high precision."""
     if rule == "exclude":
         return f"remove {pattern!r} from exclude"

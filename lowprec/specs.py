@@ -14,10 +14,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .recipe import FP8RecipeKwargs
+
+class RecipeOptions(Protocol):
+    """The options of a recipe that a spec reads: `lowprec.FP8RecipeKwargs` has them all. A protocol, not the
+    class itself, so that specs names nothing from recipe.py, which imports specs (issue 28: no import circle,
+    not even one of type names)."""
+
+    recipe: str | None
+    fp8_format: str | None
+    margin: int | None
+    amax_history_len: int | None
+    amax_compute_algo: str | None
+    opt_level: str | None
+    use_autocast_during_eval: bool | None
+    pad_inner_dim: bool | None
+    enable_fsdp_float8_all_gather: bool | None
+    compile_fp8_layers: bool | None
+    fp8_weights: bool | None
+    emulate: bool | None
+    # the storage knobs, also read by name (storage, written)
+    weight_dtype: str | None
+    weight_grad_dtype: str | None
+    optimizer_states: str | tuple[str, str] | None
 
 # Options TransformerEngine has removed; Accelerate's TERecipeKwargs and its launcher still carry them.
 # The recipe, the environment reader and the handler translation all refuse them with these reasons.
@@ -71,10 +91,10 @@ class BackendSpec:
         if self.default_recipe not in self.recipes:
             raise ValueError(f"BackendSpec {self.name!r}: default_recipe {self.default_recipe!r} is not in its recipes")
 
-    def recipe_info(self, recipe: FP8RecipeKwargs) -> RecipeInfo:
+    def recipe_info(self, recipe: RecipeOptions) -> RecipeInfo:
         return self.recipes[recipe.recipe or self.default_recipe]
 
-    def storage(self, recipe: FP8RecipeKwargs) -> dict[str, str | None]:
+    def storage(self, recipe: RecipeOptions) -> dict[str, str | None]:
         """The storage knobs in force: each explicit field, else its level's value, else None (the
         model's and optimizer's own). Keys: opt_level, weight_dtype, weight_grad_dtype, optimizer_states."""
         from .optim.levels import LEVEL_ROWS
@@ -87,7 +107,7 @@ class BackendSpec:
             out[knob] = value if value is not None else row.get(knob)
         return out
 
-    def written(self, recipe: FP8RecipeKwargs, knob: str) -> str:
+    def written(self, recipe: RecipeOptions, knob: str) -> str:
         """`knob=value` for a message: as the user wrote it, or with the level it comes from, e.g.
         "weight_dtype='fp16' (from opt_level='O2')"; a rejection must not show a value nobody wrote."""
         if getattr(recipe, knob) is not None:
@@ -98,7 +118,7 @@ class BackendSpec:
             level = f"{level}, backend {self.name!r}'s default"
         return f"{knob}={storage[knob]!r} (from {level})"
 
-    def check_recipe(self, recipe: FP8RecipeKwargs) -> None:
+    def check_recipe(self, recipe: RecipeOptions) -> None:
         """Raise ValueError for a combination of options this backend cannot honour."""
         field = "FP8RecipeKwargs"
         name = recipe.recipe or self.default_recipe

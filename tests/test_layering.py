@@ -2,7 +2,10 @@
 the backend adapters above that, the Accelerator on top (issue: no import circle).
 
 Every `import` in every module counts, including those inside functions (a lazy import is still
-a dependency); only imports under `if TYPE_CHECKING:` are left out, since they never run.
+a dependency). Imports under `if TYPE_CHECKING:` never run, so the run-time circle check leaves them
+out, but they count for the layer order and for a circle check of their own: a type named from a higher
+layer ties the layers together all the same (issue 28: specs.py named recipe.py's FP8RecipeKwargs and
+selection.py the adapters' Backend, closing two circles of type names).
 """
 
 from __future__ import annotations
@@ -51,11 +54,12 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return skip
 
 
-def _imported_tops(path: Path) -> set[str]:
-    """First path parts under lowprec/ of everything `path` imports at run time."""
+def _imported_tops(path: Path, *, type_checking: bool = False, package: Path = PACKAGE) -> set[str]:
+    """First path parts under lowprec/ (`package`) of everything `path` imports at run time, and with
+    `type_checking` also of what it imports under `if TYPE_CHECKING:`."""
     tree = ast.parse(path.read_text())
-    skip = _type_checking_only(tree)
-    package_parts = path.relative_to(PACKAGE).parts[:-1]
+    skip = set() if type_checking else _type_checking_only(tree)
+    package_parts = path.relative_to(package).parts[:-1]
     tops = set()
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -69,13 +73,13 @@ def _imported_tops(path: Path) -> set[str]:
                     tops.update(parts)
                     continue
                 tops.add(parts[0])
-            elif node.module and node.module.split(".")[0] == "lowprec":
+            elif node.module and node.module.split(".")[0] == package.name:
                 parts = node.module.split(".")[1:] or [alias.name for alias in node.names]
                 tops.add(parts[0])
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
-                if parts[0] == "lowprec" and len(parts) > 1:
+                if parts[0] == package.name and len(parts) > 1:
                     tops.add(parts[1])
     return tops
 
@@ -89,8 +93,9 @@ def test_every_module_has_a_layer():
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_imports_point_down(path):
+    # type-only imports too: a lower layer names no type of a higher one (it declares a Protocol of its own)
     own = LAYER_OF[_top(path)]
-    upward = {top for top in _imported_tops(path) if top in LAYER_OF and LAYER_OF[top] > own}
+    upward = {top for top in _imported_tops(path, type_checking=True) if top in LAYER_OF and LAYER_OF[top] > own}
     assert not upward, f"{path.relative_to(PACKAGE)} (layer {own}) imports from higher layers: {sorted(upward)}"
 
 
@@ -100,6 +105,13 @@ def test_the_checker_sees_lazy_relative_imports(tmp_path):
     assert "specs" in _imported_tops(PACKAGE / "recipe.py")
     assert "backends" not in _imported_tops(PACKAGE / "recipe.py")
     assert "optim" in _imported_tops(PACKAGE / "plan.py")  # imported inside a method
+    # and a type-only import (relative or absolute) counts only when asked for
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "low.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from .high import X\n"
+                                "    import pkg.top.mod\n")
+    assert _imported_tops(pkg / "low.py", package=pkg) == set()
+    assert _imported_tops(pkg / "low.py", type_checking=True, package=pkg) == {"high", "top"}
 
 
 def test_importing_lowprec_imports_no_backend_package_or_adapter():
@@ -126,40 +138,52 @@ def test_validating_a_recipe_imports_no_adapter():
     assert out.stdout.strip() == ""
 
 
-def _module_name(path: Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    rel = path.relative_to(package.parent).with_suffix("")
     parts = list(rel.parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {_module_name(p): p for p in SOURCES}
+def _modules(package: Path) -> dict[str, Path]:
+    return {_module_name(p, package): p for p in sorted(package.rglob("*.py"))}
 
 
-def _imported_modules(path: Path) -> set[str]:
-    """The lowprec modules `path` imports at run time (inside functions too; TYPE_CHECKING blocks aside), each as
-    the module a name comes from: `from .linear import X` is lowprec...linear, `from .. import x` the submodule x
-    where there is one, else the package."""
+MODULES = _modules(PACKAGE)
+
+
+def _imported_modules(path: Path, *, type_checking: bool = False, package: Path = PACKAGE) -> set[str]:
+    """The modules of `package` (lowprec) that `path` imports at run time (inside functions too), and with
+    `type_checking` also under `if TYPE_CHECKING:`, each as the module a name comes from: `from .linear import X`
+    is lowprec...linear, `from .. import x` the submodule x where there is one, else the package."""
+    modules = MODULES if package == PACKAGE else _modules(package)
     tree = ast.parse(path.read_text())
-    skip = _type_checking_only(tree)
-    here = _module_name(path).split(".")
-    package = here if path.name == "__init__.py" else here[:-1]
+    skip = set() if type_checking else _type_checking_only(tree)
+    here = _module_name(path, package).split(".")
+    parent = here if path.name == "__init__.py" else here[:-1]
     found = set()
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package[: len(package) - node.level + 1] + (node.module.split(".") if node.module else [])
-            elif node.module and node.module.split(".")[0] == "lowprec":
+                base = parent[: len(parent) - node.level + 1] + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == package.name:
                 base = node.module.split(".")
             else:
                 continue
             for alias in node.names:
                 sub = ".".join(base + [alias.name])
-                found.add(sub if sub in MODULES else ".".join(base))
+                found.add(sub if sub in modules else ".".join(base))
         elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.split(".")[0] == "lowprec")
-    return {m for m in found if m in MODULES and m != _module_name(path)}
+            found.update(a.name for a in node.names if a.name.split(".")[0] == package.name)
+    return {m for m in found if m in modules and m != _module_name(path, package)}
+
+
+def _import_graph(package: Path = PACKAGE, *, type_checking: bool = False) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports (see _imported_modules)."""
+    modules = MODULES if package == PACKAGE else _modules(package)
+    return {name: _imported_modules(path, type_checking=type_checking, package=package)
+            for name, path in modules.items()}
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -195,11 +219,44 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_circle_between_modules():
     # issue 28: backends/msamp/fsdp.py <-> backends/msamp/linear.py imported each other at run time
-    graph = {name: _imported_modules(path) for name, path in MODULES.items()}
-    assert _cycles(graph) == []
+    assert _cycles(_import_graph()) == []
+
+
+def test_no_import_circle_even_through_type_checking_imports():
+    # issue 28: backends/base.py -> plan.py -> selection.py -> backends/base.py and env.py -> specs.py ->
+    # recipe.py -> env.py closed only through `if TYPE_CHECKING:` imports (selection.py named Backend, specs.py
+    # FP8RecipeKwargs); each now declares a Protocol of what it reads instead
+    assert _cycles(_import_graph(type_checking=True)) == []
 
 
 def test_the_circle_check_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert "lowprec.backends.msamp.fsdp" in _imported_modules(PACKAGE / "backends" / "msamp" / "linear.py")
     assert "lowprec.backends" in _imported_modules(PACKAGE / "planning.py")  # from .backends import ...
+
+
+def test_the_circle_check_finds_a_circle_through_type_checking_imports(tmp_path):
+    # a tiny package whose only circle is a type-only import, written the ways lowprec writes them
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "low.py").write_text(
+        "from __future__ import annotations\n"
+        "import typing\n"
+        "if typing.TYPE_CHECKING:\n"
+        "    from .sub.high import High\n"
+        "def f(h: High) -> None: ...\n"
+    )
+    (pkg / "sub" / "high.py").write_text("from ..low import f\n")
+    (pkg / "other.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import low\n"
+        "if TYPE_CHECKING:\n"
+        "    from pkg.sub import high\n"  # absolute, naming a submodule
+    )
+    assert _imported_modules(pkg / "low.py", package=pkg) == set()
+    assert _imported_modules(pkg / "low.py", type_checking=True, package=pkg) == {"pkg.sub.high"}
+    assert _imported_modules(pkg / "other.py", type_checking=True, package=pkg) == {"pkg.low", "pkg.sub.high"}
+    assert _cycles(_import_graph(pkg)) == []
+    assert _cycles(_import_graph(pkg, type_checking=True)) == [["pkg.low", "pkg.sub.high"]]
