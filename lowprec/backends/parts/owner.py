@@ -10,7 +10,14 @@ if TYPE_CHECKING:
     from ...recipe import FP8RecipeKwargs
     from ...specs import BackendSpec
     from ..context import RunContext
-    from .storage import WeightStorage
+
+
+class Stores(Protocol):
+    """What the optimizer part reads of the storage part (storage.WeightStorage)."""
+
+    grad_stores: list
+
+    def reduce_if_pending(self) -> None: ...
 
 
 class Owner(Protocol):
@@ -19,7 +26,7 @@ class Owner(Protocol):
     spec: BackendSpec
     name: str
     native_storage: bool
-    weight_storage: WeightStorage
+    weight_storage: Stores
 
     @property
     def storage(self) -> dict[str, str | None]: ...  # the storage knobs in force (BackendSpec.storage)
