@@ -235,11 +235,43 @@ def auto_order(compiled: bool) -> tuple[str, ...]:
     return AUTO_ORDER_COMPILED if compiled else AUTO_ORDER
 
 
-def register_backend(spec: BackendSpec) -> None:
-    """Make `spec` known under its name and (case-insensitive) aliases."""
+def register_backend(spec: BackendSpec, *, replace: bool = False) -> None:
+    """Make `spec` known under its name and (case-insensitive) aliases.
+
+    A name or alias another backend already answers to is refused unless `replace=True` (which takes the
+    old backend's name and aliases out first): registering a plug-in must not silently swap a backend
+    every recipe naming it would then get. `spec.adapter` must read "module:Class"."""
+    names = [spec.name.lower(), *(a.lower() for a in spec.aliases)]
+    if "auto" in names:
+        raise ValueError(f"register_backend: 'auto' is FP8RecipeKwargs' own choice; backend {spec.name!r} cannot "
+                         "be named or aliased 'auto'")
+    module, _, cls = spec.adapter.partition(":")
+    if not module or not cls:
+        raise ValueError(f"register_backend: BackendSpec(name={spec.name!r}).adapter={spec.adapter!r} must read "
+                         "'package.module:ClassName'")
+    taken = {n: _ALIASES[n] for n in names if n in _ALIASES}
+    if taken and not replace:
+        raise ValueError(
+            f"register_backend: {', '.join(f'{n!r} is backend {b!r}' for n, b in taken.items())}; pass "
+            "replace=True to replace it, or choose another name"
+        )
+    for old in set(taken.values()):
+        if old == spec.name:  # replaced in place: the registry's order (and auto's listing) stays
+            for alias in [a for a, n in _ALIASES.items() if n == old]:
+                del _ALIASES[alias]
+        else:
+            unregister_backend(old)
     _SPECS[spec.name] = spec
-    for alias in (spec.name, *spec.aliases):
-        _ALIASES[alias.lower()] = spec.name
+    for alias in names:
+        _ALIASES[alias] = spec.name
+
+
+def unregister_backend(name: str) -> BackendSpec:
+    """Forget backend `name` (or an alias of it) and all its aliases; returns its spec."""
+    spec = _SPECS.pop(canonical_name(name))
+    for alias in [a for a, n in _ALIASES.items() if n == spec.name]:
+        del _ALIASES[alias]
+    return spec
 
 
 def canonical_name(name: str) -> str:

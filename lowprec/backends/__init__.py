@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING
 from ..hardware import DeviceInfo
 from ..specs import (
     AUTO_ORDER,
+    BackendSpec,
     RecipeInfo,
     auto_order,
     backend_spec,
     canonical_name,
     register_backend,
     registered_specs,
+    unregister_backend,
 )
 from .base import Backend, BackendUnavailableError, RunContext
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AUTO_ORDER",
     "Backend",
+    "BackendSpec",
     "BackendUnavailableError",
     "RecipeInfo",
     "RunContext",
@@ -34,6 +37,7 @@ __all__ = [
     "describe_choice",
     "register_backend",
     "registered_backends",
+    "unregister_backend",
     "resolve_backend",
 ]
 

@@ -3,8 +3,8 @@
 
 The toy emulates FP8: its Linear rounds input and weight through float8_e4m3fn with one per-tensor scale
 each and multiplies in FP32 (straight-through gradients). The block between the two rulers is the whole
-backend; the rest of the file is the test. lowprec has no `unregister_backend`, so the `toy` fixture
-registers it on a copy of the registry that monkeypatch puts back afterwards.
+backend; the rest of the file is the test. The `toy` fixture registers it and `unregister_backend` takes
+it out again.
 """
 
 from __future__ import annotations
@@ -14,11 +14,17 @@ import torch
 from torch import nn
 
 import lowprec
-import lowprec.specs
-from lowprec.backends import Backend, RecipeInfo, canonical_name, register_backend, registered_backends
+from lowprec.backends import (
+    Backend,
+    BackendSpec,
+    RecipeInfo,
+    canonical_name,
+    register_backend,
+    registered_backends,
+    unregister_backend,
+)
 from lowprec.convert import swap_planned_modules
 from lowprec.plan import PrecisionPlan, TensorPrecision
-from lowprec.specs import BackendSpec
 
 
 # ---- the toy backend -----------------------------------------------------------------------------------
@@ -69,17 +75,13 @@ class ToyBackend(Backend):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def register_toy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Register the toy on copies of the registry's tables, which `monkeypatch` undoes."""
-    monkeypatch.setattr(lowprec.specs, "_SPECS", dict(lowprec.specs._SPECS))
-    monkeypatch.setattr(lowprec.specs, "_ALIASES", dict(lowprec.specs._ALIASES))
-    register_backend(ToyBackend.spec)
-
-
 @pytest.fixture
-def toy(monkeypatch):
-    register_toy(monkeypatch)
-    return ToyBackend
+def toy():
+    register_backend(ToyBackend.spec)
+    try:
+        yield ToyBackend
+    finally:
+        unregister_backend("toy")
 
 
 def sqnr(reference: torch.Tensor, value: torch.Tensor) -> float:
@@ -159,14 +161,47 @@ def test_toy_linear_has_fp8_accuracy(shape, input_scale):
 
 def test_the_registry_is_as_it_was_after_the_toy():
     before = registered_backends()
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        register_toy(monkeypatch)
+    register_backend(ToyBackend.spec)
+    try:
         assert registered_backends() == [*before, ToyBackend] and canonical_name(" TOY ") == "toy"
         assert (ToyBackend.name, ToyBackend.supports_emulation) == ("toy", True)  # copied from its spec
         lowprec.FP8RecipeKwargs(backend="toy")
+    finally:
+        assert unregister_backend("TOY") is ToyBackend.spec  # by any of its names
     assert registered_backends() == before
     with pytest.raises(ValueError, match="backend='toy' is not one of 'auto', 'torchao', 'te', 'msamp'"):
         lowprec.FP8RecipeKwargs(backend="toy")
+
+
+@pytest.mark.parametrize("clash,message", [
+    ({"name": "torchao"}, "'torchao' is backend 'torchao'; pass replace=True"),
+    ({"aliases": ("AO",)}, "'ao' is backend 'torchao'"),
+    ({"aliases": ("auto",)}, "cannot be named or aliased 'auto'"),
+    ({"adapter": "ToyBackend"}, "must read 'package.module:ClassName'"),
+])
+def test_registering_refuses_a_taken_name_auto_and_a_bad_adapter(clash, message):
+    from dataclasses import replace
+
+    before = registered_backends()
+    with pytest.raises(ValueError, match=message):
+        register_backend(replace(ToyBackend.spec, **clash))
+    assert registered_backends() == before and canonical_name("ao") == "torchao"
+
+
+def test_replacing_a_backend_takes_its_names_over_and_back():
+    from dataclasses import replace
+
+    from lowprec.backends import backend_spec
+
+    original = backend_spec("torchao")
+    register_backend(replace(ToyBackend.spec, name="torchao", aliases=()), replace=True)
+    try:
+        assert backend_spec("torchao").adapter.endswith(":ToyBackend")
+        with pytest.raises(ValueError, match="backend='ao' is not one of"):
+            canonical_name("ao")  # the replaced backend's aliases went with it
+    finally:
+        register_backend(original, replace=True)
+    assert backend_spec("ao") is original
 
 
 @pytest.mark.parametrize("rows", ["gemm only", "a kind twice"])
