@@ -55,33 +55,10 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
 
 
 def _imported_tops(path: Path, *, type_checking: bool = False, package: Path = PACKAGE) -> set[str]:
-    """First path parts under lowprec/ (`package`) of everything `path` imports at run time, and with
-    `type_checking` also of what it imports under `if TYPE_CHECKING:`."""
-    tree = ast.parse(path.read_text())
-    skip = set() if type_checking else _type_checking_only(tree)
-    package_parts = path.relative_to(package).parts[:-1]
-    tops = set()
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = list(package_parts[: len(package_parts) - node.level + 1])
-                parts = base + (node.module.split(".") if node.module else [])
-                if not parts:  # `from . import x` at the top level
-                    parts = [alias.name for alias in node.names]
-                    tops.update(parts)
-                    continue
-                tops.add(parts[0])
-            elif node.module and node.module.split(".")[0] == package.name:
-                parts = node.module.split(".")[1:] or [alias.name for alias in node.names]
-                tops.add(parts[0])
-        elif isinstance(node, ast.Import):
-            for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[0] == package.name and len(parts) > 1:
-                    tops.add(parts[1])
-    return tops
+    """First path parts under lowprec/ (`package`) of the modules `path` imports (`_imported_modules`): the
+    layer keys; the package's own __init__ is '__init__'."""
+    return {(m.split(".")[1:] or ["__init__"])[0]
+            for m in _imported_modules(path, type_checking=type_checking, package=package)}
 
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))
@@ -107,7 +84,9 @@ def test_the_checker_sees_lazy_relative_imports(tmp_path):
     assert "optim" in _imported_tops(PACKAGE / "plan.py")  # imported inside a method
     # and a type-only import (relative or absolute) counts only when asked for
     pkg = tmp_path / "pkg"
-    pkg.mkdir()
+    (pkg / "top").mkdir(parents=True)
+    for module in ("__init__.py", "high.py", "top/__init__.py", "top/mod.py"):
+        (pkg / module).write_text("")
     (pkg / "low.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from .high import X\n"
                                 "    import pkg.top.mod\n")
     assert _imported_tops(pkg / "low.py", package=pkg) == set()
