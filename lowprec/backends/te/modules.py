@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ...utils.imports import require
+from .guard import guard_input, guard_output_grad
 
 MAGIC = b"LOWPREC-TE-STATE1\n"
 _TENSOR_SLOTS = {  # key in TE's state -> (fp8_meta entry, attribute)
@@ -176,8 +177,6 @@ class _KeepsOverflowVisible:
     """inf -> NaN before TE's saturating FP8 casts, forward and backward (see guard.py)."""
 
     def forward(self, inp, *args, **kwargs):
-        from .guard import guard_input, guard_output_grad
-
         out = super().forward(guard_input(inp), *args, **kwargs)
         if isinstance(out, tuple):  # return_bias=True: (output, bias)
             return (guard_output_grad(out[0]), *out[1:])
