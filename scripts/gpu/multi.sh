@@ -7,20 +7,34 @@
 #   bash scripts/gpu/multi.sh OUTDIR backend[@level]:recipe:engine[:grad_comm_dtype[:steps]] ...
 #   e.g. bf16::zero2 te:current:fsdp2 torchao:tensorwise:zero3 msamp@O3::fsdp2 torchao:tensorwise:ddp:fp8:300
 # CASE_TIMEOUT (s, default 300) bounds each case; COMPILE_FP8_LAYERS=true|false sets compile_fp8_layers. backend 'bf16' is the baseline without FP8; engines: ddp, fsdp2, zero1, zero2, zero3.
+# NPROC=1 runs each case as a world of one on one GPU (torchrun --nproc_per_node 1): the engine's own code
+# path (DDP's wrapper and hooks, FSDP2's all-gathers, DeepSpeed's ZeRO optimizer) with nothing on the wire.
+# A sixth field, 'compiled' or 'eager', sets compile_fp8_layers for that cell (and names its file):
+# msamp@O2::ddp:::compiled. It wins over COMPILE_FP8_LAYERS. PROFILE=1 writes each cell's CUDA kernels of one
+# step (torch.profiler, by self time) beside its JSON as NAME.prof.txt.
 set -uo pipefail
 out=${1:?usage: multi.sh OUTDIR backend[@level]:recipe:engine...}; shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 for case in "$@"; do
-  IFS=: read -r backend recipe engine comm steps <<< "$case"
+  IFS=: read -r backend recipe engine comm steps layers <<< "$case"
+  compile_layers=${COMPILE_FP8_LAYERS:-}
+  case "$layers" in compiled) compile_layers=true ;; eager) compile_layers=false ;; "") ;;
+    *) echo "unknown layers field '$layers' (compiled|eager)" >&2; exit 2 ;; esac
   level=""; [[ $backend == *@* ]] && { level=${backend#*@}; backend=${backend%@*}; }
-  name="${backend}${level:+_$level}${recipe:+_$recipe}_${engine}${comm:+_$comm}"
+  name="${backend}${level:+_$level}${recipe:+_$recipe}_${engine}${comm:+_$comm}${layers:+_$layers}"
   echo "== $case"
   t0=$(date +%s)
-  timeout "${CASE_TIMEOUT:-300}" accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision fp8 --dynamo_backend no \
+  if [ "${NPROC:-2}" = 1 ]; then
+    launch=(torchrun --nproc_per_node 1)
+    [[ $engine == zero* ]] && export ACCELERATE_USE_DEEPSPEED=true || unset ACCELERATE_USE_DEEPSPEED
+  else
+    launch=(accelerate launch --multi_gpu --num_processes "${NPROC:-2}" --num_machines 1 --mixed_precision fp8 --dynamo_backend no)
+  fi
+  timeout "${CASE_TIMEOUT:-300}" "${launch[@]}" \
     tests/distributed/gpu_engines.py --backend "$backend" ${recipe:+--recipe "$recipe"} ${level:+--opt-level "$level"} \
     --engine "$engine" ${comm:+--grad-comm-dtype "$comm"} --steps "${steps:-${STEPS:-30}}" --size "${SIZE:-small}" \
-    ${COMPILE_FP8_LAYERS:+--compile-fp8-layers "$COMPILE_FP8_LAYERS"} \
+    ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} \
     --out "$out/$name.json" > "$out/$name.log" 2>&1
   rc=$?; echo "exit $rc in $(( $(date +%s) - t0 )) s"
   if [ -f "$out/$name.json" ]; then

@@ -198,6 +198,7 @@ def test_o3_through_accelerates_fsdp2_preparation(ranks):
         assert acc["master_locals"] == ["FP8MasterWeight torch.float16"]  # not upcast to FP32
         assert acc["other_dtypes"] == ["torch.float32"]
         assert acc["optimizer_holds_the_sharded_params"]  # Accelerate's data_ptr remap found every one
+        assert acc["fp8_groups"] == [1, 7, 7]  # one FSDP2 group per decoder layer's 7 Linears, lm_head alone
         assert acc["losses"][-1] < acc["losses"][0] - 0.5
 
 
@@ -258,3 +259,44 @@ def test_copying_into_a_stored_fp8_weight_requantises_it():
     bad[0, 0] = float("nan")
     weight.copy_(bad)
     assert weight._scale == expected  # a NaN amax never becomes a scale
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        from lowprec.backends.msamp.linear import FP8Linear
+
+        self.norm = nn.LayerNorm(d)
+        self.up = FP8Linear(d, 2 * d, sharded_master=True)
+        self.down = FP8Linear(2 * d, d, sharded_master=True)
+
+
+class _Stack(nn.Module):
+    def __init__(self, d: int = 16, n: int = 3):
+        super().__init__()
+        from lowprec.backends.msamp.linear import FP8Linear
+
+        self.layers = nn.ModuleList(_Block(d) for _ in range(n))
+        self.head = FP8Linear(d, 32, sharded_master=True)
+        self.plain = nn.Linear(d, d)
+
+
+@pytest.mark.parametrize("block_classes", [(), ("_Block",), ("NotInTheModel",)])
+def test_o3_layers_of_one_block_form_one_fsdp2_group(block_classes):
+    # One all-gather and one reduce-scatter per block, as FSDP2 does for a BF16 block, instead of one per
+    # layer: the plugin's wrapped classes name the blocks, else the model's block list does.
+    from lowprec.backends.msamp.fsdp import fp8_layer_groups
+
+    model = _Stack()
+    groups = fp8_layer_groups(model, block_classes)
+    expected = [[b.up, b.down] for b in model.layers] + [[model.head]]
+    assert [[id(m) for m in g] for g in groups] == [[id(m) for m in g] for g in expected]
+
+
+def test_o3_layers_without_blocks_are_groups_of_their_own():
+    from lowprec.backends.msamp.fsdp import fp8_layer_groups
+    from lowprec.backends.msamp.linear import FP8Linear
+
+    model = nn.Sequential(FP8Linear(16, 16, sharded_master=True), nn.GELU(), FP8Linear(16, 16, sharded_master=True),
+                          FP8Linear(16, 16))  # the last is no O3 layer (no master weight): not grouped
+    assert [[id(m) for m in g] for g in fp8_layer_groups(model)] == [[id(model[0])], [id(model[2])]]

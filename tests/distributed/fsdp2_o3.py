@@ -325,7 +325,12 @@ def through_accelerate_fsdp2() -> dict:
         losses.append(float(loss))
     layers = backend.layers
     in_optimizer = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    # the FSDP2 group each converted layer is in (one per decoder layer, the lm_head alone)
+    groups = {}
+    for m in layers:
+        groups.setdefault(id(m._get_fsdp_state()._fsdp_param_group), []).append(m)
     return {
+        "fp8_groups": sorted(len(g) for g in groups.values()),
         "frozen_while_preparing": frozen, "fp8_layers": len(layers),
         "trainable_after": all(p.requires_grad for p in model.parameters()),
         "master_locals": sorted({f"{type(m.weight._local_tensor).__name__} {m.weight.dtype}" for m in layers}),

@@ -23,15 +23,54 @@ runs the FSDP2 cases on one GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
+import warnings
 
 import torch
 
 from lowprec import Accelerator, FP8RecipeKwargs
 from lowprec.backends.base import BackendUnavailableError
 from lowprec.runtime.export import BACKEND_ATTR
+
+
+@contextlib.contextmanager
+def sync_watch(counts: dict[str, int]):
+    """Count the host syncs CUDA's debug mode reports inside the block, by file:line of the Python caller."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{os.path.relpath(w.filename)}:{w.lineno}"
+            counts[where] = counts.get(where, 0) + 1
+
+
+@contextlib.contextmanager
+def profiled(path: str, record: dict[str, int]):
+    """torch.profiler over the block: its CUDA kernels by self time into `path` (rank 0), their count into
+    `record`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    record["cuda_kernels_in_a_step"] = len(kernels)
+    record["cuda_kernel_ms_in_a_step"] = sum(e.device_time_total for e in kernels) / 1000
+    if os.environ.get("RANK", "0") == "0":
+        with open(path, "w") as fh:
+            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+            fh.write(events.table(sort_by=key, row_limit=45, max_name_column_width=90))
 
 
 def main() -> None:
@@ -45,6 +84,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="small")
     p.add_argument("--out", required=True)
+    p.add_argument("--profile", default=None,
+                   help="write one step's CUDA kernels (torch.profiler, by self time) to this file (rank 0)")
     args = p.parse_args()
 
     from lowprec.demo.data import Windows, stdlib_corpus
@@ -124,17 +165,24 @@ def main() -> None:
 
     losses, times, state_bytes = [], [], None
     model.train()
+    syncs: dict[str, int] = {}
+    kernels: dict[str, int] = {}
     for step, ids in enumerate(loader):
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        if step == args.steps - 1 and not args.engine.startswith("zero"):
-            # weights, gradients and states all held: the peak model state (DeepSpeed keeps its own
-            # flat copies, which this does not see: its runs report peak memory only)
-            state_bytes = model_state_bytes(inner, optimizer, getattr(inner, BACKEND_ATTR, None))
-        accelerator.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
+        # one step past warm-up (and past the delayed scales' window) with CUDA's sync debug mode on: every
+        # host sync in forward, backward, clipping and the optimizer step, by the Python line that made it
+        watch = torch.cuda.is_available() and step == max(args.steps - 2, 0)
+        profiling = args.profile is not None and step == max(args.steps - 3, 0)
+        with sync_watch(syncs) if watch else profiled(args.profile, kernels) if profiling else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            if step == args.steps - 1 and not args.engine.startswith("zero"):
+                # weights, gradients and states all held: the peak model state (DeepSpeed keeps its own
+                # flat copies, which this does not see: its runs report peak memory only)
+                state_bytes = model_state_bytes(inner, optimizer, getattr(inner, BACKEND_ATTR, None))
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
         times.append(time.perf_counter() - t0)
 
@@ -145,7 +193,7 @@ def main() -> None:
         local = [getattr(w, "_local_tensor", w) for w in weights]
         evidence["fp8_all_gather_weights"] = sum(type(t).__name__ == "WeightWithDynamicFloat8CastTensor" for t in local)
         evidence["precomputed_scales"] = sum(getattr(t, "_precomputed_scale", None) is not None for t in local)
-    if args.engine in ("ddp", "zero1", "zero2"):  # replicated weights
+    if args.engine in ("ddp", "zero1", "zero2") and accelerator.num_processes > 1:  # replicated weights
         flat = torch.cat([q.detach().float().flatten() for q in inner.parameters()])
         gathered = accelerator.gather(flat.unsqueeze(0))
         evidence["max_param_diff_across_ranks"] = (gathered[0] - gathered[1]).abs().max().item()
@@ -176,7 +224,8 @@ def main() -> None:
         grads = torch.cat([torch.cat([m.fp8_grad_data.view(torch.uint8).flatten().float(), m.fp8_grad_scale.view(1)])
                            for m in fp8_modules])
         gathered = accelerator.gather(grads.unsqueeze(0))
-        evidence["fp8_grad_bytes_differ_across_ranks"] = int((gathered[0] != gathered[1]).sum().item())
+        if accelerator.num_processes > 1:
+            evidence["fp8_grad_bytes_differ_across_ranks"] = int((gathered[0] != gathered[1]).sum().item())
         evidence["fp8_weight_dtype"] = str(fp8_modules[0].weight.dtype)
         evidence["optimizer"] = type(getattr(optimizer, "optimizer", optimizer)).__name__
         evidence["opt_level"] = plan.opt_level
@@ -201,7 +250,8 @@ def main() -> None:
                 "peak_memory_gib_per_rank": peaks.tolist(), "model_state_bytes_per_param": state_bytes,
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
                 "losses": losses, "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
-                "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled, **evidence,
+                "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled,
+                "host_syncs_in_a_step": syncs, **kernels, **evidence,
             }, fh, indent=1)
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -4,8 +4,9 @@ delayed scales' amaxes all-reduced across ranks (`reduce_amax`).
 At O1/O2 under DDP the layers' FP8 weight gradients are averaged in FP8 with a shared scale by the
 storage part's `FP8GradReducer`, the rest by DDP. O3 runs under FSDP2 and DeepSpeed ZeRO-1/2:
 
-- FSDP2: every converted layer is a FSDP2 group of its own, sharded with the plugin's settings before
-  Accelerate shards the rest around it (FSDP2 needs one parameter dtype per group); its FP16 masters
+- FSDP2: the converted layers of each transformer block are one FSDP2 group (a layer outside the blocks
+  one of its own), sharded with the plugin's settings before Accelerate shards the rest around them
+  (FSDP2 needs one parameter dtype per group); their FP16 masters
   are all-gathered in E4M3 (`fsdp.FP8MasterWeight`) and its gradients reduce-scattered in FP8, which
   is O3's `grad_comm_dtype` unless the recipe names another.
 - DeepSpeed: the converted weights are kept out of DeepSpeed's ZeRO optimizer: E4M3 on every rank, FP16
@@ -150,8 +151,8 @@ class MSAMPCommunication(GradientCommunication):
 
     def before_engine_prepare(self, objects: list, accelerator=None) -> None:
         """O3 under DeepSpeed: take the converted weights out of the optimizer DeepSpeed will wrap
-        (`_detach_for_deepspeed`). O3 under Accelerate's FSDP2 plugin: shard each converted layer as a
-        FSDP2 group of its own, with the plugin's settings, before Accelerate shards the rest around them
+        (`_detach_for_deepspeed`). O3 under Accelerate's FSDP2 plugin: shard the converted layers, one FSDP2
+        group per transformer block, with the plugin's settings, before Accelerate shards the rest around them
         (FSDP2 needs one parameter dtype per group), and point the optimizer at the sharded parameters.
 
         While Accelerate prepares, the layers' parameters are frozen: under mixed precision it upcasts
@@ -180,8 +181,9 @@ class MSAMPCommunication(GradientCommunication):
                       mp_policy=plugin.mixed_precision_policy or MixedPrecisionPolicy())
         layers = self.owner.layers
         before = {id(p): (layer, name) for layer in layers for name, p in layer.named_parameters(recurse=False)}
+        blocks = tuple(plugin.transformer_cls_names_to_wrap or ())
         for model in (o for o in objects if isinstance(o, nn.Module)):
-            fully_shard_fp8_layers(model, **kwargs)
+            fully_shard_fp8_layers(model, blocks, **kwargs)
         for opt in (o for o in objects if isinstance(o, torch.optim.Optimizer)):
             for group in opt.param_groups:
                 group["params"] = [getattr(*before[id(p)]) if id(p) in before else p for p in group["params"]]

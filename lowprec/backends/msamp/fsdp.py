@@ -226,16 +226,46 @@ def master_view(weight: torch.Tensor) -> torch.Tensor:
     return weight
 
 
-def fully_shard_fp8_layers(model: torch.nn.Module, **fsdp_kwargs) -> list[torch.nn.Module]:
-    """`fully_shard` every O3 `FP8Linear` of `model` as a FSDP2 group of its own, with `fsdp_kwargs`
-    (mesh, mp_policy, reshard_after_forward, ...). Call it before sharding the blocks and the root:
-    FSDP2 needs one parameter dtype per group, and the layers' FP16 masters would otherwise share a
-    group with the model's FP32 norms. Returns the layers sharded."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+def fp8_layer_groups(model: torch.nn.Module, block_classes: tuple[str, ...] = ()) -> list[list[torch.nn.Module]]:
+    """The O3 layers of `model` (those whose weight is an `FP8MasterWeight`, not sharded yet) in FSDP2
+    groups: the layers inside one transformer block form one group, a layer outside every block is a
+    group of its own. A block is a module whose class is named in `block_classes` (the classes the FSDP
+    plugin wraps), or else an entry of the model's block list (`planning.selection.find_blocks`)."""
+    from torch.distributed.fsdp import FSDPModule
 
+    from ...planning.selection import find_blocks
+
+    blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
+    if not blocks:
+        found = find_blocks(model)
+        blocks = list(found[1]) if found is not None else []
     # By the weight, not by FP8Linear: an O3 layer's is an FP8MasterWeight, and linear.py imports this module
-    layers = [m for m in model.modules()
-              if isinstance(getattr(m, "weight", None), FP8MasterWeight) and not isinstance(m, FSDPModule)]
-    for layer in layers:
-        fully_shard(layer, **fsdp_kwargs)
-    return layers
+    def is_layer(m):
+        return isinstance(getattr(m, "weight", None), FP8MasterWeight) and not isinstance(m, FSDPModule)
+
+    in_block = {}
+    for block in blocks:
+        for m in block.modules():
+            if is_layer(m):
+                in_block.setdefault(id(m), id(block))  # the outermost block, for blocks inside blocks
+    groups: dict[int, list[torch.nn.Module]] = {}
+    for m in model.modules():
+        if is_layer(m):
+            groups.setdefault(in_block.get(id(m), id(m)), []).append(m)
+    return list(groups.values())
+
+
+def fully_shard_fp8_layers(model: torch.nn.Module, block_classes: tuple[str, ...] = (),
+                           **fsdp_kwargs) -> list[torch.nn.Module]:
+    """`fully_shard` the O3 `FP8Linear`s of `model` with `fsdp_kwargs` (mesh, mp_policy,
+    reshard_after_forward, ...), those of one transformer block as one FSDP2 group (`fp8_layer_groups`):
+    one all-gather of their E4M3 bytes and one reduce-scatter of their gradients per block, as FSDP2 does
+    for a BF16 block, instead of one per layer. Call it before sharding the blocks and the root: FSDP2
+    needs one parameter dtype per group, and the layers' FP16 masters would otherwise share a group with
+    the model's FP32 norms. Returns the layers sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    groups = fp8_layer_groups(model, block_classes)
+    for group in groups:
+        fully_shard(group if len(group) > 1 else group[0], **fsdp_kwargs)
+    return [layer for group in groups for layer in group]
