@@ -175,6 +175,19 @@ def test_o3_checkpoints_carry_the_masters(run):
     assert a["state_dict_keys"] == sorted(f"{i}.{p}" for i in (0, 2, 4) for p in ("bias", "weight"))
 
 
+def test_o3_with_compiled_layers_trains_and_resumes_as_with_eager_ones(run):
+    # compile_fp8_layers under DeepSpeed (the default on FP8 GPUs): the compiled layers read the stored E4M3
+    # weights and write FP8 gradients that the owners step from, as eager ones do
+    eager = _o3(run)  # skipped under ZeRO-3, which refuses O3
+    a, b = ranks(run, "O3_compiled")
+    for r, e in zip((a, b), eager):
+        assert r["compiled_layers"] == 3 and e["compiled_layers"] == 0
+        assert r["fp8_forward_calls"] == 3 * 10
+        assert r["losses"] == pytest.approx(e["losses"], rel=1e-3)
+        assert r["resumed"] == r["continued"]
+    assert a["params"] == b["params"]
+
+
 def test_o3_under_zero3_names_what_to_use(run):
     if run["stage"] != 3:
         pytest.skip("ZeRO-3 only")

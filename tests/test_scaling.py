@@ -340,3 +340,19 @@ def test_inf_to_nan_leaves_finite_values_exact(compiled, dtype):
     x = torch.tensor([1.5, -0.0, 0.0, 1e-40, -3e38, float("inf"), float("-inf"), float("nan")]).to(dtype)
     y = fn(x)
     assert y.dtype == dtype and torch.equal(y[:5], x[:5]) and torch.signbit(y[1]) and torch.isnan(y[5:]).all()
+
+
+def test_cuda_fused_runs_the_definition_on_cpu_without_compiling(monkeypatch):
+    # the fused kernels are a CUDA matter: a CPU run must not pay inductor's compile time
+    from lowprec.kernels.fused import cuda_fused
+
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("compiled on CPU"))
+    calls = []
+
+    @cuda_fused
+    def scaled(x, s):
+        calls.append(1)
+        return x * s
+
+    x = torch.arange(4.0)
+    assert torch.equal(scaled(x, 2.0), x * 2) and scaled.eager is not scaled and calls == [1]

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kernels.fused import cuda_fused
 from ..kernels.scaling import compute_scale, nan_to_inf, quantize
 
 E4M3 = torch.float8_e4m3fn
@@ -55,9 +56,30 @@ def _blocks(flat: torch.Tensor, n: int, block: int) -> torch.Tensor:
     return out.view(n, blocks, block)
 
 
-def _global_amax(blocks: torch.Tensor, group) -> torch.Tensor:
+# The three passes over a buffer, each one fused kernel on CUDA (kernels/fused.py): the block amaxes,
+# the cast of the blocks with their shared scales, and the sum over ranks of what was received.
+@cuda_fused
+def _block_amax(flat: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """Every block's amax ([n, blocks]); NaN counts as inf."""
+    return nan_to_inf(_blocks(flat, n, block).abs().amax(dim=-1))
+
+
+@cuda_fused
+def _encode_blocks(flat: torch.Tensor, scale: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """`flat`'s blocks in E4M3 with one scale per block ([n, blocks]), as bytes; inf becomes NaN."""
+    return _cast(_blocks(flat, n, block), scale).view(torch.uint8)
+
+
+@cuda_fused
+def _decode_sum(received: torch.Tensor, scale: torch.Tensor, divisor: float) -> torch.Tensor:
+    """The FP32 sum over ranks of E4M3 `received` bytes ([n, blocks, block]) sent with `scale` ([blocks]),
+    divided by `divisor`."""
+    return received.view(E4M3).float().sum(dim=0) / scale.unsqueeze(-1) / divisor
+
+
+def _global_amax(flat: torch.Tensor, n: int, block: int, group) -> torch.Tensor:
     """Every block's amax, the MAX over ranks ([n, blocks]); NaN counts as inf."""
-    amax = nan_to_inf(blocks.abs().amax(dim=-1))
+    amax = _block_amax(flat, n, block)
     dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 
@@ -67,17 +89,16 @@ def _cast(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return quantize(values, scale.unsqueeze(-1), E4M3)
 
 
-def _reduce_scatter_blocks(blocks: torch.Tensor, scale: torch.Tensor, group) -> torch.Tensor:
-    """This rank's sum over ranks of `blocks` ([n, blocks, block], FP32), sent as E4M3 with `scale`."""
-    sent = _cast(blocks, scale)
-    received = torch.empty_like(sent.view(torch.uint8))
-    # uint8: every process-group backend (gloo too) moves bytes, whatever its FP8 support
-    dist.all_to_all_single(received, sent.view(torch.uint8), group=group)
-    rank = dist.get_rank(group)
-    return received.view(E4M3).float().sum(dim=0) / scale[rank].unsqueeze(-1)
+def _reduce_scatter_blocks(flat: torch.Tensor, scale: torch.Tensor, n: int, block: int, group,
+                           divisor: float = 1.0) -> torch.Tensor:
+    """This rank's sum over ranks of `flat`'s blocks (n equal shards), sent as E4M3 with `scale`, divided
+    by `divisor`: [blocks, block], FP32."""
+    sent = _encode_blocks(flat, scale, n, block)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    return _decode_sum(received, scale[dist.get_rank(group)], divisor)
 
 
-# ----- FSDP2 -----------------------------------------------------------------------------------------
 class FP8ReduceScatter:
     """A custom FSDP2 reduce-scatter (the duck type of torch's `ReduceScatter`, which torch does not
     export) in FP8 E4M3, one power-of-two scale per block of `block` elements shared by all ranks.
@@ -110,13 +131,11 @@ class FP8ReduceScatter:
             raise ValueError(f"FP8ReduceScatter: input of {input_tensor.numel()} elements does not split into "
                              f"{n} shards of {chunk}")
         self.calls += 1
-        blocks = _blocks(input_tensor, n, self.block)
-        amax = _global_amax(blocks, group)
+        amax = _global_amax(input_tensor, n, self.block, group)
         bad = (~torch.isfinite(amax)).sum()
         self.nonfinite_blocks = bad if self.nonfinite_blocks is None else self.nonfinite_blocks + bad
-        total = _reduce_scatter_blocks(blocks, compute_scale(amax, E4M3), group)  # inf/NaN/0 amax: scale 1
-        if average:
-            total /= n
+        scale = compute_scale(amax, E4M3)  # inf/NaN/0 amax: scale 1
+        total = _reduce_scatter_blocks(input_tensor, scale, n, self.block, group, divisor=n if average else 1.0)
         output_tensor.copy_(total.reshape(-1)[:chunk].view_as(output_tensor))
         return None
 
@@ -171,8 +190,7 @@ def fp8_allreduce_hook(state: FP8CommState, bucket):
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     flat = torch.zeros(-(-numel // n) * n, dtype=buffer.dtype, device=buffer.device)
     flat[:numel].copy_(buffer.reshape(-1))
-    blocks = _blocks(flat, n, state.block)
-    amax = _global_amax(blocks, group)
+    amax = _global_amax(flat, n, state.block, group)
     if not torch.isfinite(amax).all().item():
         state.nonfinite_buckets += 1
         exact = buffer.float()
@@ -180,7 +198,7 @@ def fp8_allreduce_hook(state: FP8CommState, bucket):
         future.set_result(exact.div_(n).to(buffer.dtype))
         return future
     scale = compute_scale(amax, E4M3)
-    mean = _reduce_scatter_blocks(blocks, scale, group).div_(n)
+    mean = _reduce_scatter_blocks(flat, scale, n, state.block, group, divisor=n)
     # the mean of values within E4M3's range is within it: the same scales serve the way back
     mine = _cast(mean.unsqueeze(0), scale[dist.get_rank(group)].unsqueeze(0))[0]
     gathered = torch.empty(n * mine.numel(), dtype=torch.uint8, device=buffer.device)

@@ -673,8 +673,8 @@ def test_plan_without_converted_layers_shows_no_fp8_weights():
 
 @pytest.mark.parametrize("engine,compiled,compile_fp8_layers,eager_layers", [
     ("single", False, None, False),  # layers compiled one by one: the plan says so instead
-    ("single", False, False, True), ("single", True, None, False), ("ddp", False, None, True),
-    ("ddp", False, True, False), ("ddp", True, None, False),
+    ("single", False, False, True), ("single", True, None, False), ("ddp", False, None, False),
+    ("ddp", False, False, True), ("ddp", True, None, False),
 ])
 def test_eager_fp8_layers_are_named_with_what_they_cost(engine, compiled, compile_fp8_layers, eager_layers):
     from lowprec import RunContext

@@ -65,6 +65,17 @@ def test_o3_on_two_ranks_trains_like_o2_on_one_process(ranks):
 
 
 @pytest.mark.slow
+def test_o3_under_fsdp2_with_compiled_layers_trains_as_with_eager_ones(ranks):
+    # compile_fp8_layers under FSDP2 (the default on FP8 GPUs): each layer's compiled forward and backward
+    # take the E4M3 weight FSDP2 gathered and hand the gradient to its FP8 reduce-scatter, as eager ones do
+    for r in ranks:
+        compiled = r["train"]["compiled"]
+        assert compiled["layers"] == 3 and compiled["gathered"] == "DTensor"  # resharded after the step
+        assert compiled["losses"] == pytest.approx(r["train"]["o3"], rel=1e-3)
+    assert ranks[0]["train"]["compiled"]["losses"] == ranks[1]["train"]["compiled"]["losses"]
+
+
+@pytest.mark.slow
 def test_o3_under_fsdp2_gives_every_rank_the_same_delayed_scales(ranks):
     """Each rank trains its own half of every batch, so its own amaxes differ; reduce_amax (on by default)
     all-reduces them after each step, and both ranks hold the same windows and input / output-gradient

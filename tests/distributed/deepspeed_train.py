@@ -48,6 +48,8 @@ SCENARIOS = {
     "O3_groups": dict(backend="msamp", opt_level="O3", groups="mixed"),
     # a group of Linear weights only would be left empty (DeepSpeed drops it): refused
     "O3_weights_group": dict(backend="msamp", opt_level="O3", groups="weights"),
+    # the FP8 layers compiled one by one (inductor), the default on FP8 GPUs: trains as O3 does, resumes
+    "O3_compiled": dict(backend="msamp", opt_level="O3", compile_fp8_layers=True),
     # TransformerEngine's test double on an assumed H100: lowprec's te.autocast around every forward
     # under DeepSpeed (Accelerate's own TE path ignores TERecipeKwargs there)
     "te": dict(backend="te", recipe="delayed"),
@@ -263,7 +265,8 @@ def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
         record["o3"] = o3_record(accelerator, inner)
         zero = accelerator._lowprec[-1][1].zero
         record["o3_group_weight_decay"] = [g["weight_decay"] for g in zero.optimizer.param_groups]
-    if knobs.get("opt_level") == "O3" and not groups:
+    record["compiled_layers"] = sum(getattr(m, "_compiled_call_impl", None) is not None for m in inner.modules())
+    if knobs.get("opt_level") == "O3" and not groups and not knobs.get("compile_fp8_layers"):
         record["accumulated"] = accumulated_losses(stage, knobs)
         if dist.get_rank() == 0:
             record["o2_single"] = single_process_losses("O2")

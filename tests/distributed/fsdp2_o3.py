@@ -71,14 +71,16 @@ def gather_numerics(mesh) -> dict:
     return out
 
 
-def build(level: str, engine: str, mesh=None):
+def build(level: str, engine: str, mesh=None, compiled: bool = False):
     """(model, optimizer, post-step hook, backend): O3 sharded as Accelerate's plugin would, or O2 / FP32
-    on one process."""
+    on one process; `compiled`: the FP8 layers compiled one by one (inductor) after sharding, as
+    `prepare()` does on FP8 GPUs."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
     if level == "fp32":
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3), (lambda: None), None
-    recipe = FP8RecipeKwargs(backend="msamp", opt_level=level, skip_slow_shapes=False, skip_first_last=False)
+    recipe = FP8RecipeKwargs(backend="msamp", opt_level=level, skip_slow_shapes=False, skip_first_last=False,
+                             compile_fp8_layers=compiled or None)
     context = RunContext(device=device_info("cpu"), engine=engine, world_size=dist.get_world_size() if mesh else 1)
     backend = create_backend(recipe, context)
     plan = build_plan(model, recipe, context=context, backend=backend)
@@ -92,6 +94,7 @@ def build(level: str, engine: str, mesh=None):
         for group in optimizer.param_groups:
             group["params"] = [getattr(*before[id(p)]) for p in group["params"]]
         backend.setup_grad_comm(model)
+    backend.compile_layers(model)
     return model, optimizer, backend.post_optimizer_step(model), backend
 
 
@@ -141,6 +144,11 @@ def train(mesh) -> dict:
               "delayed_scales": [[float(s) for s in layer.scales[:2]] for layer in backend.layers],
               "amax_windows": [layer.amax_history[:, 1:].tolist() for layer in backend.layers],
               "reduce_amax": backend.reduce_amax, "amax_reduction": backend.amax_reduction}
+    torch._dynamo.reset()
+    compiled, c_opt, c_hook, c_backend = build("O3", "fsdp2", mesh, compiled=True)
+    record["compiled"] = {"losses": steps(compiled, c_opt, c_hook, range(STEPS), rank),
+                          "layers": sum(getattr(m, "_compiled_call_impl", None) is not None for m in c_backend.layers),
+                          "gathered": type(c_backend.layers[0].weight).__name__}
     reference, ref_opt, ref_hook, _ = build("O2", "single")
     record["o2_single"] = steps(reference, ref_opt, ref_hook, range(STEPS), None)
     fp32, fp32_opt, fp32_hook, _ = build("fp32", "single")

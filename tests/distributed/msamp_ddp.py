@@ -390,7 +390,7 @@ def optimizer_state_digest(optimizer) -> str:
 def train(level: str, *, steps: int = STEPS, accumulation: int = 1, seed_by_rank: bool = False,
           max_norm: float | None = MAX_NORM, backwards: int = 1, skip_step: int | None = None,
           reduce_amax: bool | None = None, amax_history_len: int | None = None,
-          nan_amax_step: int | None = None) -> dict:
+          nan_amax_step: int | None = None, compile_layers: bool | None = None) -> dict:
     """Train the toy model with backend="msamp" at `level`; returns this rank's record.
 
     Every optimizer step uses the same global batch of GLOBAL_BATCH rows whatever the number of
@@ -402,7 +402,7 @@ def train(level: str, *, steps: int = STEPS, accumulation: int = 1, seed_by_rank
     are computed and clipped, then dropped with `zero_grad()` without an optimizer step (the usual
     "skip a bad step" pattern). `reduce_amax`, `amax_history_len`: the recipe's. At step `nan_amax_step`
     rank 0 alone records a NaN amax before the optimizer step (NAN_AMAX_AT: layer, row), as an overflow in
-    its own forward or backward would.
+    its own forward or backward would. `compile_layers`: the recipe's compile_fp8_layers (inductor on CPU).
     """
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -410,7 +410,8 @@ def train(level: str, *, steps: int = STEPS, accumulation: int = 1, seed_by_rank
     from lowprec.kernels.scaling import current_scale, quantize
 
     recipe = FP8RecipeKwargs(backend="msamp", opt_level=level, skip_first_last=False, skip_slow_shapes=False,
-                             reduce_amax=reduce_amax, amax_history_len=amax_history_len)
+                             reduce_amax=reduce_amax, amax_history_len=amax_history_len,
+                             compile_fp8_layers=compile_layers)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation,
                               kwargs_handlers=[recipe, InitProcessGroupKwargs(timeout=TIMEOUT)])
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -436,6 +437,7 @@ def train(level: str, *, steps: int = STEPS, accumulation: int = 1, seed_by_rank
         "reduce_amax": accelerator._lowprec[-1][1].reduce_amax,
         "amax_reduction": accelerator._lowprec[-1][1].amax_reduction, "options": {
             k: plan.options[k] for k in ("reduce_amax", "amax_history_len")},
+        "compiled_layers": sum(getattr(m, "_compiled_call_impl", None) is not None for m in layers),
         "init_params": digest(*params),
         "initial": {n: _floats(p) for n, p in inner.named_parameters()},
         "steps": [],
@@ -508,6 +510,8 @@ TRAIN_SCENARIOS = {
     # a window of 2: the delayed scales feed the GEMMs from step 2 on; rank 0 alone sees a NaN amax at step 3
     "O2_window2_nan": dict(level="O2", amax_history_len=2, steps=5, nan_amax_step=3),
     "O2_window2_nan_no_reduce": dict(level="O2", amax_history_len=2, steps=5, nan_amax_step=3, reduce_amax=False),
+    # the FP8 layers compiled one by one (inductor): the default on FP8 GPUs under DDP
+    "O2_compiled": dict(level="O2", compile_layers=True),
 }
 
 

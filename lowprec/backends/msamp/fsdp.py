@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from ...kernels.fused import cuda_fused
 from ...kernels.scaling import compute_scale, nan_to_inf, quantize, tensor_amax
 
 E4M3 = torch.float8_e4m3fn
@@ -110,12 +111,8 @@ class FP8MasterWeight(torch.Tensor):
             amax = _global_amax([shard], mesh)[0]
             scale = compute_scale(amax, E4M3, self._margin, previous=self._scale)
             self._scale.copy_(scale)
-        data = quantize(shard, scale, E4M3)
         rows = -(-outer_size[0] // mesh.size(mesh.ndim - 1))
-        if data.shape[0] < rows:  # the last ranks' shards are shorter (or empty): zero bytes pad them
-            data = torch.cat([data, data.new_zeros((rows - data.shape[0], *data.shape[1:]))])
-        # As bytes: FSDP2 gathers a group of one dtype in that dtype, and gloo has no FP8 type
-        return (data.view(torch.uint8),), (scale.clone(),)
+        return (_shard_bytes(shard, scale, rows),), (scale.clone(),)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         (data,), (scale,) = outputs, metadata
@@ -123,6 +120,31 @@ class FP8MasterWeight(torch.Tensor):
             out._scale = scale
             return None
         return FP8GatheredWeight(data.view(E4M3), scale, param_dtype), (data,)
+
+
+@cuda_fused
+def _shard_bytes(shard: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.Tensor:
+    """E4M3 bytes of a master shard, zero-padded to FSDP2's shard length `rows` (the last ranks' shards
+    are shorter or empty), as uint8: FSDP2 gathers a group of one dtype in that dtype, and gloo has no
+    FP8 type. One fused kernel on CUDA."""
+    data = quantize(shard, scale, E4M3)
+    if data.shape[0] < rows:
+        data = torch.cat([data, data.new_zeros((rows - data.shape[0], *data.shape[1:]))])
+    return data.view(torch.uint8)
+
+
+@cuda_fused
+def _shard_amaxes(shards: list[torch.Tensor]) -> torch.Tensor:
+    """amax of each shard, NaN as +inf, as one FP32 vector (one fused reduction per shard on CUDA)."""
+    return nan_to_inf(torch.stack([tensor_amax(s) for s in shards]))
+
+
+@cuda_fused
+def _scaled_cast(value: torch.Tensor, previous: torch.Tensor | None, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(power-of-2 scale from `value`'s amax, or `previous` when that is zero or not finite (1 without one),
+    `value` in E4M3 with it): one reduction and one cast on CUDA."""
+    scale = compute_scale(tensor_amax(value), E4M3, margin, previous=previous)
+    return scale, quantize(value, scale, E4M3)
 
 
 class FP8GatheredWeight(torch.Tensor):
@@ -154,9 +176,9 @@ class FP8GatheredWeight(torch.Tensor):
     def requantize_(self, value: torch.Tensor, margin: int = 0, keep_scale: bool = True) -> None:
         """Store `value` in place: a power-of-2 scale from its amax, then its E4M3 bytes. A zero or
         non-finite amax keeps the scale in use (`keep_scale`) or falls back to 1, never a NaN scale."""
-        scale = compute_scale(tensor_amax(value), E4M3, margin, previous=self._scale if keep_scale else None)
+        scale, data = _scaled_cast(value.to(self._data.device), self._scale if keep_scale else None, margin)
         self._scale.copy_(scale)
-        self._data.copy_(quantize(value.to(self._data.device), scale, E4M3))
+        self._data.copy_(data)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -187,7 +209,7 @@ def _global_amax(shards: list[torch.Tensor], mesh) -> torch.Tensor:
     """The amax of each whole weight from its shards: one MAX all-reduce over the mesh (replicas hold
     equal weights, so MAX over every mesh dimension is the global amax). NaN travels as +inf: MAX over
     NaN depends on operand order."""
-    amax = nan_to_inf(torch.stack([tensor_amax(s) for s in shards]))
+    amax = _shard_amaxes(shards)
     for dim in range(mesh.ndim):
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
     return amax

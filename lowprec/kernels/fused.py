@@ -1,0 +1,41 @@
+"""Eager chains of elementwise ops fused into one kernel on CUDA by inductor.
+
+Code that runs outside any compiled graph (FSDP2's all-gather and reduce-scatter hooks, the steps'
+scale updates) would otherwise run a quantisation as five kernels over FP32 temporaries (float, inf to
+NaN, scale, clamp, cast): on the d4096 proxy each block's FP8 all-gather took 4 ms of which one fused
+pass needs a fraction (results/gpu/2026-11-25-h100-engines-world1). `cuda_fused` compiles such a
+function once, with symbolic shapes, for CUDA tensors; on CPU, and inside a graph being traced (where
+inductor fuses it anyway), the function runs as written, so its plain-torch body is the definition.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from . import triton_available
+
+F = TypeVar("F", bound=Callable)
+
+
+def cuda_fused(fn: F) -> F:
+    """`fn` compiled by inductor (dynamic shapes) when its first tensor argument is on a CUDA device with
+    Triton and no graph is being traced; `fn` itself otherwise."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        nonlocal compiled
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is None or not first.is_cuda or torch.compiler.is_compiling() or not triton_available():
+            return fn(*args, **kwargs)
+        if compiled is None:
+            # not fullgraph: past dynamo's recompile limit (many dtypes and ranks) a call runs eager, not fails
+            compiled = torch.compile(fn, dynamic=True)
+        return compiled(*args, **kwargs)
+
+    wrapper.eager = fn  # the definition, for tests
+    return wrapper  # type: ignore[return-value]

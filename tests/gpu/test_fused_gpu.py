@@ -1,0 +1,91 @@
+"""Eager code fused into one kernel per pass on CUDA (`lowprec.kernels.fused.cuda_fused`): FSDP2's FP8
+all-gather and FP8 reduce-scatter passes give the bytes of their plain-torch definitions, inf and NaN
+included. Run on a GPU host with `pytest -m gpu`; skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowprec.backends.msamp.fsdp import _shard_amaxes, _shard_bytes
+from lowprec.optim.comm_hooks import _block_amax, _decode_sum, _encode_blocks
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                       reason="needs a Hopper (sm_90) or newer GPU"),
+]
+
+
+def _values(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-20, 12, shape, generator=g).float())
+    x = x.to(dtype)
+    x.view(-1)[7] = float("nan")
+    x.view(-1)[11] = float("inf")
+    x.view(-1)[13] = -float("inf")
+    return x.cuda()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype in (torch.uint8, torch.float8_e4m3fn):
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    same_nans = torch.equal(a.isnan(), b.isnan())
+    return same_nans and torch.equal(torch.nan_to_num(a, nan=-7.0), torch.nan_to_num(b, nan=-7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, padded", [(64, 64), (33, 40), (0, 8)])
+def test_the_all_gathers_shard_bytes_equal_the_definition(dtype, rows, padded):
+    shard = _values((max(rows, 1), 96), dtype)[:rows]
+    scale = torch.tensor(2.0**-3, device="cuda")
+    fused, eager = _shard_bytes(shard, scale, padded), _shard_bytes.eager(shard, scale, padded)
+    assert fused.shape == (padded, 96) and _same(fused, eager)
+
+
+def test_the_shard_amaxes_equal_the_definition():
+    shards = [_values((48, 64), torch.float16, seed=s) for s in range(3)]
+    shards[1] = shards[1].nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    fused, eager = _shard_amaxes(shards), _shard_amaxes.eager(shards)
+    assert _same(fused, eager) and fused[0] == float("inf") and torch.isfinite(fused[1])
+
+
+@pytest.mark.parametrize("numel, n, block", [(4096, 2, 1024), (5000, 2, 1024), (3 * 777, 3, 256)])
+def test_the_reduce_scatters_three_passes_equal_the_definition(numel, n, block):
+    from lowprec.kernels.scaling import compute_scale
+
+    flat = _values((numel,), torch.float32)
+    amax = _block_amax(flat, n, block)
+    assert _same(amax, _block_amax.eager(flat, n, block))
+    scale = compute_scale(amax, torch.float8_e4m3fn)
+    sent = _encode_blocks(flat, scale, n, block)
+    assert _same(sent, _encode_blocks.eager(flat, scale, n, block))
+    assert _same(_decode_sum(sent, scale[0], float(n)), _decode_sum.eager(sent, scale[0], float(n)))
+
+
+@pytest.mark.parametrize("valid", [1.0, 0.0])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_the_stored_gradient_norm_equals_the_definition(valid, norm_type):
+    from lowprec.optim.grad_store import _stored_norm
+
+    data = _values((96, 80), torch.float32).nan_to_num(nan=1.0, posinf=2.0, neginf=-2.0)
+    data = data.clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale, flag = torch.tensor(2.0**5, device="cuda"), torch.tensor(valid, device="cuda")
+    fused, eager = _stored_norm(data, scale, flag, norm_type), _stored_norm.eager(data, scale, flag, norm_type)
+    torch.testing.assert_close(fused, eager, rtol=1e-6, atol=0)  # a sum's order may differ, not its value
+    assert (fused == 0) == (valid == 0)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_requantising_a_stored_fp8_weight_equals_the_definition(keep):
+    from lowprec.backends.msamp.fsdp import _scaled_cast
+
+    value = _values((64, 48), torch.float16).nan_to_num(nan=0.5, posinf=3.0, neginf=-3.0)
+    previous = torch.tensor(4.0, device="cuda") if keep else None
+    (s1, d1), (s2, d2) = _scaled_cast(value, previous, 0), _scaled_cast.eager(value, previous, 0)
+    assert torch.equal(s1, s2) and _same(d1, d2)
+    nan = value.clone()
+    nan[0, 0] = float("nan")  # a non-finite amax keeps the previous scale (1 without one), never a NaN scale
+    scale, _ = _scaled_cast(nan, previous, 0)
+    assert float(scale) == (4.0 if keep else 1.0)
