@@ -85,9 +85,9 @@ class FP8RecipeKwargs(KwargsHandler):
             the caller or the environment sets wins over it. `FP8RecipeKwargs.from_name(name, **fields)`.
         compile_fp8_layers: compile each converted layer with torch.compile when the model itself is
             not compiled, so its casts, amaxes and transposes fuse instead of running as separate eager
-            kernels. None: on where measured to pay, on an FP8 GPU (not emulated): torchao under one
-            process, DDP, FSDP2 or DeepSpeed, msamp on one process; True: also elsewhere (te: ValueError,
-            its layers are not compiled one by one); False: never. See docs/performance.md.
+            kernels. None: on where measured to pay, on an FP8 GPU (not emulated): torchao and msamp under
+            one process, DDP, FSDP2 or DeepSpeed; True: also elsewhere (te: ValueError, its layers are not
+            compiled one by one); False: never. See docs/performance.md.
         activation_dtype: "fp8" stores the tensors autograd saves in the model's forward (norm, activation
             function and attention inputs, residuals) in E4M3 with a power-of-2 scale per 128 values along the
             last dimension, decoded for backward (COAT / DeepSeek-V3 style); parameters and tensors under 2**14

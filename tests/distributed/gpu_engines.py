@@ -249,7 +249,7 @@ def main() -> None:
                 "tokens_per_s": tokens / per_step if per_step else None,
                 "peak_memory_gib_per_rank": peaks.tolist(), "model_state_bytes_per_param": state_bytes,
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
-                "losses": losses, "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
+                "losses": losses, "step_times_s": times, "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
                 "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled,
                 "host_syncs_in_a_step": syncs, **kernels, **evidence,
             }, fh, indent=1)
