@@ -47,8 +47,8 @@ DEFAULT_WINDOW = 16  # MS-AMP's DEFAULT_WINDOW_SIZE for input and output-gradien
 # 2026-11-23-h100-speed-head; compiled whole: 2026-11-23-h100-speed-head/widths_defaults.json.
 EAGER_LAYERS_NOTE = (
     "eager FP8 layers (compile_fp8_layers=False): their casts, amaxes and scale updates run as separate kernels "
-    "(d4096, one H100: 0.81-0.90x eager BF16 on one process, 0.91x under DDP, 1.04x at O3 under FSDP2, 0.86x at O3 "
-    "under ZeRO-2); the default compiles them one by one (1.15x, 1.18x, 1.26x, 1.12x), or compile the model "
+    "(d4096, one H100: 0.81-0.90x eager BF16 on one process, 0.99x under DDP, 1.04x at O3 under FSDP2, 0.84x at O3 "
+    "under ZeRO-2); the default compiles them one by one (1.15x, 1.31x, 1.17-1.26x, 1.32x), or compile the model "
     "(dynamo_backend='inductor': 1.35x compiled BF16 on one process)"
 )
 
