@@ -33,6 +33,11 @@ class LayerExecution:
     # (results/gpu/2026-11-23-h100-eager-layers), FSDP2 and DeepSpeed ZeRO-2 on two H200s (1.19x BF16
     # against 0.60-0.67x with eager layers: results/gpu/2026-11-23-h200x2-zero-o3)
     LAYER_COMPILE_ENGINES: ClassVar[tuple[str, ...]] = ("single", "ddp", "fsdp2", "deepspeed")
+    # Graphs one layer shape can need: dynamo keeps parameter and buffer shapes static (its
+    # force_parameter_static_shapes), so every weight shape is a graph of its own whatever `dynamic` says,
+    # times the input dtypes met (FP32 after a norm, BF16 after an FP8 layer under autocast), times what else
+    # the layer's forward guards on (msamp: warm-up over or not).
+    LAYER_COMPILE_VARIANTS_PER_SHAPE: ClassVar[int] = 2
 
     def layer_compile(self) -> tuple[bool, str]:
         """(whether `prepare()` compiles each converted layer one by one, why): `compile_fp8_layers`."""
@@ -55,6 +60,8 @@ class LayerExecution:
         if not self.layer_compile()[0]:
             return 0
         layers = [m for m in model.modules() if self.converted_kind(m) == "linear"]
+        shapes = {tuple(layer.weight.shape) for layer in layers}
+        raise_recompile_limit(len(shapes) * self.LAYER_COMPILE_VARIANTS_PER_SHAPE)
         for layer in layers:
             layer.compile(backend=self.LAYER_COMPILE_BACKEND, dynamic=self.LAYER_COMPILE_DYNAMIC)
         return len(layers)
@@ -85,3 +92,17 @@ class LayerExecution:
                 + ("; emulate=False forbids emulation" if self.recipe.emulate is False else "")
             )
         return True, f"emulated: {why}. FP8 numerics are exact, matmuls run in high precision, no speed-up"
+
+
+def raise_recompile_limit(graphs: int) -> None:
+    """Let dynamo keep `graphs` graphs of one function (the layers share their forward's code), plus
+    headroom. Past its limit (8 by default) dynamo runs every further variant eager for the rest of the
+    run, silently but for one log line: on the d4096 Llama proxy msamp's 5 weight shapes x 2 input dtypes x
+    warm-up gave 12 variants, so after the 16 warm-up steps layers fell back to eager kernels. Raised only,
+    never lowered: the setting is process-wide."""
+    import torch._dynamo.config as dynamo_config
+
+    wanted = graphs + 8
+    name = "recompile_limit" if hasattr(dynamo_config, "recompile_limit") else "cache_size_limit"  # before 2.7
+    if getattr(dynamo_config, name) < wanted:
+        setattr(dynamo_config, name, wanted)

@@ -114,3 +114,48 @@ def test_prepare_compiles_each_converted_layer_and_numerics_do_not_change(monkey
     layered, compiled = run(True)
     assert (none, compiled) == (0, 2)
     assert layered == pytest.approx(eager, rel=1e-5)
+
+
+def test_compile_layers_raises_dynamos_recompile_limit_to_what_the_layers_need(monkeypatch):
+    # Dynamo keeps weight shapes static: one graph per shape, per input dtype, per warm-up state. Past its
+    # limit every further variant runs eager for the rest of the run (the d4096 proxy needed 12 > 8).
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kw: None)
+    backend = create_backend(FP8RecipeKwargs(backend="msamp"), RunContext(device=H100), require_package=False)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 48), nn.Linear(48, 16), nn.Linear(16, 16))
+    monkeypatch.setattr(type(backend), "converted_kind", lambda self, m: "linear" if isinstance(m, nn.Linear) else None)
+    with dynamo_config.patch(recompile_limit=2):
+        backend.compile_layers(model)
+        assert dynamo_config.recompile_limit == 4 * backend.LAYER_COMPILE_VARIANTS_PER_SHAPE + 8
+    with dynamo_config.patch(recompile_limit=1000):
+        backend.compile_layers(model)
+        assert dynamo_config.recompile_limit == 1000  # raised only, never lowered
+
+
+def test_compiled_msamp_layers_of_many_shapes_stay_compiled_past_warm_up(monkeypatch):
+    # three shapes, two input dtypes, through the warm-up flip: every call runs a compiled graph, none falls
+    # back to eager at dynamo's recompile limit
+    import torch._dynamo.config as dynamo_config
+    from torch._dynamo.utils import counters
+
+    from lowprec.backends.msamp.linear import FP8Linear, update_delayed_scales
+
+    monkeypatch.setattr(Backend, "LAYER_COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()
+    counters.clear()
+    backend = create_backend(FP8RecipeKwargs(backend="msamp", compile_fp8_layers=True),
+                             RunContext(device=device_info("cpu")), require_package=False)
+    layers = nn.ModuleList([FP8Linear(32, 64, emulate=True, amax_history_len=2), FP8Linear(64, 48, emulate=True,
+                            amax_history_len=2), FP8Linear(48, 32, emulate=True, amax_history_len=2)])
+    with dynamo_config.patch(recompile_limit=8):  # torch's default
+        assert backend.compile_layers(layers) == 3
+        for _ in range(4):  # warm-up is 2 steps: both states met
+            for dtype in (torch.float32, torch.bfloat16):
+                h = torch.randn(8, 32, dtype=dtype)
+                for layer in layers:
+                    h = layer(h)
+                h.float().sum().backward()
+            update_delayed_scales(list(layers))
+    assert not layers[0].in_time()
+    assert not any("recompile limit" in reason.lower() for reason in counters["unimplemented"]), counters

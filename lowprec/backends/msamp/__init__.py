@@ -64,6 +64,7 @@ class MSAMPBackend(Backend):
     # shapes, which compile_fp8_layers' default does; static-only or dynamic-from-the-start both trace
     # (benchmarks/diag_msamp_compile.py on an H100, results/gpu/2026-11-23-h100-speed-head).
     LAYER_COMPILE_DYNAMIC = True
+    LAYER_COMPILE_VARIANTS_PER_SHAPE = 4  # x 2: warm-up (scales from the tensor at hand) and after it
     # LAYER_COMPILE_ENGINES: Backend's, every engine: compiled layers measured faster than eager ones under each
     # (EAGER_LAYERS_NOTE; two CPU processes check they train alike under DDP, FSDP2 and ZeRO-2)
 
