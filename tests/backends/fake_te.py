@@ -11,6 +11,8 @@ A test double, not an emulator:
   NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE.
 - `common.recipe` has TE's recipe classes with only the fields lowprec sets, so a misnamed argument
   is a TypeError here as it is in TE.
+- `quantized_model_init` records how it was entered (`quantized_init_calls`); the weights built inside it
+  stay plain tensors (TE's are `Float8Tensor`s).
 - `is_fp8_block_scaling_available` answers what `block_scaling` says; `optimizers.FusedAdam` takes TE's
   arguments and records the master weights it is given, and cannot step.
 
@@ -36,6 +38,7 @@ from torch import nn
 
 _state = types.SimpleNamespace(enabled=False, recipe=None)
 autocast_calls: list[dict] = []
+quantized_init_calls: list[dict] = []
 
 
 # ---- transformer_engine.common.recipe ---------------------------------------------------------
@@ -92,6 +95,12 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe=None, amax_
         yield
     finally:
         _state.enabled, _state.recipe = saved
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled: bool = True, recipe=None, preserve_high_precision_init_val: bool = False):
+    quantized_init_calls.append({"enabled": enabled, "recipe": recipe})
+    yield
 
 
 def _device(device) -> torch.device:
@@ -280,6 +289,7 @@ def fill_delayed_state(module: nn.Module, recipe: DelayedScaling, seed: int = 0)
 def install(monkeypatch) -> types.ModuleType:
     """Make `import transformer_engine[.pytorch|.common.recipe]` return this double for one test."""
     autocast_calls.clear()
+    quantized_init_calls.clear()
     _state.enabled, _state.recipe = False, None
     block_scaling.available, block_scaling.reason = True, ""
     recipe = _module("transformer_engine.common.recipe", Format=Format, DelayedScaling=DelayedScaling,
@@ -289,6 +299,7 @@ def install(monkeypatch) -> types.ModuleType:
     optimizers = _module("transformer_engine.pytorch.optimizers", FusedAdam=FusedAdam)
     pytorch = _module("transformer_engine.pytorch", package=True, Linear=Linear, LayerNorm=LayerNorm, RMSNorm=RMSNorm,
                       autocast=autocast, is_fp8_block_scaling_available=is_fp8_block_scaling_available,
+                      quantized_model_init=quantized_model_init,
                       optimizers=optimizers)
     root = _module("transformer_engine", package=True, common=common, pytorch=pytorch)
     for module in (root, common, recipe, pytorch, optimizers):

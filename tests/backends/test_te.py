@@ -378,7 +378,7 @@ def test_mxfp8_from_accelerates_environment_variable(monkeypatch):
         FP8RecipeKwargs()
 
 
-@pytest.mark.parametrize("engine,ok", [("single", True), ("ddp", True), ("fsdp2", False), ("fsdp1", False),
+@pytest.mark.parametrize("engine,ok", [("single", True), ("ddp", True), ("fsdp2", True), ("fsdp1", False),
                                        ("deepspeed", False)])
 def test_fp8_weights_only_where_supported(engine, ok):
     if ok:

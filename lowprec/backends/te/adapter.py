@@ -17,6 +17,7 @@ from ...frontend.specs import backend_spec
 from ...utils.imports import require
 from ..base import Backend, BackendUnavailableError, RunContext
 from ..torchao import _is_mha_projection
+from .fsdp import FP8_WEIGHT_DTYPE, TECommunication, fp8_weights_problem
 from .storage import TEWeightStorage
 
 if TYPE_CHECKING:
@@ -46,17 +47,17 @@ COMPILED_NOTE = (
 class TEBackend(Backend):
     spec = backend_spec("te")
     storage_part = TEWeightStorage  # fp8_weights: FP8-only weights, FP32 masters in FusedAdam
+    communication_part = TECommunication  # fp8_weights under FSDP2: around Accelerate's preparation (fsdp.py)
 
     def __init__(self, recipe, context):
         super().__init__(recipe, context)
         # Weak: a module id() can be reused once the module is gone.
         self._rms_variants: weakref.WeakKeyDictionary[nn.Module, str | None] = weakref.WeakKeyDictionary()
         self._hp_weights: dict[int, torch.Tensor] = {}
-        if self.recipe.fp8_weights and context.engine in ("fsdp2", "fsdp1", "deepspeed"):
-            raise BackendUnavailableError(
-                f"FP8RecipeKwargs(backend='te', fp8_weights=True) is not supported with {context.engine} in this "
-                "version of lowprec; use fp8_weights=False there (weights stay high precision, GEMMs FP8)"
-            )
+        if self.recipe.fp8_weights:
+            problem = fp8_weights_problem(self.recipe_name, context.engine, self.recipe.reduce_amax)
+            if problem is not None:
+                raise BackendUnavailableError(problem)
         # TE's own check reads the local GPU: only ask when planning for it and TE is there to ask
         if (self.recipe_name == "block" and not self.emulated and torch.cuda.is_available()
                 and context.device.type == "cuda" and self.availability()[0]):
@@ -81,6 +82,11 @@ class TEBackend(Backend):
     @staticmethod
     def _te():
         return require("transformer_engine", feature="backend='te'")
+
+    @property
+    def gathers_fp8_weights(self) -> bool:
+        # fp8_weights under FSDP2: the sharded parameter is TE's Float8Tensor, gathered as FP8 bytes (fsdp.py)
+        return bool(self.recipe.fp8_weights) and self.context.engine == "fsdp2"
 
     # ----- which modules -------------------------------------------------------------------
     def candidate_kind(self, module: nn.Module) -> str | None:
@@ -199,9 +205,12 @@ class TEBackend(Backend):
         te = self._te()
         device = None
         quantized_init = None
+        # Under FSDP2 FP8-only weights are nominally FP32: the dtype Accelerate gives every other trainable
+        # parameter there, which it would otherwise give them by dequantising (fsdp.py)
+        linear_dtype = FP8_WEIGHT_DTYPE if self.gathers_fp8_weights else None
         if self.recipe.fp8_weights:
             # FP8-only weights are quantised on the GPU at construction.
-            device = torch.device("cuda", torch.cuda.current_device())
+            device = self.fp8_weight_device()
             recipe = self.te_recipe()
 
             def quantized_init():
@@ -210,12 +219,22 @@ class TEBackend(Backend):
         def build(module: nn.Module, decision) -> nn.Module:
             zero_centered = decision.kind == "rmsnorm" and self.rms_variant(module) == "zero_centered"
             init = quantized_init if decision.kind == "linear" else None
-            new = from_float(module, decision.kind, zero_centered=zero_centered, device=device, quantized_init=init)
+            new = from_float(module, decision.kind, zero_centered=zero_centered, device=device, quantized_init=init,
+                             dtype=linear_dtype if init is not None else None)
             if init is not None:
                 self._hp_weights[id(new.weight)] = module.weight.detach().to(new.weight.device, torch.float32).clone()
             return new
 
         return swap_planned_modules(model, plan, build)
+
+    @staticmethod
+    def fp8_weight_device() -> torch.device:
+        """Where FP8-only weights are built: TE quantises them on the current GPU."""
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def take_hp_weight(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The FP32 copy of an FP8-only `weight` from before its quantisation (once), or None."""
+        return self._hp_weights.pop(id(weight), None)
 
     # ----- optimizer-state precision ------------------------------------------------------------
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, plan: PrecisionPlan) -> torch.optim.Optimizer:
@@ -247,6 +266,12 @@ class TEBackend(Backend):
             adam_w_mode=bool(decoupled), master_weights=True, master_weight_dtype=torch.float32,
         )
         seeded = 0
+        if self.gathers_fp8_weights:
+            # Under FSDP2 the masters are seeded from the shards once Accelerate has sharded the weights
+            # (fsdp.TECommunication.install): state seeded now would belong to the unsharded parameters.
+            log.info("lowprec: %s -> TE FusedAdam(master_weights=True); FP32 masters seeded after FSDP2 sharding",
+                     type(optimizer).__name__)
+            return new
         for group in new.param_groups:
             for p in group["params"]:
                 hp = self._hp_weights.pop(id(p), None)
@@ -311,6 +336,12 @@ class TEBackend(Backend):
             notes.append("DelayedScaling: checkpoints keep scales and amax histories without pickle; not compilable")
         if self.recipe.fp8_weights:
             notes.append("fp8_weights: Adam/AdamW is replaced by TE FusedAdam(master_weights=True)")
+        if self.gathers_fp8_weights:
+            n = self.context.world_size
+            notes.append(f"fp8_weights under FSDP2: model state {plan.model_state_bytes_per_param:.3g} bytes/param per "
+                         f"rank over {n} ranks (FP8 Linears: (1 + 4 + 4 + 8)/N: FP8 weight, FP32 gradient, FP32 "
+                         "master and FP32 Adam moments, all sharded); TE's Float8Tensor shards are all-gathered as "
+                         "FP8 bytes, the rest as FSDP2's mixed-precision policy says")
         if self.context.compiled and (plan.converted or self._kept_only_because_compiled(plan)):
             notes.append(COMPILED_NOTE)
         return notes

@@ -215,7 +215,8 @@ def rmsnorm_eps(module: nn.Module) -> float:
 @torch.no_grad()
 def from_float(module: nn.Module, kind: str, *, zero_centered: bool = False,
                device: torch.device | None = None,
-               quantized_init: Callable[[], contextlib.AbstractContextManager] | None = None) -> nn.Module:
+               quantized_init: Callable[[], contextlib.AbstractContextManager] | None = None,
+               dtype: torch.dtype | None = None) -> nn.Module:
     """Build lowprec's TE module for `module` and copy its parameters.
 
     Args:
@@ -224,11 +225,12 @@ def from_float(module: nn.Module, kind: str, *, zero_centered: bool = False,
         device: where to build (default: the module's own device).
         quantized_init: a factory of the context (TE's quantized_model_init) that builds FP8-only
             weights; a factory because that context can be entered only once.
+        dtype: the dtype to build in (default: the module's weight's); the weights are copied into it.
     """
     classes = module_classes()
     weight = module.weight
     device = device or weight.device
-    dtype = weight.dtype
+    dtype = dtype or weight.dtype
     with quantized_init() if quantized_init is not None else contextlib.nullcontext():
         if kind == "linear":
             new = classes["linear"](module.in_features, module.out_features, bias=module.bias is not None,

@@ -1,7 +1,9 @@
 """TE's weight storage: the shared part's knobs, and `fp8_weights`, where TE keeps converted Linear
 weights in FP8 only, quantised at init and after each step by FusedAdam from its FP32 masters
-(single process or DDP; the adapter refuses the sharded engines). `fp8_weights` and the storage knobs
-are one choice (`FP8RecipeKwargs` refuses both), so the shared part changes nothing it changes."""
+(single process, DDP, and FSDP2 with per-tensor recipes, where the FP8 weights are FSDP2's shards and
+everything is counted per rank: fsdp.py; the adapter refuses FSDP1 and DeepSpeed). `fp8_weights` and
+the storage knobs are one choice (`FP8RecipeKwargs` refuses both), so the shared part changes nothing
+it changes."""
 
 from __future__ import annotations
 
@@ -26,6 +28,19 @@ class TEWeightStorage(WeightStorage):
         mine = {"weight": TensorPrecision("weight", f"FP8 E4M3 (Linear), {hp} (rest)",
                                           "quantised at init and after each step by FusedAdam"),
                 "master_weight": TensorPrecision("master_weight", "FP32 (TE FusedAdam)")}
+        if self.owner.gathers_fp8_weights:
+            n = self.owner.context.world_size
+            rest = self.owner.engine_rows(hp)[1].dtype  # the rest as FSDP2's mixed-precision policy gathers it
+            scale = {"delayed": "one delayed scale per tensor, its amaxes all-reduced across ranks",
+                     "current": "one scale per tensor from its amax all-reduced over the FSDP2 mesh"
+                     }[self.owner.recipe_name]
+            mine = {"weight": TensorPrecision(
+                        "weight", f"FP8 E4M3 (Linear, sharded over {n} ranks, all-gathered as FP8), {rest} (rest)",
+                        f"TE's Float8Tensor is the FSDP2 shard: its FP8 bytes are all-gathered ({scale}); "
+                        "requantised after each step by FusedAdam"),
+                    "master_weight": TensorPrecision("master_weight", f"FP32 (TE FusedAdam), sharded over {n} ranks",
+                                                     "one FP32 shard per FP8 weight shard, seeded from the weight "
+                                                     "before quantisation")}
         return [mine.get(row.kind, row) for row in rows]
 
     def adjust_bytes(self, out: dict[str, float], plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
@@ -35,4 +50,11 @@ class TEWeightStorage(WeightStorage):
             share = plan.fp8_param_share
             out["weight"] = share * 1 + (1 - share) * param_dtype.itemsize
             out["master_weight"] = share * 4
+            if self.owner.gathers_fp8_weights:
+                # FSDP2 shards everything, per rank: FP8 weight shards, FP32 gradient shards (the FP8
+                # weights are nominally FP32, fsdp.py), FP32 master shards, FusedAdam's FP32 moments
+                n = self.owner.context.world_size
+                out["weight_grad"] = share * 4 + (1 - share) * out["weight_grad"]
+                out["optimizer_states"] = 8.0
+                out = {k: v / n for k, v in out.items()}
         return out
