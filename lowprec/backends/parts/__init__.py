@@ -19,7 +19,8 @@ An adapter names its parts in the class attributes `storage_part`, `optimizer_pa
 adapters keep these shared parts; one whose layers or levels decide a job their own way names a
 subclass: msamp brings all three (`lowprec.backends.msamp`: its FP8Linear holds the level's storage,
 O3 counts optimizer states per rank, and its communication part runs O3 under FSDP2 and DeepSpeed),
-TE a storage part for `fp8_weights`. Each part reads its backend (`owner.Owner`) for the facts a
+TE a storage part and a communication part for `fp8_weights` (`lowprec.backends.te.fsdp`: under
+FSDP2). Each part reads its backend (`owner.Owner`) for the facts a
 backend decides (the storage knobs and level in force, which modules are its own); the backend keeps
 one-line methods of the old names that hand over to its parts, so the Accelerator calls what it always
 called.

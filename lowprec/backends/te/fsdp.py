@@ -3,9 +3,9 @@
 TE's `Float8Tensor` (the weight `quantized_model_init` builds) carries FSDP2's all-gather extension:
 `fsdp_pre_all_gather` hands FSDP2 the shard's uint8 data and keeps the per-tensor scale as metadata,
 `fsdp_post_all_gather` rebuilds a `Float8Tensor` around the gathered bytes (TE 2.20.2,
-pytorch/tensor/float8_tensor.py:943-1049). TE's `FusedAdam(master_weights=True)` steps DTensor parameters
+pytorch/tensor/float8_tensor.py:943-1052). TE's `FusedAdam(master_weights=True)` steps DTensor parameters
 with `Float8Tensor` shards: FP32 master and moment shards, the shard requantised after each step
-(pytorch/optimizers/fused_adam.py:397-450, 670-700, 894-897). That is Megatron-Bridge's `fp8_param_gather`.
+(pytorch/optimizers/fused_adam.py:397-450, 678-710, 894-897). That is Megatron-Bridge's `fp8_param_gather`.
 
 Which recipes (`FSDP2_RECIPES`): per-tensor scaling only. The gathered tensor takes the scale of the rank
 that gathers it, so every shard must be quantised with the same scale: current scaling all-reduces the
