@@ -65,10 +65,11 @@ MEGATRON = Section(
         Knob("fp8_param_gather=True", ("fp8_param_gather", "fp8_param", "fp8_params"), where=(N2, MB),
              example={"backend": "te", "fp8_weights": True},
              not_offered="it is Megatron's distributed optimizer keeping FP8 weights and all-gathering them in FP8",
-             note="(FP8-only weights with FP32 masters in TE's FusedAdam, which replaces Adam/AdamW; one process and "
-                  "DDP: [backends/te.md](backends/te.md)). Also spelled `fp8_param` (Megatron-Bridge) and "
-                  "`fp8_params` (NeMo 2, deprecated); most of Megatron-Bridge's named recipes set it, lowprec's "
-                  "do not"),
+             note="(FP8-only weights with FP32 masters in TE's FusedAdam, which replaces Adam/AdamW; one process, "
+                  "DDP, and FSDP2 with `recipe='delayed'` or `'current'`, where FSDP2 all-gathers the FP8 weights: "
+                  "[backends/te.md](backends/te.md#fp8-weights-under-fsdp2)). Also spelled `fp8_param` "
+                  "(Megatron-Bridge) and `fp8_params` (NeMo 2, deprecated); most of Megatron-Bridge's named recipes "
+                  "set it, lowprec's do not"),
         Knob("reuse_grad_buf_for_mxfp8_param_ag=True", ("reuse_grad_buf_for_mxfp8_param_ag",), where=(MB,),
              not_offered="a buffer reuse of Megatron's FP8 parameter all-gather under MXFP8, which lowprec does not "
                          "have (above)"),
