@@ -81,6 +81,7 @@ def main() -> None:
     p.add_argument("--engine", choices=["ddp", "fsdp2", "zero1", "zero2", "zero3"], default="ddp")
     p.add_argument("--grad-comm-dtype", choices=["fp32", "bf16", "fp8"], default=None)
     p.add_argument("--compile-fp8-layers", choices=["true", "false"], default=None)
+    p.add_argument("--fp8-weights", action="store_true", help="FP8RecipeKwargs(fp8_weights=True) (te)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="small")
     p.add_argument("--out", required=True)
@@ -115,7 +116,7 @@ def main() -> None:
             accelerator = Accelerator(mixed_precision="bf16", **kwargs)
         else:
             recipe = FP8RecipeKwargs(backend=args.backend, recipe=args.recipe or None, opt_level=args.opt_level,
-                                     grad_comm_dtype=args.grad_comm_dtype,
+                                     grad_comm_dtype=args.grad_comm_dtype, fp8_weights=args.fp8_weights or None,
                                      compile_fp8_layers=None if args.compile_fp8_layers is None
                                      else args.compile_fp8_layers == "true")
             accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
@@ -250,7 +251,8 @@ def main() -> None:
                 "peak_memory_gib_per_rank": peaks.tolist(), "model_state_bytes_per_param": state_bytes,
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
                 "losses": losses, "step_times_s": times, "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
-                "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled,
+                "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled, "fp8_weights": args.fp8_weights,
+                "weight_row": plan.tensor("weight").dtype if plan else None,
                 "host_syncs_in_a_step": syncs, **kernels, **evidence,
             }, fh, indent=1)
     accelerator.wait_for_everyone()
