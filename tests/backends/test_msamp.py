@@ -777,3 +777,29 @@ def test_one_process_results_do_not_depend_on_reduce_amax(fresh_accelerate_state
     for step, (a, b) in enumerate(zip(*runs)):
         assert len(a) == len(b)
         assert all(torch.equal(p, q) for p, q in zip(a, b)), step
+
+
+@pytest.mark.parametrize("engine_norm, clipped", [(0.0, True), (torch.tensor(3.0), True), (None, True),
+                                                  (torch.tensor(float("nan")), False), (float("inf"), False)])
+def test_o3_under_zero_clips_by_the_norm_over_every_gradient_on_the_device(engine_norm, clipped):
+    # ZeroFP8Weights._clip: the FP8 gradients' scales divided by max_norm / total, total over the FP8 gradients
+    # and DeepSpeed's norm of the rest (a tensor stays a tensor: no host sync); a non-finite total clips nothing
+    from lowprec.backends.msamp.zero import ZeroFP8Weights
+    from lowprec.kernels.scaling import compute_scale, quantize
+
+    layers = [FP8Linear(16, 16, emulate=True) for _ in range(2)]
+    for i, layer in enumerate(layers):
+        g = torch.full((16, 16), float(i + 1))
+        scale = compute_scale(g.abs().amax(), torch.float8_e4m3fn)
+        layer.fp8_grad_data.copy_(quantize(g, scale, torch.float8_e4m3fn))
+        layer.fp8_grad_scale.copy_(scale)
+        layer.fp8_grad_valid.fill_(1.0)
+    before = [float(layer.fp8_grad_scale) for layer in layers]
+    zero = ZeroFP8Weights.__new__(ZeroFP8Weights)
+    zero.layers = layers
+    zero._clip(1.0, 0.0 if engine_norm is None else engine_norm)
+    own = math.sqrt(16 * 16 * (1 + 4))
+    other = 0.0 if engine_norm is None else float(engine_norm)
+    coef = 1.0 / (math.sqrt(own**2 + other**2) + 1e-6) if clipped else 1.0
+    for layer, scale in zip(layers, before):
+        assert float(layer.fp8_grad_scale) == pytest.approx(scale / coef, rel=1e-6)

@@ -228,5 +228,5 @@ class MSAMPCommunication(GradientCommunication):
         engine = self.zero.engine
         max_norm = engine.gradient_clipping() if engine is not None else None
         norm = engine.get_global_grad_norm() if max_norm else None
-        self.zero.step(max_norm=max_norm, engine_norm=float(norm) if norm is not None else None)
+        self.zero.step(max_norm=max_norm, engine_norm=norm)  # a tensor stays on its device: no host sync
         self.update_delayed_scales()

@@ -22,8 +22,6 @@ has no public way to count gradients it does not hold.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -170,12 +168,12 @@ class ZeroFP8Weights:
 
     # ----- each step -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, max_norm: float | None = None, engine_norm: float | None = None) -> None:
+    def step(self, max_norm: float | None = None, engine_norm: float | torch.Tensor | None = None) -> None:
         """Average the FP8 gradients, clip them by the norm over every gradient (with `engine_norm`,
         DeepSpeed's pre-clip norm of the rest), step the masters, broadcast the new FP8 weights."""
         self.reducer.reduce()
         if max_norm:
-            self._clip(max_norm, engine_norm or 0.0)
+            self._clip(max_norm, 0.0 if engine_norm is None else engine_norm)
         for group, source in zip(self.optimizer.param_groups, self._group_sources):
             group.update({k: source[k] for k in HYPER if k in source})
         self.optimizer.step()
@@ -183,15 +181,18 @@ class ZeroFP8Weights:
         for layer in self.layers:
             layer.fp8_grad_valid.zero_()
 
-    def _clip(self, max_norm: float, engine_norm: float) -> None:
+    def _clip(self, max_norm: float, engine_norm: float | torch.Tensor) -> None:
+        """Divide every FP8 gradient's scale by the clip coefficient, on the device: no host sync in the step
+        (the coefficient is 1 where the total norm is under `max_norm` or not finite)."""
         norms = fp8_grad_norms(self.layers, 2.0)  # a layer without a gradient counts 0
         if norms is None:
             return
-        total = math.sqrt(float(norms.square().sum()) + float(engine_norm) ** 2)
+        engine = torch.as_tensor(engine_norm, dtype=torch.float32, device=norms.device)
+        total = (norms.float().square().sum() + engine.square()).sqrt()
         coef = max_norm / (total + 1e-6)
-        if coef < 1 and math.isfinite(total):
-            for layer in self.layers:  # value = data / scale: a larger scale is a smaller gradient
-                layer.fp8_grad_scale.div_(coef)
+        coef = torch.where(torch.isfinite(total) & (coef < 1), coef, torch.ones_like(coef))
+        # value = data / scale: a larger scale is a smaller gradient
+        torch._foreach_div_([layer.fp8_grad_scale for layer in self.layers], coef)
 
     def _requantize_and_broadcast(self) -> None:
         for i, master in self.masters.items():
