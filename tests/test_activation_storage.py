@@ -183,3 +183,15 @@ def test_autocast_copies_of_weights_are_not_packed(frozen):
     # copies kept: the input gradient only meets the weights, so it is the same bit for bit
     assert (storage.counts.packed, storage.counts.parameters_kept) == (1 if frozen else 2, 2)
     assert torch.equal(grads[0], grads[1])
+
+
+def test_zero_dimensional_tensors_are_kept_whatever_the_threshold():
+    # a 0-d saved tensor is a scale or a loss (msamp's FP8Linear saves its scales): nothing to pack, and
+    # pack_fp8 takes tensors of one dimension or more
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    model = nn.Linear(4, 4)
+    storage = FP8ActivationStorage(model, min_elements=0)
+    scale = torch.tensor(2.0)
+    assert storage.pack(scale) is scale and storage.counts.others_kept == 1
+    assert storage.pack(torch.randn(4, 4)) is not None and storage.counts.packed_elements == 16

@@ -64,7 +64,8 @@ class FP8ActivationStorage:
 
     def pack(self, tensor: torch.Tensor):
         if (type(tensor) is not torch.Tensor  # parameters, DTensors, FP8 tensor subclasses: theirs to store
-                or not tensor.is_floating_point() or tensor.element_size() < 2 or tensor.numel() < self.min_elements):
+                or not tensor.is_floating_point() or tensor.element_size() < 2 or tensor.dim() == 0
+                or tensor.numel() < self.min_elements):  # a 0-d tensor is a scale or a loss: nothing to save
             if id(tensor) in self._parameter_ids:
                 self.counts.parameters_kept += 1
             else:

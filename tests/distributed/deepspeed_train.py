@@ -48,6 +48,8 @@ SCENARIOS = {
     "O3_groups": dict(backend="msamp", opt_level="O3", groups="mixed"),
     # a group of Linear weights only would be left empty (DeepSpeed drops it): refused
     "O3_weights_group": dict(backend="msamp", opt_level="O3", groups="weights"),
+    # activation_dtype='fp8': the tensors autograd saves in the forward stored in E4M3 under DeepSpeed too
+    "fp8_activations": dict(activation_dtype="fp8"),
     # the FP8 layers compiled one by one (inductor), the default on FP8 GPUs: trains as O3 does, resumes
     "O3_compiled": dict(backend="msamp", opt_level="O3", compile_fp8_layers=True),
     # TransformerEngine's test double on an assumed H100: lowprec's te.autocast around every forward
@@ -242,6 +244,12 @@ def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
     optimizer = make_optimizer(model, groups)
     model, optimizer = accelerator.prepare(model, optimizer)
     inner = accelerator.unwrap_model(model)
+    storage = None
+    if knobs.get("activation_dtype") == "fp8":
+        from lowprec.runtime.activations import activation_storage
+
+        storage = activation_storage(model)
+        storage.min_elements = 0  # the toy model's activations are far below the default threshold
     fp8_calls = []
     for module in inner.modules():
         if type(module).__name__ in ("Float8Linear", "FP8Linear") or type(module).__module__.startswith(TE_MODULES):
@@ -261,6 +269,7 @@ def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
     }
     record["losses"] = run_steps(accelerator, model, optimizer, range(STEPS))
     record["fp8_forward_calls"] = len(fp8_calls)
+    record["packed_elements"] = storage.counts.packed_elements if storage is not None else 0
     if knobs.get("opt_level") == "O3":
         record["o3"] = o3_record(accelerator, inner)
         zero = accelerator._lowprec[-1][1].zero
@@ -297,6 +306,10 @@ def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
         model2 = make_model()
         optimizer2 = make_optimizer(model2, groups)
         model2, optimizer2 = accelerator2.prepare(model2, optimizer2)
+        if storage is not None:
+            from lowprec.runtime.activations import activation_storage
+
+            activation_storage(model2).min_elements = 0
         accelerator2.load_state(checkpoint)
         record["resumed"] = run_steps(accelerator2, model2, optimizer2, range(STEPS, STEPS + 3))
         dist.barrier()

@@ -390,7 +390,8 @@ def optimizer_state_digest(optimizer) -> str:
 def train(level: str, *, steps: int = STEPS, accumulation: int = 1, seed_by_rank: bool = False,
           max_norm: float | None = MAX_NORM, backwards: int = 1, skip_step: int | None = None,
           reduce_amax: bool | None = None, amax_history_len: int | None = None,
-          nan_amax_step: int | None = None, compile_layers: bool | None = None) -> dict:
+          nan_amax_step: int | None = None, compile_layers: bool | None = None,
+          activation_dtype: str | None = None) -> dict:
     """Train the toy model with backend="msamp" at `level`; returns this rank's record.
 
     Every optimizer step uses the same global batch of GLOBAL_BATCH rows whatever the number of
@@ -402,7 +403,8 @@ def train(level: str, *, steps: int = STEPS, accumulation: int = 1, seed_by_rank
     are computed and clipped, then dropped with `zero_grad()` without an optimizer step (the usual
     "skip a bad step" pattern). `reduce_amax`, `amax_history_len`: the recipe's. At step `nan_amax_step`
     rank 0 alone records a NaN amax before the optimizer step (NAN_AMAX_AT: layer, row), as an overflow in
-    its own forward or backward would. `compile_layers`: the recipe's compile_fp8_layers (inductor on CPU).
+    its own forward or backward would. `compile_layers`: the recipe's compile_fp8_layers (inductor on CPU);
+    `activation_dtype`: the recipe's.
     """
     from accelerate.utils import InitProcessGroupKwargs
 
@@ -411,7 +413,7 @@ def train(level: str, *, steps: int = STEPS, accumulation: int = 1, seed_by_rank
 
     recipe = FP8RecipeKwargs(backend="msamp", opt_level=level, skip_first_last=False, skip_slow_shapes=False,
                              reduce_amax=reduce_amax, amax_history_len=amax_history_len,
-                             compile_fp8_layers=compile_layers)
+                             compile_fp8_layers=compile_layers, activation_dtype=activation_dtype)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation,
                               kwargs_handlers=[recipe, InitProcessGroupKwargs(timeout=TIMEOUT)])
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -422,6 +424,12 @@ def train(level: str, *, steps: int = STEPS, accumulation: int = 1, seed_by_rank
     inner = accelerator.unwrap_model(model)
     layers = fp8_layers(inner)
     plan = accelerator.precision_plan
+    storage = None
+    if activation_dtype == "fp8":
+        from lowprec.runtime.activations import activation_storage
+
+        storage = activation_storage(model)
+        storage.min_elements = 0  # the toy model's activations are far below the default threshold
     reducer = accelerator._lowprec[-1][1].store_reducer
     params = list(inner.parameters())
 
@@ -488,6 +496,7 @@ def train(level: str, *, steps: int = STEPS, accumulation: int = 1, seed_by_rank
                                                         reduction="mean"))
         record["steps"].append(entry)
     record["final"] = {n: _floats(p) for n, p in inner.named_parameters()}
+    record["packed_elements"] = storage.counts.packed_elements if storage is not None else 0
     accelerator.wait_for_everyone()
     return record
 
@@ -512,6 +521,8 @@ TRAIN_SCENARIOS = {
     "O2_window2_nan_no_reduce": dict(level="O2", amax_history_len=2, steps=5, nan_amax_step=3, reduce_amax=False),
     # the FP8 layers compiled one by one (inductor): the default on FP8 GPUs under DDP
     "O2_compiled": dict(level="O2", compile_layers=True),
+    # activation_dtype='fp8' (issue 32): what autograd saves in the forward kept in E4M3 under DDP
+    "O2_fp8_activations": dict(level="O2", activation_dtype="fp8"),
 }
 
 
