@@ -195,3 +195,15 @@ def test_zero_dimensional_tensors_are_kept_whatever_the_threshold():
     scale = torch.tensor(2.0)
     assert storage.pack(scale) is scale and storage.counts.others_kept == 1
     assert storage.pack(torch.randn(4, 4)) is not None and storage.counts.packed_elements == 16
+
+
+def test_views_of_parameters_the_model_did_not_list_are_kept():
+    # FSDP2's unsharded parameters are not the sharded DTensors model.parameters() lists at install, and
+    # F.linear saves weight.t(): a view of a Parameter is a weight, never packed to FP8
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    storage = FP8ActivationStorage(nn.Linear(4, 4), min_elements=0)
+    gathered = nn.Parameter(torch.randn(256, 128))  # stands for an all-gathered, unsharded weight
+    view = gathered.t()
+    assert storage.pack(view) is view and storage.counts.parameters_kept == 1
+    assert storage.counts.packed == 0

@@ -71,7 +71,10 @@ class FP8ActivationStorage:
             else:
                 self.counts.others_kept += 1
             return tensor
-        if tensor.untyped_storage().data_ptr() in self._parameter_storages or self._is_weight_copy(tensor):
+        # A view of a parameter outside the set built at install: FSDP2's unsharded parameters live in its
+        # all-gather buffers, not in the sharded DTensors the model listed, and F.linear saves weight.t()
+        if (tensor.untyped_storage().data_ptr() in self._parameter_storages or isinstance(tensor._base, nn.Parameter)
+                or self._is_weight_copy(tensor)):
             self.counts.parameters_kept += 1
             return tensor
         packed = pack_fp8(tensor)
