@@ -65,6 +65,18 @@ def test_o3_on_two_ranks_trains_like_o2_on_one_process(ranks):
 
 
 @pytest.mark.slow
+def test_o3_under_fsdp2_with_fp8_activations_follows_the_run_without(ranks):
+    # activation_dtype='fp8' under FSDP2 (issue 32): packed on both ranks, the unsharded weights kept (the
+    # gathered FP8 weights, the norm's from an FSDP2 all-gather buffer), the global loss the same on both ranks
+    # and within 2% of the run without
+    for r in ranks:
+        act = r["train"]["fp8_activations"]
+        assert act["packed"] > 0 and act["kept"] > 0
+        assert act["losses"] == pytest.approx(r["train"]["o3"], rel=0.02) and act["losses"] != r["train"]["o3"]
+    assert ranks[0]["train"]["fp8_activations"]["losses"] == ranks[1]["train"]["fp8_activations"]["losses"]
+
+
+@pytest.mark.slow
 def test_o3_under_fsdp2_with_compiled_layers_trains_as_with_eager_ones(ranks):
     # compile_fp8_layers under FSDP2 (the default on FP8 GPUs): each layer's compiled forward and backward
     # take the E4M3 weight FSDP2 gathered and hand the gradient to its FP8 reduce-scatter, as eager ones do

@@ -144,6 +144,16 @@ def train(mesh) -> dict:
               "delayed_scales": [[float(s) for s in layer.scales[:2]] for layer in backend.layers],
               "amax_windows": [layer.amax_history[:, 1:].tolist() for layer in backend.layers],
               "reduce_amax": backend.reduce_amax, "amax_reduction": backend.amax_reduction}
+    # activation_dtype='fp8' (issue 32) on the O3 model under FSDP2: norm and GELU inputs packed, the
+    # all-gathered weights (FP8 subclasses) and the FP32 norm's unsharded weight left alone
+    from lowprec.runtime.activations import install_activation_storage
+
+    fp8_act, a_opt, a_hook, _ = build("O3", "fsdp2", mesh)
+    storage = install_activation_storage(fp8_act, fp8_act)
+    storage.min_elements = 0  # the toy model's activations are below the default threshold
+    record["fp8_activations"] = {"losses": steps(fp8_act, a_opt, a_hook, range(STEPS), rank),
+                                 "packed": storage.counts.packed,
+                                 "kept": storage.counts.parameters_kept + storage.counts.others_kept}
     torch._dynamo.reset()
     compiled, c_opt, c_hook, c_backend = build("O3", "fsdp2", mesh, compiled=True)
     record["compiled"] = {"losses": steps(compiled, c_opt, c_hook, range(STEPS), rank),
