@@ -107,7 +107,7 @@ class TECommunication(GradientCommunication):
 
     @property
     def active(self) -> bool:
-        return bool(self.owner.recipe.fp8_weights) and self.owner.context.engine == "fsdp2"
+        return self.owner.gathers_fp8_weights
 
     def before_engine_prepare(self, objects: list, accelerator=None) -> None:
         if not self.active:
