@@ -8,12 +8,11 @@
    Accelerate builds FSDP only on GPUs, so this drives `fully_shard` and the backend's hooks directly.
 """
 
-import json
 import sys
 
 import torch
 import torch.distributed as dist
-from teardown import end_ranks  # beside this script: torchrun puts its folder on sys.path
+from teardown import end_ranks, write_ranks  # beside this script: torchrun puts its folder on sys.path
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -176,17 +175,12 @@ def checkpoint() -> dict:
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rank = dist.get_rank()
     result = {"numerics": comm_numerics(), "train": {}}
     for choice in (None, "bf16", "fp32", "fp8"):
         result["train"][str(choice)] = train(choice)
     result["train"]["fp8_states"] = train("fp8", optimizer_states="fp8")
     result["checkpoint"] = checkpoint()
-    ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, result)
-    if rank == 0:
-        with open(out_path, "w") as fh:
-            json.dump(ranks, fh)
+    write_ranks(result, out_path)
     end_ranks()
 
 

@@ -17,12 +17,11 @@ MS-AMP O3 under FSDP2, driven as Accelerate's FSDP2 plugin would (its FSDP path 
 """
 
 import copy
-import json
 import sys
 
 import torch
 import torch.distributed as dist
-from teardown import end_ranks  # beside this script: torchrun puts its folder on sys.path
+from teardown import end_ranks, write_ranks  # beside this script: torchrun puts its folder on sys.path
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -366,11 +365,7 @@ def main(out_path: str) -> None:
               "accelerate": through_accelerate_fsdp2(), "accumulation": accumulation(mesh),
               "precomputed": precomputed_scales(mesh), "health": health(mesh),
               "master_class": FP8MasterWeight.__name__, "gathered_class": FP8GatheredWeight.__name__}
-    ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, result)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as fh:
-            json.dump(ranks, fh)
+    write_ranks(result, out_path)
     end_ranks()
 
 

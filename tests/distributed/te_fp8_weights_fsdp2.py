@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from teardown import end_ranks  # beside this script: torchrun puts its folder on sys.path
+from teardown import end_ranks, write_ranks  # beside this script: torchrun puts its folder on sys.path
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backends"))
@@ -119,7 +119,6 @@ def prepare(with_hooks: bool) -> dict:
 
 
 def main(out_path: str) -> None:
-    import json
 
     import pytest
     from accelerate import PartialState
@@ -131,11 +130,7 @@ def main(out_path: str) -> None:
     fake_te.install(patch)
     patch.setattr(TEBackend, "fp8_weight_device", staticmethod(lambda: torch.device("cpu")))
     result = {"hooks": prepare(with_hooks=True), "no_hooks": prepare(with_hooks=False)}
-    ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, result)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as fh:
-            json.dump(ranks, fh)
+    write_ranks(result, out_path)
     end_ranks()
 
 

@@ -1,9 +1,19 @@
 """How the two-rank CPU scripts end."""
 
+import json
 import os
 import sys
 
 import torch.distributed as dist
+
+
+def write_ranks(result, out_path: str) -> None:
+    """Gather every rank's `result` and have rank 0 write the list to `out_path` as JSON."""
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, result)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as fh:
+            json.dump(ranks, fh)
 
 
 def end_ranks() -> None:
