@@ -78,30 +78,37 @@ def free_port() -> int:
 GLOO_ABORT = "terminate called without an active exception"
 
 
+def run_processes(cmd: list, env: dict, timeout: int = 300):
+    """Run a multi-process launch (`torchrun`, `accelerate launch`) and return the CompletedProcess.
+
+    gloo's teardown now and then aborts a rank on a loaded 2-core host (see tests/distributed/teardown.py);
+    scripts of ours leave before it, but examples and benchmarks end as a user's script does. A run that
+    fails with gloo's own abort message is run once more, and the test says so aloud."""
+    import os
+    import subprocess
+    import warnings
+
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and GLOO_ABORT in proc.stderr:
+        name = next((os.path.basename(a) for a in cmd if str(a).endswith(".py")), cmd[-1])
+        warnings.warn(f"{name}: a rank aborted inside gloo ({GLOO_ABORT!r}); ran it again", stacklevel=2)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
 def run_two_ranks(script: str, *args: str, out, timeout: int = 300, **env: str):
     """Run `script *args OUT` on two CPU processes under torchrun (gloo) and return the JSON it wrote to
     `out`. The environment has no ACCELERATE_* variable but those in `env`, and no GPU (the ranks are
     CPU processes on a CUDA host too)."""
     import json
     import os
-    import subprocess
     import sys
-    import warnings
 
     environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     environ.update(OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", CUDA_VISIBLE_DEVICES="", **env)
-
-    def launch():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), script, *args, str(out)]
-        return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=timeout)
-
-    proc = launch()
-    if proc.returncode != 0 and GLOO_ABORT in proc.stderr:
-        # gloo's own abort, not ours (see tests/distributed/teardown.py): one more run, said aloud
-        warnings.warn(f"{os.path.basename(script)}: a rank aborted inside gloo ({GLOO_ABORT!r}); ran it again",
-                      stacklevel=2)
-        proc = launch()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), script, *args, str(out)]
+    proc = run_processes(cmd, environ, timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out) as fh:
         return json.load(fh)

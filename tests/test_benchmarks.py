@@ -15,14 +15,14 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 @pytest.mark.slow
 def test_fp8_comm_benchmark_on_two_cpu_processes(tmp_path):
-    from conftest import free_port
+    from conftest import free_port, run_processes
 
     out = tmp_path / "comm.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.join(ROOT, "benchmarks", "fp8_comm.py"), "--shrink", "32", "--layers", "1", "--iters", "3",
            "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = run_processes(cmd, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["methods"]["all_to_all"]["identical_on_all_ranks"]

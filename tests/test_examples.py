@@ -72,12 +72,12 @@ def test_train_llama_takes_its_recipe_from_the_config_file_and_saves_a_plain_mod
 
 @pytest.mark.slow
 def test_train_llama_under_ddp_on_two_cpu_processes():
-    from conftest import free_port
+    from conftest import free_port, run_processes
 
     env = clean_env(ACCELERATE_USE_CPU="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            os.path.join(EXAMPLES, "train_llama.py"), "--backend", "torchao", "--opt-level", "O1", "--steps", "10"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_processes(cmd, env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "where:     ddp x2" in proc.stdout and "memory level O1" in proc.stdout
     assert proc.stdout.count("held-out loss") == 1  # printed by the main process only
@@ -205,17 +205,17 @@ def test_ddp_config_on_a_cpu_host_warns_that_its_processes_train_apart(tmp_path)
     # one write per process: two processes share the pipe, and print() writes its pieces one by one
     script.write_text("import sys\nfrom lowprec import Accelerator\na = Accelerator()\n"
                       "sys.stdout.write(f'STATE {a.distributed_type.value} {a.num_processes}\\n')\n")
-    from conftest import free_port
+    from conftest import free_port, run_processes
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(EXAMPLES, "configs", "ddp.yaml"), "--main_process_port", str(free_port()), str(script)]
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
+    proc = run_processes(cmd, clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("STATE NO 1") == 2
     assert proc.stderr.count("lowprec: the launcher started 2 processes (WORLD_SIZE=2)") == 1
     assert "ACCELERATE_USE_CPU=1 accelerate launch" in proc.stderr
     assert "ACCELERATE_FP8_" not in proc.stderr  # no launcher default reported as a dropped choice
 
-    fixed = subprocess.run(cmd, env=clean_env(ACCELERATE_USE_CPU="1"), capture_output=True, text=True, timeout=300)
+    fixed = run_processes(cmd, clean_env(ACCELERATE_USE_CPU="1"))
     assert fixed.returncode == 0, fixed.stderr[-3000:]
     assert fixed.stdout.count("STATE MULTI_CPU 2") == 2 and "the launcher started" not in fixed.stderr

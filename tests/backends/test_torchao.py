@@ -175,16 +175,15 @@ def test_compile_of_converted_model():
 def test_fsdp2_fp8_all_gather_two_processes(tmp_path):
     import json
     import os
-    import subprocess
     import sys
 
-    from conftest import free_port
+    from conftest import free_port, run_processes
 
     script = os.path.join(os.path.dirname(__file__), "..", "distributed", "fsdp2_torchao.py")
     env = dict(os.environ, TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            script, str(tmp_path / "out.json")]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_processes(cmd, env, timeout=600)
     errors = [line for line in proc.stderr.splitlines() if "Error" in line or "Traceback" in line]
     assert proc.returncode == 0, "\n".join(errors[:40]) + proc.stderr[-2000:]
     result = json.loads((tmp_path / "out.json").read_text())
