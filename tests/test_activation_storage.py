@@ -9,6 +9,8 @@ in the weight-gradient reductions; both runs share the model, the batch and the 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -156,10 +158,66 @@ def test_plan_says_which_activations_are_fp8():
     assert "saved activations" in notes and "E4M3" in notes and "per 128 values" in notes
 
 
-def test_a_compiled_model_is_refused_naming_the_option():
+def _compiled(backend: str, activation_dtype, x, y):
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    recipe = FP8RecipeKwargs(backend=backend, skip_slow_shapes=False, activation_dtype=activation_dtype)
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], dynamo_backend="inductor")
+    model = accelerator.prepare(mlp())
+    accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
+    # msamp keeps its FP8 weights' gradients outside .grad; the biases' and norms' gradients still depend on
+    # every decoded tensor between them and the loss
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, model, accelerator
+
+
+@pytest.mark.parametrize("backend", ["torchao", "msamp"])
+def test_a_compiled_model_stores_what_its_graph_saves_in_fp8(backend, monkeypatch):
+    import lowprec.runtime.activations as activations
+
+    packed_storages = []
+    pack = activations.pack_fp8
+    monkeypatch.setattr(activations, "pack_fp8", lambda t: packed_storages.append(t.untyped_storage().data_ptr())
+                        or pack(t))
+    x, y = batches(1)[0]
+    reference, _, _ = _compiled(backend, None, x, y)
+    fp8, model, accelerator = _compiled(backend, "fp8", x, y)
+    counts = activation_storage(model).counts
+    # the compiled graph's saved tensors, as its partitioner chose them (it recomputes the cheap ones): at least
+    # each block's GELU input (msamp's FP8 layers save their FP8 inputs themselves, which are kept)
+    assert counts.packed >= 2 and counts.bytes_after < 0.6 * counts.bytes_before
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert packed_storages and not params & set(packed_storages)
+    assert len(reference) >= 6 and reference.keys() == fp8.keys()
+    for name, ref in reference.items():
+        error = (fp8[name] - ref).norm() / ref.norm()
+        assert error <= GRAD_BOUND, (name, float(error))
+    assert any(not torch.equal(fp8[n], reference[n]) for n in reference)
+    assert "the tensors the compiled graph saves" in " ".join(accelerator.precision_plan.notes)
+
+
+@pytest.mark.parametrize("plugin, named", [
+    (dict(backend="inductor", mode="reduce-overhead"), "mode='reduce-overhead'"),
+    (dict(backend="inductor", mode="max-autotune"), "mode='max-autotune'"),
+    (dict(backend="inductor", options={"triton.cudagraphs": True}), "triton.cudagraphs=True"),
+    (dict(backend="cudagraphs"), "dynamo_backend='cudagraphs'"),
+], ids=["reduce-overhead", "max-autotune", "option", "cudagraphs-backend"])
+def test_cuda_graphs_are_refused_naming_the_option(plugin, named):
+    from accelerate.utils import TorchDynamoPlugin
+
     recipe = FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, activation_dtype="fp8")
-    with pytest.raises(ValueError, match="activation_dtype='fp8' is not yet supported with a compiled model"):
-        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], dynamo_backend="inductor")
+    with pytest.raises(ValueError, match=f"not yet supported with CUDA graphs \\(.*{re.escape(named)}\\).*'default'"):
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], dynamo_plugin=TorchDynamoPlugin(**plugin))
+
+
+def test_compile_without_cuda_graphs_is_accepted():
+    from accelerate.utils import TorchDynamoPlugin
+
+    recipe = FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, activation_dtype="fp8")
+    Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe],
+                dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode="max-autotune-no-cudagraphs"))
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])

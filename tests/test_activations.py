@@ -120,3 +120,42 @@ def test_non_contiguous_input_is_restored_in_its_shape():
 def test_what_cannot_be_packed_is_refused(bad):
     with pytest.raises(ValueError, match="pack_fp8"):
         pack_fp8(bad)
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bytes, but for the sign bit of a NaN (inductor's CPU code gives NaN's other sign)."""
+    if a.dtype == torch.float8_e4m3fn:
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0))
+
+
+def test_the_fused_form_gives_the_definitions_bytes(monkeypatch):
+    # On CUDA the encode and decode run compiled (one kernel each); inductor's CPU code stands in for it here,
+    # inside a forward's saved-tensor hooks as in training, for every dtype and both group layouts.
+    from torch._dynamo.utils import counters
+
+    import lowprec.kernels.fused as fused
+    from lowprec.kernels.activations import _decode, _encode
+
+    monkeypatch.setattr(fused, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    graphs = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(1)
+    # within dynamo's recompile limit (8 per function), past which a call would run the definition itself
+    for shape in [(4, 256), (3, 300), (5, 40)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(shape, generator=g) * torch.exp2(torch.randint(-12, 8, shape, generator=g).float()))
+            x = x.to(dtype)
+            x[1, 3], x[2, 5] = float("nan"), float("inf")
+            w = torch.randn(shape[-1], 8, requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(pack_fp8, unpack_fp8):
+                (x.float() @ w).sum().backward()  # the hooks pack x for w's gradient: compiled inside a hook
+            rows = x.reshape(-1, shape[-1])
+            size = min(GROUP, shape[-1])
+            data, exponent = _encode(rows, size)
+            want_data, want_exponent = _encode.eager(rows, size)
+            assert _same_bytes(data, want_data) and torch.equal(exponent, want_exponent), (shape, dtype)
+            decoded = _decode(data, exponent, shape[-1], dtype)
+            assert _same_bytes(decoded, _decode.eager(data, exponent, shape[-1], dtype)), (shape, dtype)
+            assert decoded.dtype == dtype and torch.isnan(decoded[1, 3]) and torch.isnan(decoded[2, 5])
+    assert counters["stats"]["unique_graphs"] > graphs  # the compiled form ran, not the definition again

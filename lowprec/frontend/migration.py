@@ -56,7 +56,7 @@ LOWPREC_ONLY: dict[str, str] = {
                          "([levels.md](levels.md))",
     "optimizer_states": "precision of Adam's moments, for any backend ([optimizer-states.md](optimizer-states.md))",
     "activation_dtype": "the tensors autograd saves in the forward stored in FP8 (E4M3, a power-of-2 scale per 128 "
-                        "values), as COAT does; eager models for now ([recipe.md](recipe.md))",
+                        "values), as COAT does; eager or compiled ([recipe.md](recipe.md))",
 }
 
 

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from .fused import cuda_fused
 from .scaling import compute_scale, quantize
 
 GROUP = 128
@@ -60,9 +61,22 @@ def pack_fp8(tensor: torch.Tensor) -> PackedFP8:
                          f"{tensor.dtype} of shape {tuple(tensor.shape)}")
     x = tensor.detach()
     last = x.shape[-1]
-    size = group_size(last)
-    rows = x.reshape(-1, last).float()
-    pad = -last % size
+    data, exponent = _encode(x.reshape(-1, last), group_size(last))
+    return PackedFP8(data, exponent, x.shape, x.dtype, last)
+
+
+def unpack_fp8(packed: PackedFP8) -> torch.Tensor:
+    """The tensor `pack_fp8` stored, in its dtype and shape (within the bound in the module docstring)."""
+    return _decode(packed.data, packed.exponent, packed.last, packed.dtype).reshape(packed.shape)
+
+
+# One kernel each way on CUDA (`cuda_fused`): as eager torch the encode is ten kernels over FP32
+# temporaries for every tensor a forward saves.
+@cuda_fused
+def _encode(rows: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, last) -> E4M3 groups (rows, groups, size) and their scales' int8 exponents (rows, groups)."""
+    rows = rows.float()
+    pad = -rows.shape[-1] % size
     if pad:
         rows = torch.nn.functional.pad(rows, (0, pad))
     groups = rows.reshape(rows.shape[0], -1, size)
@@ -74,11 +88,12 @@ def pack_fp8(tensor: torch.Tensor) -> PackedFP8:
     data = quantize(groups, scale.unsqueeze(-1), FP8_DTYPE)
     # the scale is an exact power of two in [2**-127, 2**126]: its exponent fits int8
     exponent = torch.log2(scale).round().to(torch.int8)
-    return PackedFP8(data, exponent, x.shape, x.dtype, last)
+    return data, exponent
 
 
-def unpack_fp8(packed: PackedFP8) -> torch.Tensor:
-    """The tensor `pack_fp8` stored, in its dtype and shape (within the bound in the module docstring)."""
-    inverse = torch.exp2(-packed.exponent.float()).unsqueeze(-1)
-    rows = (packed.data.float() * inverse).reshape(packed.data.shape[0], -1)
-    return rows[:, :packed.last].to(packed.dtype).reshape(packed.shape)
+@cuda_fused
+def _decode(data: torch.Tensor, exponent: torch.Tensor, last: int, dtype: torch.dtype) -> torch.Tensor:
+    """E4M3 groups and exponents -> (rows, last) in `dtype`."""
+    inverse = torch.exp2(-exponent.float()).unsqueeze(-1)
+    rows = (data.float() * inverse).reshape(data.shape[0], -1)
+    return rows[:, :last].to(dtype)

@@ -20,17 +20,22 @@ from . import triton_available
 
 F = TypeVar("F", bound=Callable)
 
+# Where the fused form runs. CUDA alone: on CPU inductor's compile time would outweigh what fusing saves
+# (tests add "cpu" to check the compiled form against the definition without a GPU).
+FUSED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+
 
 def cuda_fused(fn: F) -> F:
     """`fn` compiled by inductor (dynamic shapes) when its first tensor argument is on a CUDA device with
-    Triton and no graph is being traced; `fn` itself otherwise."""
+    Triton (a device type in FUSED_DEVICE_TYPES) and no graph is being traced; `fn` itself otherwise."""
     compiled = None
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         nonlocal compiled
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if first is None or not first.is_cuda or torch.compiler.is_compiling() or not triton_available():
+        if (first is None or first.device.type not in FUSED_DEVICE_TYPES or torch.compiler.is_compiling()
+                or (first.is_cuda and not triton_available())):
             return fn(*args, **kwargs)
         if compiled is None:
             # not fullgraph: past dynamo's recompile limit (many dtypes and ranks) a call runs eager, not fails

@@ -4,7 +4,8 @@ Every plain floating tensor autograd saves in the forward (the inputs of the Lin
 activation functions and attention) is stored in E4M3 with a power-of-2 scale per 1x128 group
 (`lowprec.kernels.activations`) through `torch.autograd.graph.saved_tensors_hooks` around the model's
 forward, and decoded when backward needs it. The hooks are per process and see only tensors, not the
-distributed engine, so DDP, FSDP2 and DeepSpeed are not refused (not yet tested under them). Inside activation
+distributed engine (tested under DDP, FSDP2 and DeepSpeed ZeRO-1/2/3). With a compiled model they sit around
+the compiled forward and store what the compiled graph saves (CUDA graphs are refused). Inside activation
 checkpointing nothing is quantised twice: a non-reentrant checkpointed region's own hooks take its tensors (none
 reach these), and any recomputation runs in backward, outside the forward these hooks wrap.
 """
@@ -103,13 +104,30 @@ class FP8ActivationStorage:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
-def check_activation_dtype(activation_dtype: str | None, compiled: bool, compile_source: str = "") -> None:
-    """Refuse what this path does not do yet, when the Accelerator is built rather than mid-prepare()."""
-    if activation_dtype == "fp8" and compiled:
-        source = f" ({compile_source})" if compile_source else ""
+# torch.compile modes that run the graphs through CUDA graphs (inductor's "triton.cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check_activation_dtype(activation_dtype: str | None, dynamo_plugin=None) -> None:
+    """Refuse what this path does not do yet, when the Accelerator is built rather than mid-prepare().
+
+    A compiled model is fine: the hooks sit around the compiled forward and store what the compiled
+    graph saves for its backward (AOTAutograd's saved tensors, as the partitioner chose them). Under
+    CUDA graphs those tensors live in the graphs' static memory pool, which stays allocated whatever is
+    done with them: packing would add FP8 copies and save nothing. Not measured, so refused for now."""
+    if activation_dtype != "fp8" or dynamo_plugin is None:
+        return
+    backend = str(getattr(dynamo_plugin.backend, "value", dynamo_plugin.backend)).lower()
+    mode = dynamo_plugin.mode
+    options = dynamo_plugin.options or {}
+    if backend == "cudagraphs" or (backend == "inductor" and (mode in CUDA_GRAPH_MODES
+                                                               or options.get("triton.cudagraphs"))):
+        how = (f"dynamo_backend='{backend}'" if backend == "cudagraphs"
+               else f"dynamo mode='{mode}'" if mode in CUDA_GRAPH_MODES else "dynamo options triton.cudagraphs=True")
         raise ValueError(
-            "lowprec: FP8RecipeKwargs.activation_dtype='fp8' is not yet supported with a compiled model"
-            f"{source}: the saved-tensor hooks are eager-only for now. Use an eager model (dynamo_backend='no') "
+            f"lowprec: FP8RecipeKwargs.activation_dtype='fp8' is not yet supported with CUDA graphs ({how}): the "
+            "graphs' memory pool keeps the high-precision tensors the forward saves, so FP8 copies would add "
+            "memory, not save it. Use dynamo mode 'default' or 'max-autotune-no-cudagraphs' (both supported), "
             "or activation_dtype=None")
 
 

@@ -115,7 +115,8 @@ def build_plan(
             "saved activations (every tensor autograd keeps for backward during the forward: Linear, norm, "
             f"activation-function and attention inputs): FP8 E4M3, a power-of-2 scale per {GROUP} values along the "
             "last dimension (per row where shorter), decoded for backward; parameters, their views, 8-bit tensors "
-            f"and tensors under {MIN_ELEMENTS} elements kept as saved (activation_dtype='fp8')")
+            f"and tensors under {MIN_ELEMENTS} elements kept as saved (activation_dtype='fp8')"
+            + ("; compiled model: the tensors the compiled graph saves for its backward" if context.compiled else ""))
     if backend.recipe.skip_slow_shapes and backend.speed_scaling is not None:
         note = unmeasured_note(context.device, backend.speed_scaling)
         if note is not None:
