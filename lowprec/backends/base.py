@@ -320,6 +320,7 @@ class Backend(LayerExecution, ABC):
         out["optimizer_states"] = self.optimizer_states
         if self.pads_inner_dim:
             out["pad_inner_dim"] = bool(r.pad_inner_dim)
+        out["activation_dtype"] = r.activation_dtype
         return out
 
     def model_state_bytes(self, plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:

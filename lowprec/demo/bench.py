@@ -6,13 +6,17 @@
     lowprec bench --arch mistral qwen2 --size small    # other transformers model classes
     lowprec bench --configs bf16 torchao:tensorwise torchao:tensorwise,skip_first_last=false --tokens pairs
                                                        # the output head in FP8 or not, at a 64K vocabulary
+    lowprec bench --configs bf16 msamp:delayed:O2 msamp:delayed:O2,activation_dtype=fp8
+                                                       # peak memory split: model state and the rest
 
 A configuration is `bf16` or `backend:recipe[:level]`, optionally followed by `,skip_first_last=false` or
-`,skip_slow_shapes=false` (either true|false). Each runs `python -m lowprec.demo.run` in a fresh
-process (Accelerate's state is a process-wide singleton, and peak memory and compile caches must be
-the run's own) on the demo corpus: tokens/s (median step after warm-up), peak memory, model-state
-bytes per parameter (measured), losses and held-out loss. torchao configurations are also trained with
-torchao driven directly in the same process (`--raw`), giving lowprec's overhead against the peer.
+`,skip_slow_shapes=false` (either true|false) and `,activation_dtype=fp8` (saved activations in FP8).
+Each runs `python -m lowprec.demo.run` in a fresh process (Accelerate's state is a process-wide
+singleton, and peak memory and compile caches must be the run's own) on the demo corpus: tokens/s
+(median step after warm-up), peak memory split into model state (weights, gradients, optimizer states,
+measured) and the rest (saved activations, temporaries), what one forward leaves held for backward,
+model-state bytes per parameter, losses and held-out loss. torchao configurations are also trained
+with torchao driven directly in the same process (`--raw`), giving lowprec's overhead against the peer.
 Written to --out: results.json, results.md (the table), throughput.png and loss.png.
 """
 
@@ -38,6 +42,8 @@ LEVELS = (None, "O1", "O2")
 # bench compares a default against the same backend with a layer rule turned off, each in its own process.
 CONFIG_OPTIONS = ("skip_first_last", "skip_slow_shapes")
 _BOOLS = {"true": True, "false": False}
+# Recipe fields a configuration may set to one of a few values ("msamp:delayed:O2,activation_dtype=fp8").
+VALUE_OPTIONS = {"activation_dtype": ("fp8",)}
 
 
 def parse_config(text: str) -> dict:
@@ -56,11 +62,15 @@ def parse_config(text: str) -> dict:
     options = {}
     for extra in extras:
         key, _, value = extra.partition("=")
-        if key not in CONFIG_OPTIONS or value.lower() not in _BOOLS:
+        if key in VALUE_OPTIONS and value.lower() in VALUE_OPTIONS[key]:
+            options[key] = value.lower()
+        elif key in CONFIG_OPTIONS and value.lower() in _BOOLS:
+            options[key] = _BOOLS[value.lower()]
+        else:
+            accepted = [k + "=true|false" for k in CONFIG_OPTIONS]
+            accepted += [f"{k}={'|'.join(values)}" for k, values in VALUE_OPTIONS.items()]
             raise argparse.ArgumentTypeError(
-                f"configuration {text!r}: option {extra!r} is not one of "
-                f"{', '.join(k + '=true|false' for k in CONFIG_OPTIONS)}")
-        options[key] = _BOOLS[value.lower()]
+                f"configuration {text!r}: option {extra!r} is not one of {', '.join(accepted)}")
     return {"name": text, "backend": parts[0], "recipe": parts[1], "opt_level": level, "options": options}
 
 
@@ -125,7 +135,8 @@ def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool) -> 
         if config["opt_level"]:
             cmd += ["--opt-level", config["opt_level"]]
         for key, value in config["options"].items():
-            cmd.append(f"--{'' if value else 'no-'}{key.replace('_', '-')}")
+            flag = key.replace("_", "-")
+            cmd += [f"--{flag}", value] if key in VALUE_OPTIONS else [f"--{'' if value else 'no-'}{flag}"]
         if raw and config["backend"] == "torchao" and not config["opt_level"]:
             cmd.append("--raw")
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -150,35 +161,51 @@ def summarise(results: list[dict]) -> list[dict]:
             continue
         b = base.get(r["arch"])
         state = r["model_state_bytes_per_param"]["all_params"]["total"]
+        split = r.get("peak_split") or {}
+        gib = {k: None if split.get(k) is None else split[k] / 2**30
+               for k in ("model_state_bytes", "rest_bytes", "held_by_forward_bytes")}
         row.update(tokens_per_s=r["tokens_per_s"], step_ms=r["step_ms_median"], peak_gib=r["peak_memory_bytes"] / 2**30,
+                   state_gib=gib["model_state_bytes"], rest_gib=gib["rest_bytes"],
+                   held_by_forward_gib=gib["held_by_forward_bytes"],
                    state_bytes=state, heldout_loss=r["heldout_loss"], emulated=r["emulated"],
                    overhead_vs_raw=r.get("overhead_vs_raw"))
         if b is not None:
             row["speedup"] = None if r["emulated"] else r["tokens_per_s"] / b["tokens_per_s"]
+            if r.get("peak_memory_kind") == "cuda max_memory_allocated":
+                row["peak_vs_bf16"] = r["peak_memory_bytes"] / b["peak_memory_bytes"]
             row["heldout_delta"] = (r["heldout_loss"] - b["heldout_loss"]) / b["heldout_loss"]
         rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict], header: str) -> str:
-    lines = [header, "", "| model | config | tokens/s | vs BF16 | peak GiB | state B/param | held-out loss | vs BF16 "
-             "| overhead vs raw torchao |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [header, "", "| model | config | tokens/s | vs BF16 | peak GiB | vs BF16 | model state GiB | rest GiB "
+             "| held by a forward GiB | state B/param | held-out loss | vs BF16 | overhead vs raw torchao |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def gib(value) -> str:
+        return "" if value is None else f"{value:.2f}"
+
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['arch']} | {r['config']} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {r['arch']} | {r['config']} | failed: {r['error']} |" + " |" * 10)
             continue
+        peak_ratio = "" if r.get("peak_vs_bf16") is None else f"{r['peak_vs_bf16']:.3f}x"
         speed = "n/a (emulated)" if r.get("speedup") is None else f"{r['speedup']:.3f}x"
         delta = "" if "heldout_delta" not in r else f"{100 * r['heldout_delta']:+.2f}%"
         over = "" if r.get("overhead_vs_raw") is None else f"{100 * r['overhead_vs_raw']:+.1f}%"
         if over and r["emulated"]:
             over += " (emulated: not an FP8 figure)"
         lines.append(f"| {r['arch']} | {r['config']} | {r['tokens_per_s']:,.0f} | {speed} | {r['peak_gib']:.2f} | "
-                     f"{r['state_bytes']:.1f} | {r['heldout_loss']:.4f} | {delta} | {over} |")
+                     f"{peak_ratio} | {gib(r.get('state_gib'))} | {gib(r.get('rest_gib'))} | "
+                     f"{gib(r.get('held_by_forward_gib'))} | {r['state_bytes']:.1f} | {r['heldout_loss']:.4f} | "
+                     f"{delta} | {over} |")
     if any(r.get("emulated") for r in rows if "error" not in r):
         # a CPU run's FP8 columns time stand-in casts and high-precision matmuls: large, and meaningless for a GPU
         lines += ["", "Emulated runs (no FP8 GPU here): their tokens/s and overhead time the FP8 casts and "
                   "high-precision matmuls that stand in for FP8 on this machine, not FP8 speed; the loss and the "
-                  "state bytes/param are what they would be on a GPU."]
+                  "state bytes/param are what they would be on a GPU. Peak memory is the process's RSS, so its "
+                  "split (rest, held by a forward) is left empty."]
     return "\n".join(lines) + "\n"
 
 

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from ..frontend.recipe import FP8RecipeKwargs
 from ..runtime.accelerator import Accelerator
+from ..runtime.activations import activation_storage
 from .data import TOKENIZATIONS, Windows, stdlib_corpus, tokenize
 from .memory import model_state_bytes
 from .model import ARCHS, PRESETS, build_model
@@ -52,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="bytes (vocabulary 256) or byte pairs (65536: an output head the size of a real LLM's)")
     p.add_argument("--skip-first-last", action=argparse.BooleanOptionalAction, default=None,
                    help="keep the first Linear and the output head in BF16 (default: the library's, off)")
+    p.add_argument("--activation-dtype", choices=["fp8"], default=None,
+                   help="FP8 runs: store the tensors autograd saves in FP8 (FP8RecipeKwargs.activation_dtype)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true",
                    help="torchao only: also train the same model converted by torchao directly (no lowprec) in "
@@ -103,7 +106,7 @@ def run(args: argparse.Namespace) -> dict:
         recipe = FP8RecipeKwargs(
             # None unless given: the demo shows what the library's defaults convert, not a tuned subset.
             backend=args.backend, recipe=args.recipe, opt_level=args.opt_level, skip_slow_shapes=args.skip_slow_shapes,
-            skip_first_last=args.skip_first_last,
+            skip_first_last=args.skip_first_last, activation_dtype=args.activation_dtype,
         )
         accelerator = Accelerator(
             mixed_precision="fp8", kwargs_handlers=[recipe], gradient_accumulation_steps=args.grad_accum, **kwargs
@@ -159,9 +162,14 @@ def run(args: argparse.Namespace) -> dict:
         bar.update(1)
     bar.close()
 
-    # Model state as it stands during training: one more backward leaves gradients where they live.
+    # Model state as it stands during training: one more backward leaves gradients where they live. Its
+    # forward measures what a micro-batch holds for backward (saved activations, the loss and its logits).
     ids = next(iter(heldout_loader))
-    accelerator.backward(model(input_ids=ids, labels=ids).loss)
+    held_before = torch.cuda.memory_allocated() if cuda else None
+    extra_loss = model(input_ids=ids, labels=ids).loss
+    held_by_forward = torch.cuda.memory_allocated() - held_before if cuda else None
+    accelerator.backward(extra_loss)
+    del extra_loss
     backend = accelerator._lowprec[-1][1] if accelerator._lowprec else None
     state = model_state_bytes(accelerator.unwrap_model(model, keep_torch_compile=False), optimizer, backend)
     optimizer.zero_grad(set_to_none=True)
@@ -184,6 +192,9 @@ def run(args: argparse.Namespace) -> dict:
         peak, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "process peak RSS"
     tail = max(1, len(losses) // 10)
     plan = accelerator.precision_plan
+    state_bytes = state["all_params"]["total"] * n_params  # this process's bytes (per parameter of the whole)
+    storage = activation_storage(model)
+    forwards = max(1, step * args.grad_accum + 1)  # with gradients: the training steps' and the one above
     result = {
         "variant": args.variant,
         "label": label,
@@ -205,6 +216,16 @@ def run(args: argparse.Namespace) -> dict:
         "tokens_per_s": tokens_per_step / median_s,
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
+        # the peak split: model state (weights, gradients, optimizer states, as measured above) and the rest
+        # (saved activations, temporaries, the allocator's slack); the rest is meaningless against a process's RSS
+        "peak_split": {"model_state_bytes": state_bytes,
+                       "rest_bytes": peak - state_bytes if cuda else None,
+                       "held_by_forward_bytes": held_by_forward},
+        "activation_dtype": args.activation_dtype,
+        "fp8_activations": None if storage is None else {
+            "packed_tensors_per_forward": storage.counts.packed / forwards,
+            "bytes_before_per_forward": storage.counts.bytes_before / forwards,
+            "bytes_after_per_forward": storage.counts.bytes_after / forwards},
         "corpus_files": corpus.files,
         "tokens": args.tokens,
         "vocab_size": TOKENIZATIONS[args.tokens],

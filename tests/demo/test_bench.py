@@ -34,6 +34,14 @@ def test_parse_config_options_turn_a_layer_rule_off():
             parse_config(bad)
 
 
+def test_parse_config_takes_fp8_activations():
+    config = parse_config("msamp:delayed:O2,activation_dtype=fp8")
+    assert config["options"] == {"activation_dtype": "fp8"} and config["opt_level"] == "O2"
+    for bad in ("msamp:delayed:O2,activation_dtype=fp4", "msamp:delayed:O2,activation_dtype=true"):
+        with pytest.raises(argparse.ArgumentTypeError, match="activation_dtype=fp8"):
+            parse_config(bad)
+
+
 def test_parse_config_names_the_bad_level():
     with pytest.raises(argparse.ArgumentTypeError, match="level 'O9' is not one of O1, O2, O3"):
         parse_config("torchao:tensorwise:O9")
@@ -48,10 +56,29 @@ def test_available_configs_on_cpu_are_what_lowprec_accepts_here():
     assert not any(n.startswith("te:") for n in names)  # TransformerEngine has no CPU mode
 
 
-def run(arch, config, tokens, heldout, emulated=False, state=16.0):
+def run(arch, config, tokens, heldout, emulated=False, state=16.0, peak=2**30, split=None):
     return {"arch": arch, "config": config, "tokens_per_s": tokens, "step_ms_median": 1000 / tokens,
-            "peak_memory_bytes": 2**30, "model_state_bytes_per_param": {"all_params": {"total": state}},
-            "heldout_loss": heldout, "emulated": emulated, "losses": [2.0, 1.0]}
+            "peak_memory_bytes": peak, "model_state_bytes_per_param": {"all_params": {"total": state}},
+            "peak_memory_kind": "process peak RSS" if split is None else "cuda max_memory_allocated",
+            "peak_split": split, "heldout_loss": heldout, "emulated": emulated, "losses": [2.0, 1.0]}
+
+
+def test_the_peak_is_split_into_model_state_and_the_rest():
+    gib = 2**30
+    bf16 = run("llama", "bf16", 100.0, 2.0, peak=20 * gib,
+               split={"model_state_bytes": 8 * gib, "rest_bytes": 12 * gib, "held_by_forward_bytes": 10 * gib})
+    fp8 = run("llama", "msamp:delayed:O2,activation_dtype=fp8", 125.0, 2.01, state=6.0, peak=9 * gib,
+              split={"model_state_bytes": 3 * gib, "rest_bytes": 6 * gib, "held_by_forward_bytes": 5 * gib})
+    rows = {r["config"]: r for r in summarise([bf16, fp8])}
+    row = rows["msamp:delayed:O2,activation_dtype=fp8"]
+    assert row["peak_vs_bf16"] == pytest.approx(0.45)
+    assert (row["state_gib"], row["rest_gib"], row["held_by_forward_gib"]) == (3.0, 6.0, 5.0)
+    table = markdown(list(rows.values()), "header")
+    assert "| 9.00 | 0.450x | 3.00 | 6.00 | 5.00 | 6.0 |" in table
+    # a CPU run's peak is the process's RSS: no ratio, no split
+    cpu = {r["config"]: r for r in summarise([run("llama", "bf16", 1.0, 2.0), run("llama", "torchao:tensorwise", 1.0,
+                                                                                   2.0, emulated=True)])}
+    assert "peak_vs_bf16" not in cpu["torchao:tensorwise"] and cpu["torchao:tensorwise"]["rest_gib"] is None
 
 
 def test_ratios_are_against_the_bf16_run_of_the_same_model_class():
@@ -81,22 +108,34 @@ def test_bench_runs_each_configuration_in_its_own_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "lowprec.cli", "bench", "--size", "tiny", "--steps", "4", "--no-progress",
-           "--configs", "torchao:tensorwise", "torchao:tensorwise,skip_first_last=true", "msamp:delayed:O2",
-           "--out", str(tmp_path)]
+           "--configs", "torchao:tensorwise", "torchao:tensorwise,skip_first_last=true",
+           "msamp:delayed:O2,activation_dtype=fp8", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
     configs = [r["config"] for r in result["rows"]]
     # BF16 added: every ratio needs it
-    assert configs == ["bf16", "torchao:tensorwise", "torchao:tensorwise,skip_first_last=true", "msamp:delayed:O2"]
+    assert configs == ["bf16", "torchao:tensorwise", "torchao:tensorwise,skip_first_last=true",
+                       "msamp:delayed:O2,activation_dtype=fp8"]
     runs = {r["config"]: r for r in result["runs"]}
     assert len({r["pid"] for r in result["runs"]}) == 4  # four processes
     assert result["tokens"] == "bytes" and all(r["vocab_size"] == 256 for r in result["runs"])
     kept = runs["torchao:tensorwise,skip_first_last=true"]  # the head (and first Linear) in BF16: not the default
     assert kept["plan"]["options"]["skip_first_last"] is True
     assert "modules: 13 of 15 Linear layers in FP8" in kept["plan_text"] and kept["raw"]["fp8_layers"] == 13
-    o2 = runs["msamp:delayed:O2"]["model_state_bytes_per_param"]["linear_weights"]["total"]
+    o2_run = runs["msamp:delayed:O2,activation_dtype=fp8"]
+    o2 = o2_run["model_state_bytes_per_param"]["linear_weights"]["total"]
     assert o2 == pytest.approx(6.0, abs=0.01)
+    # saved activations in FP8: packed in every forward, about half the bytes (1 + 1/128 per element from 2 or 4)
+    assert o2_run["plan"]["options"]["activation_dtype"] == "fp8"
+    act = o2_run["fp8_activations"]
+    assert act["packed_tensors_per_forward"] >= 4
+    assert act["bytes_after_per_forward"] < 0.6 * act["bytes_before_per_forward"]
+    assert runs["torchao:tensorwise"]["fp8_activations"] is None
+    split = o2_run["peak_split"]  # on CPU: the model state alone (the peak is the process's RSS)
+    assert split["rest_bytes"] is None and split["held_by_forward_bytes"] is None
+    assert split["model_state_bytes"] == pytest.approx(o2_run["model_state_bytes_per_param"]["all_params"]["total"]
+                                                       * o2_run["params"])
     assert runs["torchao:tensorwise"]["raw"]["fp8_layers"] == 15 and "overhead_vs_raw" in runs["torchao:tensorwise"]
     assert all(len(r["losses"]) == 4 for r in result["runs"])
     assert (tmp_path / "results.md").read_text().count("| llama |") == 4
