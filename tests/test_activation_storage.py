@@ -265,3 +265,40 @@ def test_views_of_parameters_the_model_did_not_list_are_kept():
     view = gathered.t()
     assert storage.pack(view) is view and storage.counts.parameters_kept == 1
     assert storage.counts.packed == 0
+
+
+def test_a_tensor_saved_by_several_ops_is_packed_once():
+    # x * x saves x twice, and an RMSNorm saves its input for the square and the product: one FP8 copy serves
+    # every save, as autograd would have shared the tensor itself
+    from lowprec.kernels.activations import pack_fp8, unpack_fp8
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    storage = FP8ActivationStorage(nn.Linear(2, 2), min_elements=0)
+    x = torch.randn(64, 256, requires_grad=True)
+    with storage.context():
+        h = x * 1.0
+        y = (h * h).sum() + (h.pow(2) * 3).sum()
+    assert storage.counts.packed == 1 and storage.counts.shared == 2
+    y.backward()
+    decoded = unpack_fp8(pack_fp8(h.detach()))
+    assert torch.equal(x.grad, 2 * decoded + 6 * decoded)  # every save decoded from the one copy
+    assert not storage._packed  # nothing outlives the forward but what autograd's graph holds
+
+
+def test_a_changed_or_new_tensor_is_never_given_an_earlier_copy():
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    storage = FP8ActivationStorage(nn.Linear(2, 2), min_elements=0)
+    with storage.context():
+        a = torch.randn(64, 256)
+        first = storage.pack(a)
+        a.mul_(2)  # in place: a new version of the same tensor
+        second = storage.pack(a)
+        assert second is not first and storage.counts.shared == 0
+        assert storage.pack(a) is second and storage.counts.shared == 1
+        for _ in range(20):  # freed tensors' ids come back: a tensor at an earlier id is not that tensor
+            del a
+            a = torch.randn(64, 256)
+            packed = storage.pack(a)
+            assert packed is not first and packed is not second
+    assert storage.counts.shared == 1

@@ -13,6 +13,8 @@ reach these), and any recomputation runs in backward, outside the forward these 
 from __future__ import annotations
 
 import contextlib
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +36,8 @@ _VIEWS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0
 @dataclass
 class ActivationCounts:
     """What the hooks did since the counts were last reset: tensors packed (and their elements and bytes
-    before and after), tensors left as they were because they are parameters or views of them."""
+    before and after), tensors left as they were because they are parameters or views of them, and
+    saves that reused the FP8 copy of a tensor saved earlier in the same forward."""
 
     packed: int = 0
     packed_elements: int = 0
@@ -42,6 +45,7 @@ class ActivationCounts:
     bytes_after: int = 0
     parameters_kept: int = 0
     others_kept: int = 0
+    shared: int = 0  # saves of a tensor already packed in the same forward: they share its FP8 copy
 
 
 class FP8ActivationStorage:
@@ -62,6 +66,12 @@ class FP8ActivationStorage:
                                   for dtype in (torch.bfloat16, torch.float16) if p.dtype != dtype}
         self.min_elements = min_elements
         self.counts = ActivationCounts()
+        # The tensors packed in the forward under way: id -> (weak reference, version, packed). One tensor
+        # is often saved by several ops (an RMSNorm's FP32 input by its square and its product, RoPE's
+        # cos/sin by every layer): one FP8 copy serves them all, where autograd would have shared the
+        # tensor itself. The weak reference and the version counter make sure it is that tensor, unchanged
+        # (an id or an address can be reused once a tensor is freed).
+        self._packed: dict[int, tuple[weakref.ref, int, PackedFP8]] = {}
 
     def pack(self, tensor: torch.Tensor):
         if (type(tensor) is not torch.Tensor  # parameters, DTensors, FP8 tensor subclasses: theirs to store
@@ -78,7 +88,12 @@ class FP8ActivationStorage:
                 or self._is_weight_copy(tensor)):
             self.counts.parameters_kept += 1
             return tensor
+        earlier = self._packed.get(id(tensor))
+        if earlier is not None and earlier[0]() is tensor and earlier[1] == tensor._version:
+            self.counts.shared += 1
+            return earlier[2]
         packed = pack_fp8(tensor)
+        self._packed[id(tensor)] = (weakref.ref(tensor), tensor._version, packed)
         self.counts.packed += 1
         self.counts.packed_elements += tensor.numel()
         self.counts.bytes_before += tensor.numel() * tensor.element_size()
@@ -100,8 +115,15 @@ class FP8ActivationStorage:
     def unpack(saved):
         return unpack_fp8(saved) if isinstance(saved, PackedFP8) else saved
 
-    def context(self) -> contextlib.AbstractContextManager:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """The hooks, around one forward; what was packed is forgotten after it (autograd's graph holds it)."""
+        self._packed.clear()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self._packed.clear()
 
 
 # torch.compile modes that run the graphs through CUDA graphs (inductor's "triton.cudagraphs")
