@@ -154,8 +154,9 @@ def test_checkpointed_regions_are_not_packed_twice():
 
 def test_plan_says_which_activations_are_fp8():
     accelerator, _, _ = prepared("fp8")
-    notes = " ".join(accelerator.precision_plan.notes)
-    assert "saved activations" in notes and "E4M3" in notes and "per 128 values" in notes
+    section = "\n".join(accelerator.precision_plan.activations.lines())
+    assert "other tensors       FP8 E4M3, a power-of-2 scale per 128 values (activation_dtype='fp8')" in section
+    assert "saved for backward" in str(accelerator.precision_plan)
 
 
 def _compiled(backend: str, activation_dtype, x, y):
@@ -195,7 +196,7 @@ def test_a_compiled_model_stores_what_its_graph_saves_in_fp8(backend, monkeypatc
         error = (fp8[name] - ref).norm() / ref.norm()
         assert error <= GRAD_BOUND, (name, float(error))
     assert any(not torch.equal(fp8[n], reference[n]) for n in reference)
-    assert "the tensors the compiled graph saves" in " ".join(accelerator.precision_plan.notes)
+    assert "compiled model: the tensors its graph saves" in accelerator.precision_plan.activations.other_tensors
 
 
 @pytest.mark.parametrize("plugin, named", [

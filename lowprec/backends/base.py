@@ -32,6 +32,7 @@ from .parts import GradientCommunication, OptimizerPrecision, WeightStorage
 
 if TYPE_CHECKING:
     from ..frontend.recipe import FP8RecipeKwargs
+    from ..planning.activations import SavedInput
     from ..planning.plan import PrecisionPlan, TensorPrecision
 
 
@@ -196,6 +197,13 @@ class Backend(LayerExecution, ABC):
         """The GEMM row of the precision table: the one row only the adapter can write."""
         raise NotImplementedError(
             f"{type(self).__name__} defines neither gemm_precision(plan) nor tensor_precisions(plan)")
+
+    def saved_linear_input(self) -> SavedInput:
+        """What each of this backend's FP8 Linear layers keeps of its input for backward (the plan's
+        saved-activations section): by default its own FP8 cast with a per-tensor scale."""
+        from ..planning.activations import SavedInput
+
+        return SavedInput("FP8 E4M3, per-tensor scale (each layer's own cast)", 1.0)
 
     def tensor_precisions(self, plan: PrecisionPlan) -> list[TensorPrecision]:
         """The precision table row this backend realises, one entry per kind of `plan.TENSOR_KINDS`: the

@@ -15,6 +15,7 @@ from ..utils.imports import require
 from .base import Backend
 
 if TYPE_CHECKING:
+    from ..planning.activations import SavedInput
     from ..planning.plan import PrecisionPlan, TensorPrecision
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,13 @@ class TorchAOBackend(Backend):
     @property
     def gathers_fp8_weights(self) -> bool:
         return self.fsdp_fp8_all_gather
+
+    def saved_linear_input(self) -> SavedInput:
+        from ..planning.activations import SavedInput
+
+        # torchao's matmul saves input_hp (torchao/float8/float8_linear.py) and casts it again in backward
+        return SavedInput("BF16: torchao keeps the high-precision input, cast again in backward", 2.0,
+                          packable=True)
 
     def gemm_precision(self, plan: PrecisionPlan) -> TensorPrecision:
         from ..planning.plan import TensorPrecision

@@ -77,6 +77,13 @@ class _RMSNorm(nn.RMSNorm):
 _RMSNorm.__name__ = _RMSNorm.__qualname__ = "LlamaRMSNorm"
 
 
+class _DecoderLayer(nn.Module):
+    """Named as transformers names its block (the plan's saved-activations section names it)."""
+
+
+_DecoderLayer.__name__ = _DecoderLayer.__qualname__ = "LlamaDecoderLayer"
+
+
 def llama_skeleton(preset: ModelPreset, vocab_size: int = VOCAB_SIZE) -> nn.Module:
     """transformers' LlamaForCausalLM as `lowprec plan` sees it (the same module names, classes of the
     same kind and shapes), from torch alone: a plan of a built-in model needs no transformers. It has
@@ -88,7 +95,7 @@ def llama_skeleton(preset: ModelPreset, vocab_size: int = VOCAB_SIZE) -> nn.Modu
     d, ffn, eps = preset.hidden, preset.ffn, 1e-6
     layers = nn.ModuleList()
     for _ in range(preset.layers):
-        layer = nn.Module()
+        layer = _DecoderLayer()
         layer.self_attn = nn.Module()
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             setattr(layer.self_attn, name, linear(d, d))

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .activations import SavedActivations
 from .selection import BLOCK_RULES, ModuleDecision, block_reason_key, blocks_label, number_runs
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ class PrecisionPlan:
     # what backend='auto' chose and passed over): speed rules and auto's order depend on both.
     model_mode: str = ""
     choice: str = ""
+    # What the forward keeps for backward (the Linear inputs estimated per token): planning/activations.py
+    activations: SavedActivations | None = None
 
     # ---- queries ----------------------------------------------------------------------------
     @property
@@ -271,6 +274,8 @@ class PrecisionPlan:
             "scaling:",
         ]
         lines += [f"  {TENSOR_KINDS[t.kind]:<17} {t.scaling}" for t in self.tensors if t.scaling]
+        if self.activations is not None:
+            lines += ["", *self.activations.lines()]
         linears = [m for m in self.modules if m.kind == "linear"]
         fp8_linears = [m for m in linears if m.convert]
         lines += [

@@ -21,11 +21,8 @@ import torch
 from torch import nn
 
 from ..kernels.activations import PackedFP8, pack_fp8, unpack_fp8
+from ..planning.activations import MIN_ELEMENTS
 from .wrapping import wrap_forward
-
-# Below this many elements a saved tensor is a scale, an amax, a mask row or a bias: packing it saves
-# next to nothing and costs a cast and a small kernel launch each way.
-MIN_ELEMENTS = 2**14
 
 ACTIVATIONS_ATTR = "_lowprec_activation_storage"
 # Autograd nodes of views between a saved tensor and the cast it views

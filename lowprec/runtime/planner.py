@@ -12,12 +12,11 @@ from torch import nn
 from ..backends import RunContext, create_backend, describe_choice
 from ..frontend import named_recipes
 from ..frontend.recipe import unapplied_launcher_defaults
-from ..kernels.activations import GROUP
+from ..planning.activations import saved_activations
 from ..planning.hardware import DeviceInfo, assumed_device, device_info
 from ..planning.plan import PrecisionPlan, short_dtype
-from ..planning.selection import select_modules
+from ..planning.selection import find_blocks, select_modules
 from ..planning.speed import unmeasured_note
-from .activations import MIN_ELEMENTS
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -103,6 +102,10 @@ def build_plan(
     plan.tensors = backend.tensor_precisions(plan)
     _check_rows(backend, plan.tensors)
     plan.bytes_per_param = backend.model_state_bytes(plan, param_dtype)
+    found = find_blocks(model)
+    blocks = None if found is None else (found[0], len(found[1]), type(found[1][0]).__name__)
+    plan.activations = saved_activations(plan.modules, backend.saved_linear_input(), recipe.activation_dtype, blocks,
+                                         compiled=context.compiled)
     plan.notes = backend.notes(plan)
     compiles, _ = backend.layer_compile()
     if compiles and plan.converted:
@@ -110,13 +113,6 @@ def build_plan(
             f"eager model: each of the {len(plan.converted)} FP8 layers is compiled by torch.compile (casts, amaxes "
             "and transposes fused; the first steps take longer while it compiles); compile_fp8_layers=False "
             "keeps them eager, dynamo_backend='inductor' compiles the whole model instead")
-    if recipe.activation_dtype == "fp8":
-        plan.notes.append(
-            "saved activations (every tensor autograd keeps for backward during the forward: Linear, norm, "
-            f"activation-function and attention inputs): FP8 E4M3, a power-of-2 scale per {GROUP} values along the "
-            "last dimension (per row where shorter), decoded for backward; parameters, their views, 8-bit tensors "
-            f"and tensors under {MIN_ELEMENTS} elements kept as saved (activation_dtype='fp8')"
-            + ("; compiled model: the tensors the compiled graph saves for its backward" if context.compiled else ""))
     if backend.recipe.skip_slow_shapes and backend.speed_scaling is not None:
         note = unmeasured_note(context.device, backend.speed_scaling)
         if note is not None:

@@ -21,6 +21,7 @@ from .fsdp import FP8_WEIGHT_DTYPE, TECommunication, fp8_weights_problem
 from .storage import TEWeightStorage
 
 if TYPE_CHECKING:
+    from ...planning.activations import SavedInput
     from ...planning.plan import PrecisionPlan, TensorPrecision
 
 log = logging.getLogger(__name__)
@@ -296,6 +297,17 @@ class TEBackend(Backend):
         return portable_state_dict(state_dict)
 
     # ----- plan ---------------------------------------------------------------------------------
+    def saved_linear_input(self) -> SavedInput:
+        from ...planning.activations import SavedInput
+
+        # TE saves its quantized input (the column-wise FP8 copy the weight gradient's GEMM reads)
+        return {
+            "delayed": SavedInput("FP8 E4M3, per-tensor scale (TE's cast)", 1.0),
+            "current": SavedInput("FP8 E4M3, per-tensor scale (TE's cast)", 1.0),
+            "block": SavedInput("FP8 E4M3, an FP32 scale per 128 values (TE's cast)", 1 + 4 / 128),
+            "mxfp8": SavedInput("FP8 E4M3, an E8M0 scale per 32 values (TE's cast)", 1 + 1 / 32),
+        }[self.recipe_name]
+
     def gemm_precision(self, plan: PrecisionPlan) -> TensorPrecision:
         from ...planning.plan import TensorPrecision
 
