@@ -76,6 +76,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         weight_grad_dtype=args.weight_grad_dtype,
         optimizer_states=args.optimizer_states,
         grad_comm_dtype=args.grad_comm_dtype,
+        activation_dtype=args.activation_dtype,
         include=args.include,
         exclude=args.exclude,
         skip_first_last=args.skip_first_last,
@@ -176,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--weight-grad-dtype", default=None, help="their gradients: fp32, bf16, fp8")
     plan.add_argument("--optimizer-states", default=None, help="fp32, bf16, fp16, fp8, or a pair such as e4m3+fp16")
     plan.add_argument("--grad-comm-dtype", default=None, help="DDP gradient averaging: fp32, bf16, fp8")
+    plan.add_argument("--activation-dtype", default=None, help="tensors saved for backward: fp8")
     plan.add_argument("--model", default=None, help="built-in model: tiny, small, proxy (default proxy)")
     plan.add_argument("--config", default=None,
                       help="a transformers config: local config.json / folder, or a model type such as 'llama'")

@@ -199,3 +199,14 @@ def test_a_missing_package_is_named_in_a_readable_sentence(monkeypatch):
     with pytest.raises(MissingDependencyError, match="^the demo model needs transformers: transformers is not "
                                                      "installed. Install it with: pip install transformers$"):
         build_model(PRESETS["tiny"])
+
+
+def test_plan_shows_what_is_saved_for_backward(capsys):
+    assert main(["plan", "--model", "proxy", "--backend", "msamp", "--opt-level", "O2", "--capability", "9.0",
+                 "--activation-dtype", "fp8", "--json"]) == 0
+    section = json.loads(capsys.readouterr().out)["activations"]
+    assert section["other_tensors"].startswith("FP8 E4M3, a power-of-2 scale per 128 values")
+    # the proxy's Linear inputs per token and block: 6 x 4096 + the FFN width, one byte each against BF16's two
+    assert section["linear_bytes_per_token"] == pytest.approx(section["baseline_linear_bytes_per_token"] / 2)
+    assert main(["plan", "--model", "proxy", "--activation-dtype", "fp4"]) == 2
+    assert "activation_dtype='fp4' is not one of 'fp8'" in capsys.readouterr().err
