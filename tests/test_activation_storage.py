@@ -79,8 +79,8 @@ def test_gradients_within_bound_of_high_precision_and_tensors_were_packed():
     fp8, model = gradients("fp8", x, y)
     storage = activation_storage(model)
     counts = storage.counts
-    # each block saves its norm, GELU and Linear inputs; the head's input too
-    assert counts.packed >= 6 and counts.packed_elements >= 6 * MIN_ELEMENTS
+    # each block saves its norm and GELU inputs; the Linear layers save torchao's FP8 cast of theirs (kept)
+    assert counts.packed >= 4 and counts.packed_elements >= 4 * MIN_ELEMENTS
     assert counts.bytes_after < counts.bytes_before
     assert counts.parameters_kept > 0  # weights reach the hook and are left as they are
     changed = False
@@ -115,7 +115,7 @@ def test_training_with_fp8_activations_lowers_the_loss():
         optimizer.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.7 * losses[0], losses
-    assert activation_storage(model).counts.packed >= 12 * 6
+    assert activation_storage(model).counts.packed >= 12 * 4  # norm and GELU inputs of both blocks, every step
 
 
 def test_a_nan_in_the_input_gives_non_finite_gradients():

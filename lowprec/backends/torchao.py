@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,32 @@ if TYPE_CHECKING:
     from ..planning.plan import PrecisionPlan, TensorPrecision
 
 log = logging.getLogger(__name__)
+
+
+def _forward_with_fp8_input(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """The forward of a tensorwise Float8Linear, its input cast to FP8 as torchao's matmul would cast it.
+
+    torchao's matmul saves the high-precision input and casts it again in backward for the weight
+    gradient; with tensorwise scaling that cast is the forward's, byte for byte (one amax, one scale, the
+    same E4M3 target). Given an input already in FP8, torchao uses it as it is in both passes (its path for
+    inputs cast upstream, as under tensor parallelism), so the layer saves one byte per element instead
+    of two, and backward skips a cast; the gradients are the same bits. In the forward, not a pre-hook:
+    hooks (FSDP2's, `fp8_health`'s) see the input as the model made it."""
+    from torchao.float8.distributed_utils import tensor_already_casted_to_fp8
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    x = input
+    if not tensor_already_casted_to_fp8(x) and (x.requires_grad or self.weight.requires_grad):
+        if torch.is_autocast_enabled():  # as Float8Linear.forward does, before its cast
+            x = x.to(torch.get_autocast_gpu_dtype())
+        cast = self.config.cast_config_input
+        x = hp_tensor_to_float8_dynamic(
+            x, cast.target_dtype, self.linear_mm_config, gemm_input_role=GemmInputRole.INPUT,
+            scaling_granularity=cast.scaling_granularity,
+            axiswise_dim=get_maybe_axiswise_dim(-1, cast.scaling_granularity),
+            round_scales_to_power_of_2=self.config.round_scales_to_power_of_2)
+    return type(self).forward(self, x)
 
 
 def _is_mha_projection(module: nn.Module) -> bool:
@@ -119,12 +146,33 @@ class TorchAOBackend(Backend):
         )
 
     # ----- the three jobs --------------------------------------------------------------------
+    @property
+    def saves_fp8_input(self) -> bool:
+        """Whether the FP8 layers keep their FP8 input for backward (`_forward_with_fp8_input`): where the
+        weight gradient's cast of the input is the forward's, which per-tensor scaling alone gives
+        (rowwise casts it along the other axis for the weight gradient; rowwise_with_gw_hp keeps it BF16),
+        and where the layers run eager. In a compiled graph (the model's or a layer's) the partitioner
+        chooses what to save: it keeps the input, which the graph receives anyway, and casts it again."""
+        return self.recipe_name == "tensorwise" and not self.context.compiled and not self.layer_compile()[0]
+
     def convert(self, model: nn.Module, plan: PrecisionPlan) -> nn.Module:
         float8 = require("torchao", feature="backend='torchao'")
         chosen = {("" if d.fqn == "<root>" else d.fqn) for d in plan.converted}
-        return float8.convert_to_float8_training(
-            model, module_filter_fn=lambda module, fqn: fqn in chosen, config=self.float8_config()
+        config = self.float8_config()
+        model = float8.convert_to_float8_training(
+            model, module_filter_fn=lambda module, fqn: fqn in chosen, config=config
         )
+        if self.saves_fp8_input:
+            if config.cast_config_input != config.cast_config_input_for_grad_weight:
+                raise RuntimeError(  # a torchao whose tensorwise recipe no longer casts the input once
+                    f"lowprec: torchao's {self.recipe_name!r} recipe casts the input differently for the weight "
+                    "gradient; lowprec cannot reuse the forward's cast (please report)")
+            for module in model.modules():
+                if self.is_converted(module):
+                    # the instance's forward: a copy.deepcopy keeps it; a pickled model loads with torchao's
+                    # own, which computes the same values (it only saves the input in BF16 again)
+                    module.forward = types.MethodType(_forward_with_fp8_input, module)
+        return model
 
     def post_optimizer_step(self, model: nn.Module) -> Callable[[], None] | None:
         if not self.fsdp_fp8_all_gather:
@@ -140,9 +188,14 @@ class TorchAOBackend(Backend):
     def saved_linear_input(self) -> SavedInput:
         from ..planning.activations import SavedInput
 
+        if self.saves_fp8_input:
+            return SavedInput("FP8 E4M3, per-tensor scale (the forward's cast, reused by the weight gradient)", 1.0)
         # torchao's matmul saves input_hp (torchao/float8/float8_linear.py) and casts it again in backward
-        return SavedInput("BF16: torchao keeps the high-precision input, cast again in backward", 2.0,
-                          packable=True)
+        if self.recipe_name != "tensorwise":
+            why = f"recipe {self.recipe_name!r} casts it again in backward (along the other axis, or not at all)"
+        else:
+            why = "compiled: the graph keeps the input it receives and casts it again in backward"
+        return SavedInput(f"BF16: {why}", 2.0, packable=True)
 
     def gemm_precision(self, plan: PrecisionPlan) -> TensorPrecision:
         from ..planning.plan import TensorPrecision

@@ -239,3 +239,77 @@ def test_fsdp2_optimizer_entries_expose_real_data_pointers():
     pointers = [p.data_ptr() for p in optimizer.param_groups[0]["params"]]
     assert 0 not in pointers
     assert pointers[0] == model[0].weight._tensor.data_ptr() and pointers[1] == model[0].bias.data_ptr()
+
+
+def _saved(model: nn.Module, x: torch.Tensor):
+    """(what one forward saves for backward: [(type name, bytes)], input grad, parameter grads)."""
+    saved = []
+
+    def pack(t):
+        inner = getattr(t, "_data", t)
+        saved.append((type(t).__name__, inner.numel() * inner.element_size()))
+        return t
+
+    x = x.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = model(x)
+    y.float().square().mean().backward()
+    return saved, x.grad, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fmt", ["HYBRID", "E4M3"])
+def test_tensorwise_saves_the_forwards_fp8_input_with_torchaos_gradients(fmt):
+    # torchao saves the high-precision input and casts it again in backward; with per-tensor scaling that cast is
+    # the forward's, so lowprec hands torchao the FP8 input it would make: the same bits, half the bytes saved
+    from torchao.float8 import convert_to_float8_training
+
+    model, plan, backend = converted(mlp(), fp8_format=fmt)
+    assert backend.saves_fp8_input
+    reference = convert_to_float8_training(mlp(), config=backend.float8_config())
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(3))
+    ours, dx, dw = _saved(model, x)
+    theirs, ref_dx, ref_dw = _saved(reference, x)
+    assert torch.equal(dx, ref_dx) and all(torch.equal(a, b) for a, b in zip(dw, ref_dw))
+    inputs = [b for name, b in ours if name == "Float8TrainingTensor"]
+    assert len(inputs) == 3 and sum(inputs) == 64 * (256 + 512 + 256)  # one byte per element
+    assert not any(name == "Float8TrainingTensor" for name, _ in theirs)
+    assert sum(b for _, b in theirs) - sum(b for _, b in ours) == 3 * 64 * (256 + 512 + 256)  # FP32 -> FP8 here
+    assert plan.activations.fp8_linear_inputs.startswith("FP8 E4M3, per-tensor scale (the forward's cast")
+
+
+@pytest.mark.parametrize("how", ["whole model", "each layer"])
+def test_compiled_layers_leave_what_to_save_to_the_partitioner(how):
+    # a compiled graph receives the input anyway and keeps it, casting again in backward (a cast made before
+    # the graph would break it in two): torchao's own forward, and the plan says BF16
+    recipe = FP8RecipeKwargs(backend="torchao", skip_first_last=False, skip_slow_shapes=False,
+                             compile_fp8_layers=how == "each layer" or None)
+    context = RunContext(device=H100, compiled=how == "whole model")
+    backend = create_backend(recipe, context, require_package=False)
+    assert not backend.saves_fp8_input
+    plan = build_plan(mlp(), recipe, context=context, backend=backend)
+    assert plan.activations.fp8_linear_inputs == ("BF16: compiled: the graph keeps the input it receives and casts "
+                                                  "it again in backward")
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_recipes_keep_the_high_precision_input_and_say_why(recipe):
+    model, plan, backend = converted(mlp(), recipe=recipe)
+    assert not backend.saves_fp8_input
+    assert all("forward" not in vars(m) for m in model.modules())  # torchao's own forward, untouched
+    assert plan.activations.fp8_linear_inputs.startswith(f"BF16: recipe {recipe!r} casts it again in backward")
+
+
+def test_tensorwise_casts_the_input_once_in_torchaos_recipe():
+    # what lowprec relies on (the backend refuses to convert otherwise): torchao casts the input for the
+    # weight gradient exactly as for the output
+    _, _, backend = converted(mlp())
+    config = backend.float8_config()
+    assert config.cast_config_input == config.cast_config_input_for_grad_weight
+
+
+def test_a_deep_copy_keeps_the_fp8_input_forward():
+    model, _, _ = converted(mlp())
+    clone = copy.deepcopy(model)
+    assert all(m.forward.__self__ is m for m in clone.modules() if "forward" in vars(m))
+    saved, _, _ = _saved(clone, torch.randn(16, 256))
+    assert sum(name == "Float8TrainingTensor" for name, _ in saved) == 3

@@ -64,3 +64,41 @@ def test_fp8_activations_hold_less_memory_between_forward_and_backward():
     assert counts.packed > 0
     # the packed share of what forward leaves held goes from 2 bytes (BF16) to 1 + 1/128 per element
     assert fp8 < 0.75 * plain, (fp8, plain, counts)
+
+
+def _torchao_step(lowprec_converts: bool):
+    """One forward under CUDA autocast with torchao tensorwise, eager layers: (memory the forward leaves held,
+    input grad, weight grads); converted by lowprec (FP8 input kept for backward) or by torchao itself."""
+    from lowprec.backends import RunContext, create_backend
+    from lowprec.planning.hardware import device_info
+    from lowprec.runtime.planner import build_plan
+
+    torch.manual_seed(0)
+    width = 2048
+    model = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)).cuda()
+    recipe = FP8RecipeKwargs(backend="torchao", skip_first_last=False, skip_slow_shapes=False, compile_fp8_layers=False)
+    context = RunContext(device=device_info())
+    backend = create_backend(recipe, context)
+    if lowprec_converts:
+        model = backend.convert(model, build_plan(model, recipe, context=context, backend=backend))
+    else:
+        from torchao.float8 import convert_to_float8_training
+
+        model = convert_to_float8_training(model, config=backend.float8_config())
+    x = torch.randn(8192, width, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).requires_grad_()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    out.float().square().mean().backward()
+    return held, x.grad, [p.grad for p in model.parameters()]
+
+
+def test_torchao_tensorwise_eager_layers_keep_their_fp8_input_with_torchaos_gradients():
+    ours_held, dx, dw = _torchao_step(True)
+    theirs_held, ref_dx, ref_dw = _torchao_step(False)
+    assert torch.equal(dx, ref_dx) and all(torch.equal(a, b) for a, b in zip(dw, ref_dw))
+    # the two Linear inputs (2048 and 8192 wide, 8192 tokens) go from BF16 to FP8: 8192 * 10240 bytes fewer
+    assert theirs_held - ours_held >= 0.9 * 8192 * 10240, (ours_held, theirs_held)

@@ -19,8 +19,9 @@ HOOKS = 1 + 1 / 128  # lowprec's FP8 storage: a byte per element and one per 128
 
 # (backend, recipe, level, device) -> bytes per element an FP8 layer keeps of its input
 CONFIGS = {
-    ("torchao", "tensorwise", None, H100): 2.0,  # torchao's matmul saves input_hp
-    ("torchao", "rowwise", None, H100): 2.0,
+    ("torchao", "tensorwise", None, H100): 2.0,  # compiled layers (the default here): the graph keeps the input
+    ("torchao", "rowwise", None, H100): 2.0,  # torchao's matmul saves input_hp: cast again along the other axis
+    ("torchao", "rowwise_with_gw_hp", None, H100): 2.0,
     ("msamp", "delayed", "O2", H100): 1.0,  # FP8Linear saves its E4M3 cast
     ("msamp", "delayed", "O3", H100): 1.0,
     ("te", "delayed", None, H100): 1.0,
@@ -62,7 +63,7 @@ def test_linear_inputs_per_token_and_block(key, activation_dtype):
     plan = plan_of(blocks_model(), key, activation_dtype=activation_dtype)
     section = plan.activations
     fp8_bytes = CONFIGS[key]
-    if activation_dtype == "fp8" and key[0] == "torchao":
+    if activation_dtype == "fp8" and fp8_bytes == 2.0:
         fp8_bytes = HOOKS  # the high-precision copy torchao keeps is packed by the hooks
     # each block: up_proj saves D values per token, down_proj 2D
     assert section.linear_bytes_per_token == pytest.approx(3 * D * fp8_bytes)
@@ -84,6 +85,12 @@ def test_layers_kept_in_high_precision_save_autocasts_copy_or_the_hooks_fp8(acti
     # up_proj in FP8 (1 byte x D), down_proj kept (2D values in BF16, or packed by the hooks)
     assert plan.activations.linear_bytes_per_token == pytest.approx(D * 1.0 + 2 * D * kept_bytes)
     assert plan.activations.kept_linear_inputs.startswith("BF16" if activation_dtype is None else "FP8 E4M3")
+
+
+def test_torchao_tensorwise_with_eager_layers_saves_the_forwards_fp8_cast():
+    plan = plan_of(blocks_model(), ("torchao", "tensorwise", None, H100), compile_fp8_layers=False)
+    assert plan.activations.linear_bytes_per_token == pytest.approx(3 * D * 1.0)
+    assert plan.activations.fp8_linear_inputs.startswith("FP8 E4M3, per-tensor scale (the forward's cast")
 
 
 def test_a_model_without_a_block_list_is_counted_whole():
