@@ -134,22 +134,29 @@ def test_eval_and_no_grad_pack_nothing():
     assert activation_storage(model).counts.packed == 0
 
 
-def test_checkpointed_regions_are_not_packed_twice():
-    # non-reentrant checkpointing saves nothing inside the region (its own hooks take the tensors) and
-    # recomputes in backward, outside the forward the FP8 hooks wrap
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointed_regions_are_not_packed_twice(reentrant):
+    # non-reentrant checkpointing saves nothing inside the region (its own hooks take the tensors); reentrant
+    # runs the region without gradients and saves only its input (packed, like any saved tensor). Either
+    # recomputes in backward, outside the forward the FP8 hooks wrap, and the gradients keep their bound.
     from torch.utils.checkpoint import checkpoint
 
+    x, y = batches(1)[0]
+    reference, _ = gradients(None, x, y)
     accelerator, model, _ = prepared("fp8")
     inner = accelerator.unwrap_model(model)
-    x, y = batches(1)[0]
     accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
     plain_count = activation_storage(model).counts.packed
+    model.zero_grad()
     block = inner[1]
     forward = block.forward
-    block.forward = lambda h: checkpoint(forward, h, use_reentrant=False)
+    block.forward = lambda h: checkpoint(forward, h, use_reentrant=reentrant)
     activation_storage(model).counts.packed = 0
     accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
     assert 0 < activation_storage(model).counts.packed < plain_count
+    for name, p in model.named_parameters():
+        error = (p.grad.float() - reference[name]).norm() / reference[name].norm()
+        assert error <= GRAD_BOUND, (name, float(error))
 
 
 def test_plan_says_which_activations_are_fp8():
