@@ -159,3 +159,26 @@ def test_the_fused_form_gives_the_definitions_bytes(monkeypatch):
             assert _same_bytes(decoded, _decode.eager(data, exponent, shape[-1], dtype)), (shape, dtype)
             assert decoded.dtype == dtype and torch.isnan(decoded[1, 3]) and torch.isnan(decoded[2, 5])
     assert counters["stats"]["unique_graphs"] > graphs  # the compiled form ran, not the definition again
+
+
+@pytest.mark.parametrize("view", ["transpose", "slice of a fused projection", "permuted heads"])
+def test_a_strided_view_comes_back_with_its_strides(view):
+    # a compiled backward asserts the strides of the tensors it saved (inductor's assert_size_stride)
+    base = torch.randn(4, 64, 3 * 256)
+    x = {"transpose": base[0].t(), "slice of a fused projection": base[..., 256:512],
+         "permuted heads": base[..., :256].reshape(4, 64, 2, 128).permute(0, 2, 1, 3)}[view]
+    packed = pack_fp8(x)
+    y = unpack_fp8(packed)
+    assert y.shape == x.shape and y.stride() == x.stride()
+    assert ((y - x).abs() <= 2**-4 * x.abs() + group_amax(x) * 2**-10 / 224).all()
+    # the view's elements only (one byte each, one per group), not its base's
+    assert packed.nbytes() <= x.numel() * (1 + 1 / min(GROUP, x.shape[-1]))
+
+
+def test_an_expanded_view_is_refused():
+    from lowprec.kernels.activations import overlapping
+
+    x = torch.randn(1, 256).expand(8, 256)
+    assert overlapping(x) and not overlapping(torch.randn(8, 256)[:, :128]) and not overlapping(torch.randn(3, 5).t())
+    with pytest.raises(ValueError, match="expanded view"):
+        pack_fp8(x)

@@ -44,6 +44,9 @@ class PackedFP8(NamedTuple):
     shape: torch.Size
     dtype: torch.dtype
     last: int
+    # the strides of a tensor that was not contiguous (a slice of a fused projection's output, a transpose),
+    # restored on decode: a compiled backward checks the strides of what it saved
+    stride: tuple[int, ...] | None = None
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.exponent.numel()
@@ -59,15 +62,36 @@ def pack_fp8(tensor: torch.Tensor) -> PackedFP8:
     if not tensor.is_floating_point() or tensor.dim() == 0 or tensor.numel() == 0:
         raise ValueError(f"pack_fp8 takes a non-empty floating tensor of at least 1 dimension, got "
                          f"{tensor.dtype} of shape {tuple(tensor.shape)}")
+    if overlapping(tensor):
+        raise ValueError(f"pack_fp8 takes a tensor whose elements have memory of their own, got strides "
+                         f"{tensor.stride()} for shape {tuple(tensor.shape)} (an expanded view)")
     x = tensor.detach()
     last = x.shape[-1]
     data, exponent = _encode(x.reshape(-1, last), group_size(last))
-    return PackedFP8(data, exponent, x.shape, x.dtype, last)
+    return PackedFP8(data, exponent, x.shape, x.dtype, last, None if x.is_contiguous() else x.stride())
 
 
 def unpack_fp8(packed: PackedFP8) -> torch.Tensor:
-    """The tensor `pack_fp8` stored, in its dtype and shape (within the bound in the module docstring)."""
-    return _decode(packed.data, packed.exponent, packed.last, packed.dtype).reshape(packed.shape)
+    """The tensor `pack_fp8` stored, in its dtype, shape and strides (within the bound in the module
+    docstring)."""
+    values = _decode(packed.data, packed.exponent, packed.last, packed.dtype).reshape(packed.shape)
+    if packed.stride is None:
+        return values
+    out = torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype, device=values.device)
+    return out.copy_(values)
+
+
+def overlapping(tensor: torch.Tensor) -> bool:
+    """Whether two elements of `tensor` may share memory (an expanded or otherwise overlapping view):
+    sorted by stride, each dimension of more than one element must step past the whole of the ones
+    below it (a sufficient test: views it calls overlapping are left unpacked)."""
+    dims = sorted((st, size) for st, size in zip(tensor.stride(), tensor.shape) if size > 1)
+    extent = 1
+    for st, size in dims:
+        if st < extent:
+            return True
+        extent = st * (size - 1) + extent
+    return False
 
 
 # One kernel each way on CUDA (`cuda_fused`): as eager torch the encode is ten kernels over FP32

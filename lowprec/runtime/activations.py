@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.activations import PackedFP8, pack_fp8, unpack_fp8
+from ..kernels.activations import PackedFP8, overlapping, pack_fp8, unpack_fp8
 from ..planning.activations import MIN_ELEMENTS
 from .wrapping import wrap_forward
 
@@ -73,7 +73,8 @@ class FP8ActivationStorage:
     def pack(self, tensor: torch.Tensor):
         if (type(tensor) is not torch.Tensor  # parameters, DTensors, FP8 tensor subclasses: theirs to store
                 or not tensor.is_floating_point() or tensor.element_size() < 2 or tensor.dim() == 0
-                or tensor.numel() < self.min_elements):  # a 0-d tensor is a scale or a loss: nothing to save
+                or tensor.numel() < self.min_elements  # a 0-d tensor is a scale or a loss: nothing to save
+                or overlapping(tensor)):  # an expanded view: its memory is smaller than its elements
             if id(tensor) in self._parameter_ids:
                 self.counts.parameters_kept += 1
             else:
