@@ -310,3 +310,35 @@ def test_a_changed_or_new_tensor_is_never_given_an_earlier_copy():
             packed = storage.pack(a)
             assert packed is not first and packed is not second
     assert storage.counts.shared == 1
+
+
+def test_a_compiled_graph_that_saves_strided_views_runs_its_backward():
+    # a fused QKV projection split by slicing: the compiled graph saves views with gaps, and its backward
+    # asserts their strides (it failed on this before the strides were restored)
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(128, 3 * 128, bias=False)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, 2, d // 2).unbind(2)
+            a = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           is_causal=True)
+            return a.transpose(1, 2).reshape(b, t, d)
+
+    torch.manual_seed(0)
+    model = Attention()
+    storage = FP8ActivationStorage(model, min_elements=0)
+    compiled = torch.compile(model, backend="inductor")
+    x = torch.randn(2, 64, 128, requires_grad=True)
+    with storage.context():
+        y = compiled(x)
+    y.square().sum().backward()
+    assert storage.counts.packed > 0
+    reference = x.grad.clone()
+    x.grad = None
+    model(x).square().sum().backward()
+    assert (reference - x.grad).norm() / x.grad.norm() < GRAD_BOUND
