@@ -49,6 +49,25 @@ VOCAB = 32000
 WIDTHS = {"tiny": (64, 128, 2), "d2048": (2048, 7168, 4), "d4096": (4096, 14336, 4), "d8192": (8192, 28672, 2)}
 BATCH, SEQ = 4, 2048
 
+
+def dims(width: str) -> tuple[int, int, int]:
+    """(hidden, ffn, layers) of a width name: one of WIDTHS, or "d4096x12" (d4096's shape, 12 blocks)."""
+    if width in WIDTHS:
+        return WIDTHS[width]
+    name, sep, layers = width.partition("x")
+    if name not in WIDTHS or not sep or not layers.isdigit() or int(layers) < 1:
+        raise argparse.ArgumentTypeError(f"width {width!r} is not one of {', '.join(WIDTHS)}, or one of them with "
+                                         "xN blocks (d4096x12)")
+    hidden, ffn, _ = WIDTHS[name]
+    return hidden, ffn, int(layers)
+
+
+def params(width: str) -> int:
+    """Parameters of the proxy at `width` (embedding, blocks, final norm, head)."""
+    d, ff, layers = dims(width)
+    block = 2 * d + 3 * d * d + d * d + 2 * ff * d + ff * d
+    return VOCAB * d + layers * block + d + d * VOCAB
+
 # label -> (mode, FP8RecipeKwargs fields | None for BF16 | "raw te")
 CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     "bf16 eager": ("eager", None),
@@ -152,7 +171,7 @@ def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int) -> di
     else:
         recipe = FP8RecipeKwargs(**spec)
         accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **extra)
-    hidden, ffn, layers = WIDTHS[width]
+    hidden, ffn, layers = dims(width)
     torch.manual_seed(0)
     with torch.device(accelerator.device):
         model = Proxy(hidden, ffn, layers)
@@ -267,6 +286,11 @@ def markdown(results: dict) -> str:
     return "\n".join(rows)
 
 
+def _width(text: str) -> str:
+    dims(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--summarize"]:
@@ -275,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
                 print(markdown(json.load(fh)))
         return {}
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--widths", nargs="+", default=["d4096"], choices=list(WIDTHS))
+    p.add_argument("--widths", nargs="+", default=["d4096"], type=_width,
+                   help=f"{', '.join(WIDTHS)}, or one of them with xN blocks (d4096x12)")
     p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS),
                    help="BF16 of a mode must come before the configurations compared with it")
     p.add_argument("--steps", type=int, default=16)
@@ -304,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
     for width in args.widths:
         runs = results["widths"][width] = {}
         g = torch.Generator().manual_seed(0)
-        data = [torch.randint(0, VOCAB, (BATCH, SEQ) if width != "tiny" else (2, 64), generator=g)
+        data = [torch.randint(0, VOCAB, (BATCH, SEQ) if not width.startswith("tiny") else (2, 64), generator=g)
                 for _ in range(args.steps)]
         for round_ in range(args.rounds):
             order = args.configs if round_ % 2 == 0 else args.configs[::-1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -132,3 +133,49 @@ def test_headline_benchmark_on_cpu(tmp_path):
     assert auto["speedup_vs_bf16"] == pytest.approx(runs["bf16 eager"]["step_ms_median"] / auto["step_ms_median"])
     assert auto["fp8_linears"] == auto["linears"] == 9
     assert "| tiny | auto | torchao (tensorwise) |" in proc.stdout
+
+
+def _largest_model():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import largest_model
+
+    return largest_model
+
+
+@pytest.mark.parametrize("oom_from, expected, tries", [(100, 38, 1), (37, 36, 3), (30, None, 3)])
+def test_largest_model_predicts_from_two_depths_and_confirms(oom_from, expected, tries):
+    # a fake GPU: 2 GiB + 1 GiB per block, out of memory from `oom_from` blocks; 40 GiB allowed
+    largest_model = _largest_model()
+    ran = []
+
+    def fits(blocks):
+        ran.append(blocks)
+        if blocks >= oom_from:
+            return {"error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+        return {"peak_gib": 2.0 + blocks}
+
+    record = largest_model.largest(fits, (2, 4), 40.0, tries)
+    assert record["per_block_gib"] == pytest.approx(1.0) and record["rest_gib"] == pytest.approx(2.0)
+    assert record.get("blocks") == expected
+    assert ran[:3] == [2, 4, 38]  # the prediction first, then one block fewer per out-of-memory run
+    if expected is None:
+        assert "still out of memory" in record["error"]
+
+
+def test_largest_model_reports_other_errors_and_flat_peaks():
+    largest_model = _largest_model()
+    assert largest_model.largest(lambda n: {"error": "te missing"}, (2, 4), 40.0, 3)["error"] == "te missing"
+    flat = largest_model.largest(lambda n: {"peak_gib": 5.0}, (2, 4), 40.0, 3)
+    assert "did not grow" in flat["error"]
+
+
+def test_headline_widths_take_a_depth_and_count_the_proxys_parameters():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import headline
+
+    assert headline.dims("d2048x7") == (2048, 7168, 7)
+    with pytest.raises(argparse.ArgumentTypeError, match="xN blocks"):
+        headline.dims("d2048x")
+    d, ff, layers = headline.dims("tinyx3")
+    model = headline.Proxy(d, ff, layers)
+    assert headline.params("tinyx3") == sum(p.numel() for p in model.parameters())
