@@ -61,7 +61,8 @@ def test_layout_is_one_byte_per_element_and_one_per_group():
 
 
 def test_scales_are_powers_of_two_fitting_each_group():
-    x = torch.randn(2, 512)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(0)).clamp(-2, 2)
+    x[0, 5] = x[0, 260] = 3.0  # groups 0 and 2 share their amax (random ones could fall in two binades)
     x[0, 130] = 1000.0  # an outlier costs precision to its own group only
     packed = pack_fp8(x)
     scale = torch.exp2(packed.exponent.float())
