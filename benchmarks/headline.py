@@ -62,11 +62,6 @@ def dims(width: str) -> tuple[int, int, int]:
     return hidden, ffn, int(layers)
 
 
-def params(width: str) -> int:
-    """Parameters of the proxy at `width` (embedding, blocks, final norm, head)."""
-    d, ff, layers = dims(width)
-    block = 2 * d + 3 * d * d + d * d + 2 * ff * d + ff * d
-    return VOCAB * d + layers * block + d + d * VOCAB
 
 # label -> (mode, FP8RecipeKwargs fields | None for BF16 | "raw te")
 CONFIGS: dict[str, tuple[str, dict | str | None]] = {
@@ -109,6 +104,12 @@ class Block(nn.Module):
         x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
+
+
+def params(width: str) -> int:
+    """Parameters of the proxy at `width`, counted on a copy built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in Proxy(*dims(width)).parameters())
 
 
 class Proxy(nn.Module):

@@ -139,16 +139,19 @@ def check_activation_dtype(activation_dtype: str | None, dynamo_plugin=None) -> 
         return
     backend = str(getattr(dynamo_plugin.backend, "value", dynamo_plugin.backend)).lower()
     mode = dynamo_plugin.mode
-    options = dynamo_plugin.options or {}
-    if backend == "cudagraphs" or (backend == "inductor" and (mode in CUDA_GRAPH_MODES
-                                                               or options.get("triton.cudagraphs"))):
-        how = (f"dynamo_backend='{backend}'" if backend == "cudagraphs"
-               else f"dynamo mode='{mode}'" if mode in CUDA_GRAPH_MODES else "dynamo options triton.cudagraphs=True")
-        raise ValueError(
-            f"lowprec: FP8RecipeKwargs.activation_dtype='fp8' is not yet supported with CUDA graphs ({how}): the "
-            "graphs' memory pool keeps the high-precision tensors the forward saves, so FP8 copies would add "
-            "memory, not save it. Use dynamo mode 'default' or 'max-autotune-no-cudagraphs' (both supported), "
-            "or activation_dtype=None")
+    if backend == "cudagraphs":
+        how = f"dynamo_backend='{backend}'"
+    elif backend == "inductor" and mode in CUDA_GRAPH_MODES:
+        how = f"dynamo mode='{mode}'"
+    elif backend == "inductor" and (dynamo_plugin.options or {}).get("triton.cudagraphs"):
+        how = "dynamo options triton.cudagraphs=True"
+    else:
+        return
+    raise ValueError(
+        f"lowprec: FP8RecipeKwargs.activation_dtype='fp8' is not yet supported with CUDA graphs ({how}): the "
+        "graphs' memory pool keeps the high-precision tensors the forward saves, so FP8 copies would add "
+        "memory, not save it. Use dynamo mode 'default' or 'max-autotune-no-cudagraphs' (both supported), "
+        "or activation_dtype=None")
 
 
 def install_activation_storage(prepared: nn.Module, inner: nn.Module) -> FP8ActivationStorage:
