@@ -12,7 +12,8 @@
 # A sixth field, 'compiled' or 'eager', sets compile_fp8_layers for that cell (and names its file):
 # msamp@O2::ddp:::compiled. It wins over COMPILE_FP8_LAYERS. PROFILE=1 writes each cell's CUDA kernels of one
 # step (torch.profiler, by self time) beside its JSON as NAME.prof.txt. A sixth field 'fp8w' (te) sets
-# fp8_weights=True: te:current:fsdp2:::fp8w.
+# fp8_weights=True: te:current:fsdp2:::fp8w. A sixth field 'overlap' sets LOWPREC_FP8_GRAD_OVERLAP=1 (the stored FP8
+# weight gradients averaged block by block during the backward under DDP): msamp@O2::ddp:::overlap.
 set -uo pipefail
 out=${1:?usage: multi.sh OUTDIR backend[@level]:recipe:engine...}; shift
 mkdir -p "$out"
@@ -20,9 +21,9 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 for case in "$@"; do
   IFS=: read -r backend recipe engine comm steps layers <<< "$case"
   compile_layers=${COMPILE_FP8_LAYERS:-}
-  fp8w=""
-  case "$layers" in compiled) compile_layers=true ;; eager) compile_layers=false ;; fp8w) fp8w=1 ;; "") ;;
-    *) echo "unknown sixth field '$layers' (compiled|eager|fp8w)" >&2; exit 2 ;; esac
+  fp8w=""; overlap=0
+  case "$layers" in compiled) compile_layers=true ;; eager) compile_layers=false ;; fp8w) fp8w=1 ;; overlap) overlap=1 ;;
+    "") ;; *) echo "unknown sixth field '$layers' (compiled|eager|fp8w|overlap)" >&2; exit 2 ;; esac
   level=""; [[ $backend == *@* ]] && { level=${backend#*@}; backend=${backend%@*}; }
   name="${backend}${level:+_$level}${recipe:+_$recipe}_${engine}${comm:+_$comm}${layers:+_$layers}"
   echo "== $case"
@@ -33,7 +34,7 @@ for case in "$@"; do
   else
     launch=(accelerate launch --multi_gpu --num_processes "${NPROC:-2}" --num_machines 1 --mixed_precision fp8 --dynamo_backend no)
   fi
-  timeout "${CASE_TIMEOUT:-300}" "${launch[@]}" \
+  LOWPREC_FP8_GRAD_OVERLAP=$overlap timeout "${CASE_TIMEOUT:-300}" "${launch[@]}" \
     tests/distributed/gpu_engines.py --backend "$backend" ${recipe:+--recipe "$recipe"} ${level:+--opt-level "$level"} \
     --engine "$engine" ${comm:+--grad-comm-dtype "$comm"} --steps "${steps:-${STEPS:-30}}" --size "${SIZE:-small}" \
     ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${fp8w:+--fp8-weights} \

@@ -251,6 +251,7 @@ def main() -> None:
                 "peak_memory_gib_per_rank": peaks.tolist(), "model_state_bytes_per_param": state_bytes,
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
                 "losses": losses, "step_times_s": times, "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
+                "grad_comm_how": plan.tensor("grad_comm").scaling if plan else None,
                 "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled, "fp8_weights": args.fp8_weights,
                 "weight_row": plan.tensor("weight").dtype if plan else None,
                 "host_syncs_in_a_step": syncs, **kernels, **evidence,

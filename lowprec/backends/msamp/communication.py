@@ -112,8 +112,11 @@ class MSAMPCommunication(GradientCommunication):
 
         comm, *rest = super().rows(plan)
         if plan.converted and self.owner.context.engine == "ddp":
+            from ...optim.grad_overlap import reduction_timing
+
             comm = TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (Linear), {comm.dtype} (rest)",
-                                   "weight grads: amax all-reduced (MAX), FP8 all_to_all, FP32 sum, FP8 all_gather")
+                                   "weight grads: amax all-reduced (MAX), FP8 all_to_all, FP32 sum, FP8 all_gather, "
+                                   + reduction_timing())
         elif plan.converted and self.owner.zero_o3:
             comm = TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (Linear), {comm.dtype} (rest)",
                                    "weight grads averaged by lowprec once per step (amax all-reduced, FP8 all_to_all, "

@@ -28,6 +28,7 @@ class WeightStorage:
         self.owner = owner
         self.grad_stores: list = []
         self.reducer = None  # averages the stores' FP8 gradients under DDP
+        self.blockwise = None  # or block by block during the backward (LOWPREC_FP8_GRAD_OVERLAP=1)
         self.original_weight_dtypes: dict[str, torch.dtype] = {}
 
     # ----- what the knobs ask for --------------------------------------------------------------------
@@ -128,6 +129,22 @@ class WeightStorage:
             with torch.no_grad():
                 for store in self.grad_stores:
                     dist.broadcast(store.weight.data, src=0)
+            self.blockwise = self._blockwise(model)
+
+    def _blockwise(self, model: nn.Module):
+        """`BlockwiseReduction` of the stores where asked for (`LOWPREC_FP8_GRAD_OVERLAP=1`) and possible: an
+        eager DDP wrapper (a model compiled whole runs the blocks' hooks inside its graph) over a model with a
+        block list; None otherwise (one reduction after the backward)."""
+        from ...optim.grad_overlap import BlockwiseReduction, overlap_requested
+        from ...planning.selection import find_blocks
+
+        if not overlap_requested() or not isinstance(model, nn.parallel.DistributedDataParallel):
+            return None
+        found = find_blocks(model.module)
+        if found is None:
+            return None
+        return BlockwiseReduction(self.grad_stores, list(found[1]),
+                                  will_sync=lambda: model.require_backward_grad_sync)
 
     def verify(self, model: nn.Module) -> None:
         """Raise `PlanMismatchError` where a converted weight or its gradient is not stored as planned."""
@@ -153,8 +170,12 @@ class WeightStorage:
 
     # ----- during training ---------------------------------------------------------------------------
     def reduce_if_pending(self) -> None:
-        if self.reducer is not None:
-            self.reducer.reduce_if_pending()
+        if self.reducer is None:
+            return
+        # a backward hooked block by block and not ended through Accelerator.backward: its buckets end here
+        if self.blockwise is not None and self.blockwise.finish():
+            self.reducer.pending = False
+        self.reducer.reduce_if_pending()
 
     def after_backward(self, sync_gradients: bool) -> None:
         if self.reducer is None:
@@ -163,7 +184,7 @@ class WeightStorage:
         # reducing again averages (mean + local) into mean + mean of the locals.
         self.reducer.mark_pending()
         if sync_gradients:
-            self.reducer.reduce_if_pending()
+            self.reduce_if_pending()
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip with the stored gradients counted; None: nothing stored, Accelerate clips."""
@@ -189,6 +210,7 @@ class WeightStorage:
     # ----- in the plan -------------------------------------------------------------------------------
     def rows(self, rows: list[TensorPrecision], plan: PrecisionPlan) -> list[TensorPrecision]:
         """`rows` with the weight and weight-gradient entries the storage knobs change."""
+        from ...optim.grad_overlap import reduction_timing
         from ...planning.plan import TensorPrecision, short_dtype
 
         owner = self.owner
@@ -208,7 +230,7 @@ class WeightStorage:
             if row.kind == "grad_comm" and owner.context.engine == "ddp" and store == torch.float8_e4m3fn:
                 row = TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (FP8 Linear), {row.dtype} (rest)",
                                       "stored weight gradients: amax all-reduced (MAX), FP8 all_to_all, FP32 sum, "
-                                      "FP8 all_gather, once per optimizer step; the rest by DDP")
+                                      f"FP8 all_gather, {reduction_timing()}; the rest by DDP")
             elif row.kind == "weight" and weight is not None:
                 row = TensorPrecision("weight", f"{weight_name} (FP8 Linear), {row.dtype} (rest)",
                                       f"{why('weight_dtype')}: updated in place by LowBitAdam(W) in FP32 math, "

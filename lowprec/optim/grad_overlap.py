@@ -1,0 +1,166 @@
+"""Averaging FP8 weight gradients under DDP while the backward still runs, one transformer block at a time.
+
+`FP8GradReducer` averages every stored FP8 gradient in one pass once the backward is over: its bytes
+cross the wire while the GPU waits. `BlockwiseReduction` splits the layers by transformer block and
+averages a block's gradients as soon as autograd has finished that block, on a side CUDA stream, so the
+wire time hides behind the backward of the blocks below it (DDP does the same for `.grad` buckets).
+
+When a block is finished: a forward pre-hook on each block hooks the gradient of the block's input. That
+gradient is complete only once every node between the input and the loss has run, and every Linear
+of the block lies on such a path: when the hook fires, the block's weight gradients are written (msamp's
+layers write theirs inside the node; a `GradStore` from its weight's AccumulateGrad, which autograd runs
+as soon as it is ready). A block called several times in a forward is finished after its last call's
+hook; a call whose input needs no gradient leaves its block to the end of the backward.
+
+Order: every rank must issue the same collectives in the same order. Buckets start strictly in
+backward order (the last block first), a bucket whose block is not finished holding back those after it,
+and `finish()` (after the backward) starts whatever is left in the same order. The layers of no block,
+or of several, form the last bucket. The collectives run on a process group of their own, so they never
+interleave with DDP's on one communicator.
+
+Streams (CUDA): a bucket runs on the side stream after the work queued so far; `finish()` makes the
+current stream wait for the side stream (a device-side wait: no host sync), so the optimizer reads the
+averaged bytes. On CPU (gloo) buckets run inline, the backward waiting for the collectives.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .grad_reduce import FP8GradReducer
+
+ENV = "LOWPREC_FP8_GRAD_OVERLAP"
+
+
+def overlap_requested() -> bool:
+    """`LOWPREC_FP8_GRAD_OVERLAP`: 1 averages DDP's stored FP8 gradients block by block during the backward,
+    0 or unset once after it. Off by default until two GPUs have measured it faster."""
+    value = os.environ.get(ENV, "").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r} is not one of '0', '1' (1: average FP8 weight gradients block by "
+                         "block during the backward under DDP; 0 or unset: once after it)")
+    return value == "1"
+
+
+def reduction_timing() -> str:
+    """When the FP8 weight gradients are averaged under DDP, for the plan's communication row."""
+    if overlap_requested():
+        return (f"per transformer block as the backward finishes it, on a side stream ({ENV}=1; a model "
+                "compiled whole or without a block list: once after the backward)")
+    return "once after the backward"
+
+
+def _first_grad_input(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The block's hidden states: its first floating-point tensor argument."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value
+    return None
+
+
+class BlockwiseReduction:
+    """`FP8GradReducer`s of the layers of each block of `blocks`, started as autograd finishes each block.
+
+    `layers`: objects with the `FP8GradReducer` attributes whose `module` (or which themselves) is a
+    module of the model; `blocks`: the model's transformer blocks in forward order. `will_sync()` says
+    whether the backward about to run averages gradients (DDP's `require_backward_grad_sync`); only then
+    are the blocks' inputs hooked.
+    """
+
+    def __init__(self, layers, blocks: list[nn.Module], will_sync=lambda: True, group=None,
+                 method: str = "all_to_all"):
+        layers = list(layers)
+        owner: dict[int, set[int]] = {}
+        for index, block in enumerate(blocks):
+            inside = {id(m) for m in block.modules()}
+            for layer in layers:
+                if id(getattr(layer, "module", layer)) in inside:
+                    owner.setdefault(id(layer), set()).add(index)
+        per_block: list[list] = [[] for _ in blocks]
+        rest = []
+        for layer in layers:
+            where = owner.get(id(layer), set())
+            (per_block[next(iter(where))] if len(where) == 1 else rest).append(layer)
+        if group is None and dist.get_world_size() > 1:
+            group = dist.new_group(list(range(dist.get_world_size())))  # every rank, in the same order
+        # Backward order: the last block's bucket first; empty blocks have nothing to send.
+        self.order = [i for i in reversed(range(len(blocks))) if per_block[i]]
+        self.reducers = {i: FP8GradReducer(per_block[i], group, method) for i in self.order}
+        self.rest = FP8GradReducer(rest, group, method) if rest else None
+        self.layers = layers
+        self.will_sync = will_sync
+        self.stream = torch.cuda.Stream() if layers and layers[0].fp8_grad_data.is_cuda else None
+        self.last_early = 0  # buckets the last finished backward started before it ended
+        self._reset()
+        self._handles = [block.register_forward_pre_hook(self._pre_forward(i), with_kwargs=True)
+                         for i, block in enumerate(blocks) if per_block[i]]
+
+    def _reset(self) -> None:
+        self.armed = False  # a forward hooked blocks for the coming backward
+        self.calls: dict[int, int] = {}  # forward calls of each block since the last finish
+        self.done: dict[int, int] = {}  # of them, those whose input gradient arrived
+        self.blind: set[int] = set()  # blocks called on an input needing no gradient: left to finish()
+        self.next = 0  # position in self.order of the next bucket to start
+        self.started: list[int] = []
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ---- during forward and backward -----------------------------------------------------------------
+    def _pre_forward(self, index: int):
+        def hook(module, args, kwargs):
+            # A forward under no_grad trains nothing; one inside the backward is activation recomputation,
+            # whose gradients belong to the call already counted.
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1 or not self.will_sync():
+                return None
+            self.armed = True
+            self.calls[index] = self.calls.get(index, 0) + 1
+            x = _first_grad_input(args, kwargs)
+            if x is None or not x.requires_grad:
+                self.blind.add(index)
+            else:
+                x.register_hook(lambda grad: self._block_done(index))
+            return None
+
+        return hook
+
+    def _block_done(self, index: int) -> None:
+        self.done[index] = self.done.get(index, 0) + 1
+        while self.next < len(self.order):
+            i = self.order[self.next]
+            if i in self.blind or self.done.get(i, 0) < self.calls.get(i, 0) or i not in self.calls:
+                return
+            self._start(self.reducers[i])
+            self.started.append(i)
+            self.next += 1
+
+    def _start(self, reducer: FP8GradReducer) -> None:
+        if self.stream is None:
+            reducer.reduce()
+            return
+        # after the backward's kernels queued so far (the block's gradients among them)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            reducer.reduce()
+
+    # ---- after the backward ----------------------------------------------------------------------------
+    def finish(self) -> bool:
+        """Start the buckets the backward left, in order, and make the current stream wait for them. Returns
+        whether this backward was hooked (its gradients are now averaged); False: nothing was done."""
+        if not self.armed:
+            return False
+        for i in self.order[self.next:]:
+            self._start(self.reducers[i])
+        if self.rest is not None:
+            self._start(self.rest)
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+        self.last_early = len(self.started)
+        self._reset()
+        return True

@@ -1,0 +1,147 @@
+"""Two CPU processes (gloo): DDP's stored FP8 weight gradients averaged block by block during the backward
+(`LOWPREC_FP8_GRAD_OVERLAP=1`, `lowprec.optim.grad_overlap.BlockwiseReduction`) against once after it.
+
+Run by tests/optim/test_grad_overlap.py:
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed/blockwise_ddp.py run OUT.json
+
+Each scenario trains a small model with a block list through lowprec.Accelerator (msamp O2, or torchao
+with FP8 gradient stores) twice, with the overlap off and on, each rank on its own half of every global
+batch, and records after every backward the FP8 gradients' digest and how many blocks' buckets started
+before the backward ended; after every step the parameters' digest. Nothing is asserted here: rank 0
+writes both ranks' records to OUT.json.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from msamp_ddp import digest  # beside this script: torchrun puts its folder on sys.path
+from teardown import end_ranks, write_ranks
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+TIMEOUT = datetime.timedelta(seconds=60)
+WIDTH, BLOCKS, GLOBAL_BATCH, LR = 32, 3, 16, 1e-2
+
+
+class Block(nn.Module):
+    def __init__(self, recompute: bool):
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+        self.recompute = recompute
+
+    def _inner(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+    def forward(self, x):
+        if self.recompute:
+            return x + checkpoint(self._inner, x, use_reentrant=False)
+        return x + self._inner(x)
+
+
+class Net(nn.Module):
+    """`embed` makes block 0's input need a gradient; without it (`embed=False`) block 0 is fed the data."""
+
+    def __init__(self, embed: bool = True, recompute: bool = False):
+        super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH) if embed else nn.Identity()
+        self.blocks = nn.ModuleList(Block(recompute) for _ in range(BLOCKS))
+        self.head = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def stored_grads(backend) -> str:
+    stores = backend.grad_stores
+    return digest(*[t for s in stores for t in (s.fp8_grad_data, s.fp8_grad_scale, s.fp8_grad_valid)])
+
+
+def train(overlap: bool, *, backend: str = "msamp", embed: bool = True, recompute: bool = False,
+          accumulation: int = 1, backwards: int = 1, steps: int = 3) -> dict:
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from lowprec import Accelerator, FP8RecipeKwargs
+
+    os.environ["LOWPREC_FP8_GRAD_OVERLAP"] = "1" if overlap else "0"
+    if backend == "msamp":
+        recipe = FP8RecipeKwargs(backend="msamp", opt_level="O2", skip_first_last=False, skip_slow_shapes=False)
+    else:
+        recipe = FP8RecipeKwargs(backend="torchao", recipe="tensorwise", weight_grad_dtype="fp8",
+                                 skip_first_last=False, skip_slow_shapes=False, pad_inner_dim=True)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation,
+                              kwargs_handlers=[recipe, InitProcessGroupKwargs(timeout=TIMEOUT)])
+    rank, world = accelerator.process_index, accelerator.num_processes
+    torch.manual_seed(0)
+    model = Net(embed=embed, recompute=recompute)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    lowprec_backend = accelerator._lowprec[-1][1]
+    blockwise = lowprec_backend.weight_storage.blockwise
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps * GLOBAL_BATCH, WIDTH, generator=g)
+    y = torch.tanh(x.flip(-1))
+    share = GLOBAL_BATCH // world
+    micro = share // accumulation
+    part = micro // backwards
+    record = {"blockwise": blockwise is not None, "grad_comm": accelerator.precision_plan.tensor("grad_comm").scaling,
+              "buckets": None if blockwise is None else [len(blockwise.reducers[i].layers) for i in blockwise.order],
+              "rest": None if blockwise is None or blockwise.rest is None else len(blockwise.rest.layers),
+              "backwards": [], "params": []}
+    for step in range(steps):
+        base = step * GLOBAL_BATCH + rank * share
+        for k in range(accumulation):
+            with accelerator.accumulate(model):
+                for j in range(backwards):
+                    rows = slice(base + k * micro + j * part, base + k * micro + (j + 1) * part)
+                    loss = nn.functional.mse_loss(model(x[rows]).float(), y[rows]) / backwards
+                    accelerator.backward(loss)
+                    record["backwards"].append({"sync": accelerator.sync_gradients,
+                                                "early": None if blockwise is None else blockwise.last_early,
+                                                "grads": stored_grads(lowprec_backend)})
+                    if blockwise is not None:
+                        blockwise.last_early = 0  # a backward without sync leaves it as the last one set it
+                optimizer.step()
+                optimizer.zero_grad()
+        record["params"].append(digest(*accelerator.unwrap_model(model).parameters()))
+    if blockwise is not None:
+        blockwise.remove()
+    accelerator.wait_for_everyone()
+    return record
+
+
+SCENARIOS = {
+    "plain": dict(),
+    "accumulation": dict(accumulation=2, steps=2),
+    "two_backwards": dict(backwards=2, steps=2),
+    "recompute": dict(recompute=True),
+    "data_into_block0": dict(embed=False),
+    "stores": dict(backend="torchao"),
+}
+
+
+def main() -> None:
+    out = sys.argv[2]
+    dist.init_process_group("gloo", timeout=TIMEOUT)
+    results = {}
+    for name, kwargs in SCENARIOS.items():
+        try:
+            results[name] = {"off": train(False, **kwargs), "on": train(True, **kwargs)}
+        except Exception:  # noqa: BLE001
+            results[name] = {"error": traceback.format_exc()[-3000:]}
+    write_ranks({"world_size": dist.get_world_size(), "scenarios": results}, out)
+    end_ranks()
+
+
+if __name__ == "__main__":
+    main()

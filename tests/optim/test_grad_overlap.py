@@ -1,0 +1,96 @@
+"""`LOWPREC_FP8_GRAD_OVERLAP=1`: DDP's stored FP8 weight gradients averaged block by block while the backward
+runs (`lowprec.optim.grad_overlap.BlockwiseReduction`), on two CPU processes (gloo).
+
+The reduction of a bucket is the reduction of its layers alone (per-tensor shared scales, an elementwise
+FP32 sum), so averaging early changes no byte: every backward's stored gradients and every step's parameters
+must equal those of the run that averages once after the backward, bitwise. A bucket started before its
+block's gradients are written would average stale bytes and break that equality (checked by hand: starting
+every bucket at the first hook changes every scenario's gradients). What the overlap adds is timing: how many
+blocks' buckets started before the backward ended.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from lowprec.optim.grad_overlap import ENV, overlap_requested, reduction_timing
+
+HERE = os.path.dirname(__file__)
+SCRIPT = os.path.join(HERE, "..", "distributed", "blockwise_ddp.py")
+BLOCKS = 3  # blockwise_ddp.BLOCKS: two converted Linears each; embed and head are the last bucket
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from conftest import run_two_ranks
+
+    ranks = run_two_ranks(SCRIPT, "run", out=tmp_path_factory.mktemp("blockwise") / "result.json")
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    return ranks
+
+
+def scenario(run, name: str) -> list[dict]:
+    entries = [r["scenarios"][name] for r in run]
+    for entry in entries:
+        assert "error" not in entry, entry.get("error")
+    return entries
+
+
+SCENARIOS = ["plain", "accumulation", "two_backwards", "recompute", "data_into_block0", "stores"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_blockwise_averaging_changes_no_byte(run, name):
+    for rank in scenario(run, name):
+        off, on = rank["off"], rank["on"]
+        assert (off["blockwise"], on["blockwise"]) == (False, True)
+        assert len(on["backwards"]) == len(off["backwards"])
+        for i, (a, b) in enumerate(zip(off["backwards"], on["backwards"])):
+            assert a["sync"] == b["sync"]
+            assert a["grads"] == b["grads"], f"backward {i}: stored gradients differ"
+        assert on["params"] == off["params"]
+    # DDP: both ranks hold the same parameters after every step
+    assert scenario(run, name)[0]["on"]["params"] == scenario(run, name)[1]["on"]["params"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "early"), [
+    ("plain", [BLOCKS] * 3),
+    ("accumulation", [0, BLOCKS, 0, BLOCKS]),  # a backward without sync hooks nothing and sends nothing
+    ("two_backwards", [BLOCKS] * 4),
+    ("recompute", [BLOCKS] * 3),  # checkpointed blocks: the recomputation is not counted as a call
+    ("data_into_block0", [BLOCKS - 1] * 3),  # block 0's input needs no gradient: its bucket waits for the end
+    ("stores", [BLOCKS] * 3),  # torchao's layers with FP8 GradStores (AccumulateGrad hooks)
+])
+def test_buckets_start_during_the_backward(run, name, early):
+    for rank in scenario(run, name):
+        assert [b["early"] for b in rank["on"]["backwards"]] == early
+        assert rank["on"]["buckets"] == [2] * BLOCKS
+        assert rank["on"]["rest"] == (1 if name == "data_into_block0" else 2)  # embed (if a Linear) and head
+
+
+@pytest.mark.slow
+def test_the_plan_says_when_gradients_are_averaged(run):
+    rank = scenario(run, "plain")[0]
+    assert "once after the backward" in rank["off"]["grad_comm"]
+    assert "per transformer block" in rank["on"]["grad_comm"] and ENV in rank["on"]["grad_comm"]
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, False), ("", False), ("0", False), ("1", True), (" 1 ", True)])
+def test_the_switch(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, value)
+    assert overlap_requested() is expected
+    assert ("per transformer block" in reduction_timing()) is expected
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true", "on"])
+def test_a_bad_switch_names_the_variable_and_its_values(monkeypatch, value):
+    monkeypatch.setenv(ENV, value)
+    with pytest.raises(ValueError, match=rf"{ENV}=.*not one of '0', '1'"):
+        overlap_requested()
