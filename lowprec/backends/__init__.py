@@ -92,6 +92,9 @@ def _why_not(cls: type[Backend], recipe: FP8RecipeKwargs, context: RunContext) -
         cls.check_recipe(recipe.replace(backend=cls.name))
     except ValueError as exc:
         return str(exc)
+    problem = cls.default_recipe_problem(recipe.replace(backend=cls.name), context)
+    if problem is not None:
+        return problem
     name = cls.spec.recipe_name(recipe.recipe) if recipe.recipe else cls.default_recipe_for(context)
     problem = cls.context_problem(name, context)
     if problem is not None:

@@ -102,12 +102,33 @@ class Backend(LayerExecution, ABC):
             return True, ""
         return availability(cls.package)
 
+    @classmethod
+    def default_recipe_problem(cls, recipe: FP8RecipeKwargs, context: RunContext) -> str | None:
+        """Where no recipe is named and this run's default is not the one the options were checked against at
+        construction (TE: 'current' for a compiled model, 'delayed' otherwise), why the options do not fit the
+        recipe that will run (an amax-history option on a current-scaling recipe), or None."""
+        if recipe.recipe:
+            return None
+        name = cls.default_recipe_for(context)
+        if name == cls.spec.default_recipe:
+            return None
+        try:
+            cls.spec.check_recipe(recipe.replace(backend=cls.name, recipe=name))
+        except ValueError as exc:
+            why = " for a compiled model" if context.compiled else " in this run"
+            return (f"FP8RecipeKwargs names no recipe, so backend {cls.name!r} runs its default{why}, {name!r}: "
+                    f"{exc}")
+        return None
+
     # ----- runtime ---------------------------------------------------------------------------
     def __init__(self, recipe: FP8RecipeKwargs, context: RunContext):
         self.recipe = recipe
         self.context = context
         # an alias ('tensorwise' for TE's 'current') becomes the recipe it names; the plan notes the mapping
         self.recipe_name = self.spec.recipe_name(recipe.recipe) if recipe.recipe else self.default_recipe_for(context)
+        problem = self.default_recipe_problem(recipe, context)
+        if problem is not None:
+            raise ValueError(problem)
         self.info = self.recipes[self.recipe_name]
         problem = self.context_problem(self.recipe_name, context)
         if problem is not None:

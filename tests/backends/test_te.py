@@ -24,7 +24,7 @@ from lowprec import (
     RunContext,
     build_plan,
 )
-from lowprec.backends import create_backend, resolve_backend
+from lowprec.backends import auto_choice, create_backend, resolve_backend
 from lowprec.backends.te import TEBackend
 from lowprec.planning.hardware import DeviceInfo, device_info
 
@@ -869,3 +869,25 @@ def test_without_fp8_weights_the_optimizer_is_kept(fake_te):
     optimizer = torch.optim.AdamW(model.parameters())
     plan = build_plan(model, backend.recipe, context=backend.context, backend=backend)
     assert backend.wrap_optimizer(optimizer, plan) is optimizer
+
+
+@pytest.mark.parametrize(("option", "value"), [("amax_history_len", 16), ("margin", 1), ("reduce_amax", False),
+                                               ("amax_compute_algo", "most_recent")])
+def test_a_delayed_only_option_is_refused_where_te_runs_current_by_default(option, value):
+    # no recipe named: a compiled model runs 'current', which has no amax history to honour the option with
+    with pytest.raises(ValueError) as err:
+        create_backend(te_kwargs(**{option: value}), RunContext(device=H100, compiled=True), require_package=False)
+    message = str(err.value)
+    assert "names no recipe" in message and "'current'" in message and "compiled model" in message
+    assert f"{option}={value!r}" in message
+    # an eager model runs 'delayed', which honours it
+    backend = create_backend(te_kwargs(**{option: value}), RunContext(device=H100), require_package=False)
+    assert backend.recipe_name == "delayed"
+
+
+def test_auto_passes_over_te_where_its_compiled_default_cannot_honour_an_option(fake_te):
+    recipe = FP8RecipeKwargs(amax_history_len=16)
+    cls, passed_over = auto_choice(recipe, RunContext(device=H100, compiled=True))
+    assert cls.name == "msamp"  # the compilable backend with delayed scaling
+    te_reason = next(r for r in passed_over if r.startswith("te:"))
+    assert "names no recipe" in te_reason and "amax_history_len=16" in te_reason
