@@ -791,3 +791,65 @@ def test_a_checkpoint_of_another_backend_loads_its_weights(tmp_path, fresh_accel
     accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
     optimizer.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ---- the old -> new Parameter table (issue 29: FP8 under FSDP2 held 4 bytes per converted weight element more
+# than BF16 on every rank: the table kept the unsharded converted weights alive after fully_shard replaced them)
+
+
+def test_the_replaced_parameter_table_keeps_only_what_the_model_still_holds():
+    from lowprec.runtime.params import ReplacedParams
+
+    table = ReplacedParams()
+    old, kept, dropped = (nn.Parameter(torch.zeros(2)) for _ in range(3))
+    other_old = nn.Parameter(torch.zeros(2))
+    table.add(old, kept)
+    table.add(other_old, dropped)
+    table.keep_only([kept])
+    assert table.get(old) is kept and table.get(other_old) is None and len(table) == 1
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_prepare_keeps_no_converted_weight_the_engine_replaced(fresh_accelerate_state, monkeypatch):
+    # FSDP2's fully_shard registers new (sharded) Parameters in place of the converted ones; Accelerate builds
+    # FSDP only on GPUs, so its prepare_model is given that one effect here
+    import gc
+    import weakref
+
+    import accelerate
+
+    real, converted = accelerate.Accelerator.prepare_model, []
+
+    def sharding_prepare_model(self, model, *args, **kwargs):
+        model = real(self, model, *args, **kwargs)
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, nn.Parameter) and type(module).__name__ == "FP8Linear":
+                converted.append(weakref.ref(weight))
+                module.weight = nn.Parameter(weight.detach().clone())
+        return model
+
+    monkeypatch.setattr(accelerate.Accelerator, "prepare_model", sharding_prepare_model)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[
+        FP8RecipeKwargs(backend="msamp", opt_level="O1", skip_first_last=False, skip_slow_shapes=False)])
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    prepared = accelerator.prepare(model)
+    gc.collect()
+    assert len(converted) == 2
+    assert all(ref() is None for ref in converted), "a converted weight the engine replaced is still alive"
+    assert len(accelerator._replaced_params) == 0
+    del prepared
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_optimizer_built_on_the_original_model_is_pointed_at_the_converted_weights(fresh_accelerate_state):
+    # the table outlives prepare() where the model still holds the converted weights (no FSDP2)
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[
+        FP8RecipeKwargs(backend="msamp", opt_level="O1", skip_first_last=False, skip_slow_shapes=False)])
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    prepared = accelerator.prepare(model)
+    optimizer = accelerator.prepare(optimizer)
+    inner = accelerator.unwrap_model(prepared)
+    ids = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
+    assert ids == {id(p) for p in inner.parameters()}

@@ -26,6 +26,17 @@ class ReplacedParams:
         entry = self._by_id.get(id(old))
         return entry[1] if entry is not None and entry[0]() is old else None
 
+    def keep_only(self, params) -> None:
+        """Forget the entries whose replacement is not among `params` any more, or whose old Parameter is gone.
+
+        Called once the engine has wrapped the model: FSDP2 (fully_shard) makes DTensor shards of the
+        replacements, and an entry would keep the whole unsharded replacement alive (for torchao's FP8
+        all-gather weight it also holds the original Parameter): 4 bytes per converted weight element
+        on every rank, for the rest of the run. (A weak reference to the replacement is no way out:
+        torch refuses to swap_tensors a subclass Parameter that has one, which model.to() does.)"""
+        live = {id(p) for p in params}
+        self._by_id = {k: v for k, v in self._by_id.items() if v[0]() is not None and id(v[1]) in live}
+
     def __len__(self) -> int:
         return len(self._by_id)
 

@@ -137,6 +137,9 @@ def main() -> None:
     plan = accelerator.precision_plan
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
     compiled = plan is not None and accelerator._lowprec[-1][1].layer_compile()[0]
+    # what prepare() leaves allocated: model state before any step (a converted weight kept alive beside its
+    # FSDP2 shard once showed here as 4 bytes per element on every rank)
+    after_prepare = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
 
@@ -248,7 +251,8 @@ def main() -> None:
                 "fp8_forward_calls": len(fp8_flags), "all_forwards_in_fp8": bool(fp8_flags) and all(fp8_flags),
                 "first_loss": losses[0], "last_loss": sum(losses[-5:]) / 5, "median_step_s": per_step,
                 "tokens_per_s": tokens / per_step if per_step else None,
-                "peak_memory_gib_per_rank": peaks.tolist(), "model_state_bytes_per_param": state_bytes,
+                "peak_memory_gib_per_rank": peaks.tolist(), "after_prepare_gib_rank0": after_prepare,
+                "model_state_bytes_per_param": state_bytes,
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
                 "losses": losses, "step_times_s": times, "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
                 "grad_comm_how": plan.tensor("grad_comm").scaling if plan else None,
