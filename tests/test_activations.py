@@ -97,6 +97,19 @@ def test_a_non_finite_value_never_decodes_finite(bad, dtype):
     assert (error[others] <= bound(x, packed)[others]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_finite_value_at_the_top_of_its_dtype_comes_back_finite(dtype):
+    # E4M3's rounding steps a group's largest value up (FP16 64000 at scale 2**-8 is 250 -> 256, 65536 in FP16:
+    # inf); the decode keeps it at the dtype's largest finite value, within the bound
+    top = torch.finfo(dtype).max
+    x = torch.tensor([[top, -top, 0.93 * top, 64000.0 if dtype == torch.float16 else 0.97 * top, 1.0]],
+                     dtype=dtype)
+    packed = pack_fp8(x)
+    y = unpack_fp8(packed)
+    assert torch.isfinite(y).all(), y
+    assert ((y.float() - x.float()).abs() <= bound(x, packed)).all()
+
+
 def test_a_group_of_only_non_finite_values_stays_non_finite():
     x = torch.full((2, 128), float("inf"))
     assert not torch.isfinite(unpack_fp8(pack_fp8(x))).any()

@@ -120,4 +120,7 @@ def _decode(data: torch.Tensor, exponent: torch.Tensor, last: int, dtype: torch.
     """E4M3 groups and exponents -> (rows, last) in `dtype`."""
     inverse = torch.exp2(-exponent.float()).unsqueeze(-1)
     rows = (data.float() * inverse).reshape(data.shape[0], -1)
-    return rows[:, :last].to(dtype)
+    # E4M3's rounding can step a group's largest value up past the dtype's maximum (FP16 64000 -> 65536):
+    # a finite value must come back finite. NaN (E4M3 holds inf as NaN) goes through a clamp unchanged.
+    limit = torch.finfo(dtype).max
+    return rows[:, :last].clamp(-limit, limit).to(dtype)
