@@ -342,3 +342,48 @@ def test_a_compiled_graph_that_saves_strided_views_runs_its_backward():
     x.grad = None
     model(x).square().sum().backward()
     assert (reference - x.grad).norm() / x.grad.norm() < GRAD_BOUND
+
+
+def test_an_autocast_copy_of_a_parameter_listed_after_install_is_not_packed():
+    # FSDP2's unsharded parameters are other Parameter objects than the sharded ones the model lists at install:
+    # autocast's copy of one still comes from a Parameter, and is kept (a kept layer's backward on an FP8 weight
+    # changed the input gradient by 0.04 on values up to 2)
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    torch.manual_seed(0)
+    model = nn.Linear(256, 256)
+    storage = FP8ActivationStorage(model)
+    model.weight = nn.Parameter(model.weight.detach().clone())
+    grads = []
+    for hooks in (True, False):
+        x = torch.randn(128, 256, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        with storage.context() if hooks else torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        y.float().square().sum().backward()
+        grads.append(x.grad)
+    assert storage.counts.packed == 1 and storage.counts.parameters_kept == 1  # the input; the weight copy
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["kept layers", "converted layers"])
+def test_a_compiled_graphs_activation_of_a_weights_shape_is_packed_unless_a_kept_layer_has_it(converted):
+    # a compiled graph's saved tensors have no autograd history: a layer kept in high precision is told by its
+    # weight copy's shape, which 256 tokens through Linear(256, 256) layers share with every activation. Only the
+    # weights of kept layers count: those of converted layers never make an activation stay in high precision
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256))
+    storage = FP8ActivationStorage(model, min_elements=0,
+                                   converted=(lambda m: isinstance(m, nn.Linear)) if converted else None)
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(256, 256, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), storage.context():
+        y = compiled(x)
+    y.float().sum().backward()
+    counts = storage.counts
+    if converted:
+        assert counts.weight_shaped_kept == 0 and counts.packed >= 5  # the input and the activations
+    else:
+        assert counts.weight_shaped_kept >= 3  # the three weight copies (and activations of their shape)
+    assert x.grad is not None and torch.isfinite(x.grad).all()

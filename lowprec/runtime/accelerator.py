@@ -399,6 +399,6 @@ class Accelerator(_Accelerator):
         if context is not None and plan.fp8_linear_param_fraction > 0:
             wrap_forward(prepared, context)
         if self.fp8_recipe.activation_dtype == "fp8":  # outermost: it sees every tensor the forward saves
-            install_activation_storage(prepared, inner)
+            install_activation_storage(prepared, inner, converted=lambda m: backend.converted_kind(m) == "linear")
         object.__setattr__(prepared, _FINAL_ATTR, True)
 

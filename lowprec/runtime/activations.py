@@ -43,12 +43,13 @@ class ActivationCounts:
     parameters_kept: int = 0
     others_kept: int = 0
     shared: int = 0  # saves of a tensor already packed in the same forward: they share its FP8 copy
+    weight_shaped_kept: int = 0  # of parameters_kept, kept for the shape and dtype of a kept layer's weight copy
 
 
 class FP8ActivationStorage:
     """The pack and unpack hooks of one prepared model; `counts` says what they did."""
 
-    def __init__(self, model: nn.Module, min_elements: int = MIN_ELEMENTS):
+    def __init__(self, model: nn.Module, min_elements: int = MIN_ELEMENTS, converted=None):
         # Weights are saved by reference (their memory is held anyway): packing them would add a copy and
         # an error. One set of storage pointers, built once, catches the parameters and every view of them
         # (a transpose, a slice) at the cost of one lookup per saved tensor.
@@ -57,8 +58,13 @@ class FP8ActivationStorage:
         self._parameter_ids = {id(p) for p in model.parameters()}
         # Autocast saves its low-precision copy of a weight, not the weight: a layer kept in high precision
         # would then run its backward on an FP8 weight. A copy made with autograd names its parameter
-        # (below); one of a frozen weight has no autograd history, so its shape and dtype must tell.
-        self._weight_copy_keys = {(shape, dtype) for p in model.parameters() if p.dim() >= 2
+        # (below); one of a frozen weight, or one a compiled graph saves, has no autograd history, so its
+        # shape and dtype must tell. Only the weights of layers kept in high precision count (`converted`:
+        # which modules the backend converted; their GEMMs take FP8 weights anyway): an activation of a
+        # weight's shape (tokens == hidden size) would otherwise never be packed.
+        self._weight_copy_keys = {(shape, dtype) for module in model.modules()
+                                  if converted is None or not converted(module)
+                                  for p in module.parameters(recurse=False) if p.dim() >= 2
                                   for shape in (tuple(p.shape), tuple(reversed(p.shape)))
                                   for dtype in (torch.bfloat16, torch.float16) if p.dtype != dtype}
         self.min_elements = min_elements
@@ -100,14 +106,18 @@ class FP8ActivationStorage:
 
     def _is_weight_copy(self, tensor: torch.Tensor) -> bool:
         fn = tensor.grad_fn
-        if fn is None:  # (a view of) a copy of a frozen weight: the same shape, another dtype
-            return (tuple(tensor.shape), tensor.dtype) in self._weight_copy_keys
+        if fn is None:  # (a view of) a copy of a frozen weight, or a compiled graph's: the same shape, another dtype
+            if (tuple(tensor.shape), tensor.dtype) in self._weight_copy_keys:
+                self.counts.weight_shaped_kept += 1
+                return True
+            return False
         while type(fn).__name__ in _VIEWS and fn.next_functions:  # the linear saves weight.t()
             fn = fn.next_functions[0][0]
         if type(fn).__name__ != "ToCopyBackward0" or not fn.next_functions:
             return False
-        source = fn.next_functions[0][0]
-        return id(getattr(source, "variable", None)) in self._parameter_ids
+        # the leaf the copy was made from: any Parameter, not only those listed at install (FSDP2's unsharded
+        # parameters are other Parameter objects than the sharded ones the model lists)
+        return isinstance(getattr(fn.next_functions[0][0], "variable", None), nn.Parameter)
 
     @staticmethod
     def unpack(saved):
@@ -154,10 +164,10 @@ def check_activation_dtype(activation_dtype: str | None, dynamo_plugin=None) -> 
         "or activation_dtype=None")
 
 
-def install_activation_storage(prepared: nn.Module, inner: nn.Module) -> FP8ActivationStorage:
+def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=None) -> FP8ActivationStorage:
     """Run `prepared`'s forward inside the FP8 saved-tensor hooks; the storage is kept on `inner` (the
     unwrapped model) as `_lowprec_activation_storage`, for `activation_storage(model)`."""
-    storage = FP8ActivationStorage(inner)
+    storage = FP8ActivationStorage(inner, converted=converted)
     wrap_forward(prepared, storage.context)
     object.__setattr__(inner, ACTIVATIONS_ATTR, storage)
     return storage
