@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import types
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -169,9 +169,10 @@ class TorchAOBackend(Backend):
                     "gradient; lowprec cannot reuse the forward's cast (please report)")
             for module in model.modules():
                 if self.is_converted(module):
-                    # the instance's forward: a copy.deepcopy keeps it; a pickled model loads with torchao's
-                    # own, which computes the same values (it only saves the input in BF16 again)
-                    module.forward = types.MethodType(_forward_with_fp8_input, module)
+                    # the instance's forward, as a partial of a module-level function: copy.deepcopy and
+                    # pickle (torch.save of the whole model) keep it (a bound method pickles by name, and
+                    # the class has no such attribute: the pickled model did not load)
+                    module.forward = functools.partial(_forward_with_fp8_input, module)
         return model
 
     def post_optimizer_step(self, model: nn.Module) -> Callable[[], None] | None:

@@ -307,9 +307,17 @@ def test_tensorwise_casts_the_input_once_in_torchaos_recipe():
     assert config.cast_config_input == config.cast_config_input_for_grad_weight
 
 
-def test_a_deep_copy_keeps_the_fp8_input_forward():
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_keeps_the_fp8_input_forward(how, tmp_path):
     model, _, _ = converted(mlp())
-    clone = copy.deepcopy(model)
-    assert all(m.forward.__self__ is m for m in clone.modules() if "forward" in vars(m))
-    saved, _, _ = _saved(clone, torch.randn(16, 256))
+    if how == "deepcopy":
+        clone = copy.deepcopy(model)
+    else:  # the whole model pickled (a bound method of a function the class lacks did not load)
+        torch.save(model, tmp_path / "model.pt")
+        clone = torch.load(tmp_path / "model.pt", weights_only=False)
+    forwards = [m for m in clone.modules() if "forward" in vars(m)]
+    assert len(forwards) == 3 and all(m.forward.args[0] is m for m in forwards)
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(0))
+    saved, dx, _ = _saved(clone, x)
     assert sum(name == "Float8TrainingTensor" for name, _ in saved) == 3
+    assert torch.equal(dx, _saved(model, x)[1])
