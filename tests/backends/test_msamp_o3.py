@@ -316,6 +316,32 @@ def test_o3_layers_of_one_block_form_one_fsdp2_group(block_classes):
     assert [[id(m) for m in g] for g in groups] == [[id(m) for m in g] for g in expected]
 
 
+class _MoEBlock(nn.Module):
+    def __init__(self, d: int, experts: int = 3):
+        super().__init__()
+        from lowprec.backends.msamp.linear import FP8Linear
+
+        self.attn = FP8Linear(d, d, sharded_master=True)
+        self.router = FP8Linear(d, experts, sharded_master=True)
+        self.experts = nn.ModuleList(nn.Sequential(FP8Linear(d, 2 * d, sharded_master=True),
+                                                   FP8Linear(2 * d, d, sharded_master=True)) for _ in range(experts))
+
+
+def test_experts_that_may_sit_out_a_forward_are_groups_of_their_own():
+    # FSDP2 reshards a group only after every member ran: an expert given no token would keep its block's
+    # gathered weights alive for the rest of the forward
+    from lowprec.backends.msamp.fsdp import fp8_layer_groups
+
+    model = nn.Module()
+    model.layers = nn.ModuleList(_MoEBlock(16) for _ in range(2))
+    groups = [[id(m) for m in g] for g in fp8_layer_groups(model)]
+    expected = []
+    for block in model.layers:
+        expected.append([id(block.attn), id(block.router)])
+        expected += [[id(layer)] for expert in block.experts for layer in expert]
+    assert sorted(groups) == sorted(expected)
+
+
 def test_o3_layers_without_blocks_are_groups_of_their_own():
     from lowprec.backends.msamp.fsdp import fp8_layer_groups
     from lowprec.backends.msamp.linear import FP8Linear

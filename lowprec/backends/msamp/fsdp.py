@@ -19,6 +19,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch import nn
 
 from ...kernels.fused import cuda_fused
 from ...kernels.scaling import compute_scale, nan_to_inf, quantize, tensor_amax
@@ -250,9 +251,10 @@ def master_view(weight: torch.Tensor) -> torch.Tensor:
 
 def fp8_layer_groups(model: torch.nn.Module, block_classes: tuple[str, ...] = ()) -> list[list[torch.nn.Module]]:
     """The O3 layers of `model` (those whose weight is an `FP8MasterWeight`, not sharded yet) in FSDP2
-    groups: the layers inside one transformer block form one group, a layer outside every block is a
-    group of its own. A block is a module whose class is named in `block_classes` (the classes the FSDP
-    plugin wraps), or else an entry of the model's block list (`planning.selection.find_blocks`)."""
+    groups: the layers inside one transformer block form one group, a layer outside every block (or inside
+    a list of modules within one: experts that may not run) is a group of its own. A block is a module whose
+    class is named in `block_classes` (the classes the FSDP plugin wraps), or else an entry of the model's
+    block list (`planning.selection.find_blocks`)."""
     from torch.distributed.fsdp import FSDPModule
 
     from ...planning.selection import find_blocks
@@ -267,8 +269,13 @@ def fp8_layer_groups(model: torch.nn.Module, block_classes: tuple[str, ...] = ()
 
     in_block = {}
     for block in blocks:
+        # A layer inside a list or dict of modules within the block (a mixture of experts' experts) may sit out
+        # a forward: FSDP2 reshards a group only once every member has run, so one idle expert would keep its
+        # whole block's gathered weights until the model's forward ends. Those layers are groups of their own.
+        optional = {id(m) for c in block.modules() if isinstance(c, (nn.ModuleList, nn.ModuleDict))
+                    for m in c.modules()}
         for m in block.modules():
-            if is_layer(m):
+            if is_layer(m) and id(m) not in optional:
                 in_block.setdefault(id(m), id(block))  # the outermost block, for blocks inside blocks
     groups: dict[int, list[torch.nn.Module]] = {}
     for m in model.modules():
