@@ -96,8 +96,8 @@ def test_parameters_are_never_packed(monkeypatch):
 
     packed_storages = []
     pack = activations.pack_fp8
-    monkeypatch.setattr(activations, "pack_fp8", lambda t: packed_storages.append(t.untyped_storage().data_ptr())
-                        or pack(t))
+    monkeypatch.setattr(activations, "pack_fp8", lambda t, *key: packed_storages.append(t.untyped_storage().data_ptr())
+                        or pack(t, *key))
     accelerator, model, _ = prepared("fp8")
     x, y = batches(1)[0]
     accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
@@ -187,8 +187,8 @@ def test_a_compiled_model_stores_what_its_graph_saves_in_fp8(backend, monkeypatc
 
     packed_storages = []
     pack = activations.pack_fp8
-    monkeypatch.setattr(activations, "pack_fp8", lambda t: packed_storages.append(t.untyped_storage().data_ptr())
-                        or pack(t))
+    monkeypatch.setattr(activations, "pack_fp8", lambda t, *key: packed_storages.append(t.untyped_storage().data_ptr())
+                        or pack(t, *key))
     x, y = batches(1)[0]
     reference, _, _ = _compiled(backend, None, x, y)
     fp8, model, accelerator = _compiled(backend, "fp8", x, y)
@@ -342,6 +342,26 @@ def test_a_compiled_graph_that_saves_strided_views_runs_its_backward():
     x.grad = None
     model(x).square().sum().backward()
     assert (reference - x.grad).norm() / x.grad.norm() < GRAD_BOUND
+
+
+def test_the_views_of_one_output_saved_in_a_forward_come_back_in_one_buffer():
+    # eager attention on a fused QKV output saves q, k and v, views of one tensor: unpacked for the backward they
+    # share one buffer of that tensor's size (each on its own would span its strides: 3x the slice)
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    storage = FP8ActivationStorage(nn.Linear(2, 2), min_elements=0)
+    qkv = torch.randn(2, 64, 3 * 128, requires_grad=True)
+    unpacked = []
+    with storage.context():
+        q, k, v = qkv.view(2, 64, 3, 128).unbind(2)
+        saved = [storage.pack(t) for t in (q, k, v)]
+    unpacked = [storage.unpack(p) for p in saved]
+    assert len({u.untyped_storage().data_ptr() for u in unpacked}) == 1
+    assert [u.stride() for u in unpacked] == [q.stride()] * 3
+    # another forward's views of another tensor get a buffer of their own
+    with storage.context():
+        other = storage.pack(torch.randn(4, 256, requires_grad=True)[:, :128].clone().t())
+    assert other.span is None or other.span[0] is not saved[0].span[0]
 
 
 def test_an_autocast_copy_of_a_parameter_listed_after_install_is_not_packed():

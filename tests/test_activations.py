@@ -189,6 +189,30 @@ def test_a_strided_view_comes_back_with_its_strides(view):
     assert packed.nbytes() <= x.numel() * (1 + 1 / min(GROUP, x.shape[-1]))
 
 
+def test_views_of_one_storage_decode_into_one_buffer_at_their_offsets():
+    # q, k, v of a fused QKV output: decoded one by one each would get a buffer spanning its strides (three times
+    # the slice); with one key they share one buffer of the storage's length, as they shared memory when saved
+    from lowprec.kernels.activations import SpanKey
+
+    base = torch.randn(64, 3 * 256, generator=torch.Generator().manual_seed(0))
+    views = [base[:, i * 256:(i + 1) * 256] for i in range(3)]
+    key = SpanKey()
+    packed = [pack_fp8(v, key) for v in views]
+    out = [unpack_fp8(p) for p in packed]
+    storages = {o.untyped_storage().data_ptr() for o in out}
+    assert len(storages) == 1 and out[0].untyped_storage().nbytes() == base.untyped_storage().nbytes()
+    for o, v in zip(out, views):
+        assert o.stride() == v.stride() and o.storage_offset() == v.storage_offset()
+        assert ((o - v).abs() <= 2**-4 * v.abs() + group_amax(v) * 2**-10 / 224).all()
+    # once every view is gone the buffer goes too, and a later decode gets a fresh one
+    del out
+    again = unpack_fp8(packed[1])
+    assert again.stride() == views[1].stride()
+    # without a key each view spans its strides on its own
+    alone = unpack_fp8(pack_fp8(views[0]))
+    assert alone.untyped_storage().nbytes() > 2 * views[0].numel() * views[0].element_size()
+
+
 def test_an_expanded_view_is_refused():
     from lowprec.kernels.activations import overlapping
 

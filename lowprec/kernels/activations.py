@@ -24,6 +24,7 @@ normal range (2**-14).
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -33,6 +34,19 @@ from .scaling import compute_scale, quantize
 
 GROUP = 128
 FP8_DTYPE = torch.float8_e4m3fn
+
+
+class SpanKey:
+    """Names one storage whose strided views a forward saved (the q, k and v slices of a fused QKV output, the
+    two halves of a fused gate/up output): decoded, those views share one buffer of the storage's length,
+    each at its own offset, as they shared memory when saved. Without it each view would get a buffer spanning
+    its strides: three times the slice for q, k or v."""
+
+    __slots__ = ("__weakref__",)
+
+
+# key -> the buffer its views are decoded into, while any of them is alive (a view holds its base)
+_SPANS: weakref.WeakValueDictionary[SpanKey, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 class PackedFP8(NamedTuple):
@@ -47,6 +61,9 @@ class PackedFP8(NamedTuple):
     # the strides of a tensor that was not contiguous (a slice of a fused projection's output, a transpose),
     # restored on decode: a compiled backward checks the strides of what it saved
     stride: tuple[int, ...] | None = None
+    # where such a view sat in its memory, for views of one storage to come back in one buffer: (the key
+    # shared by the views of that storage, the view's storage offset, the storage's length), or None
+    span: tuple[SpanKey, int, int] | None = None
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.exponent.numel()
@@ -57,8 +74,9 @@ def group_size(last: int) -> int:
     return min(GROUP, last)
 
 
-def pack_fp8(tensor: torch.Tensor) -> PackedFP8:
-    """`tensor` (floating point, at least 1-D, not empty) as E4M3 with a power-of-2 scale per group."""
+def pack_fp8(tensor: torch.Tensor, span: SpanKey | None = None) -> PackedFP8:
+    """`tensor` (floating point, at least 1-D, not empty) as E4M3 with a power-of-2 scale per group. `span`:
+    the key of the tensor's storage where the caller packs several strided views of it (see `SpanKey`)."""
     if not tensor.is_floating_point() or tensor.dim() == 0 or tensor.numel() == 0:
         raise ValueError(f"pack_fp8 takes a non-empty floating tensor of at least 1 dimension, got "
                          f"{tensor.dtype} of shape {tuple(tensor.shape)}")
@@ -68,7 +86,12 @@ def pack_fp8(tensor: torch.Tensor) -> PackedFP8:
     x = tensor.detach()
     last = x.shape[-1]
     data, exponent = _encode(x.reshape(-1, last), group_size(last))
-    return PackedFP8(data, exponent, x.shape, x.dtype, last, None if x.is_contiguous() else x.stride())
+    if x.is_contiguous():
+        return PackedFP8(data, exponent, x.shape, x.dtype, last)
+    where = None
+    if span is not None:
+        where = (span, x.storage_offset(), x.untyped_storage().nbytes() // x.element_size())
+    return PackedFP8(data, exponent, x.shape, x.dtype, last, x.stride(), where)
 
 
 def unpack_fp8(packed: PackedFP8) -> torch.Tensor:
@@ -77,7 +100,14 @@ def unpack_fp8(packed: PackedFP8) -> torch.Tensor:
     values = _decode(packed.data, packed.exponent, packed.last, packed.dtype).reshape(packed.shape)
     if packed.stride is None:
         return values
-    out = torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype, device=values.device)
+    if packed.span is None:
+        out = torch.empty_strided(packed.shape, packed.stride, dtype=packed.dtype, device=values.device)
+    else:
+        key, offset, length = packed.span
+        buffer = _SPANS.get(key)
+        if buffer is None:
+            buffer = _SPANS[key] = torch.empty(length, dtype=packed.dtype, device=values.device)
+        out = buffer.as_strided(packed.shape, packed.stride, offset)
     return out.copy_(values)
 
 

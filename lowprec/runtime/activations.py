@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.activations import PackedFP8, overlapping, pack_fp8, unpack_fp8
+from ..kernels.activations import PackedFP8, SpanKey, overlapping, pack_fp8, unpack_fp8
 from ..planning.activations import MIN_ELEMENTS
 from .wrapping import wrap_forward
 
@@ -75,6 +75,7 @@ class FP8ActivationStorage:
         # tensor itself. The weak reference and the version counter make sure it is that tensor, unchanged
         # (an id or an address can be reused once a tensor is freed).
         self._packed: dict[int, tuple[weakref.ref, int, PackedFP8]] = {}
+        self._spans: dict[int, tuple[weakref.ref, SpanKey]] = {}  # id(base) -> (its weak reference, key)
 
     def pack(self, tensor: torch.Tensor):
         if (type(tensor) is not torch.Tensor  # parameters, DTensors, FP8 tensor subclasses: theirs to store
@@ -96,13 +97,26 @@ class FP8ActivationStorage:
         if earlier is not None and earlier[0]() is tensor and earlier[1] == tensor._version:
             self.counts.shared += 1
             return earlier[2]
-        packed = pack_fp8(tensor)
+        packed = pack_fp8(tensor, self._span_key(tensor))
         self._packed[id(tensor)] = (weakref.ref(tensor), tensor._version, packed)
         self.counts.packed += 1
         self.counts.packed_elements += tensor.numel()
         self.counts.bytes_before += tensor.numel() * tensor.element_size()
         self.counts.bytes_after += packed.nbytes()
         return packed
+
+    def _span_key(self, tensor: torch.Tensor) -> SpanKey | None:
+        """The key shared by the strided views of one base tensor saved in this forward (q, k, v of a fused QKV
+        output), so that they decode into one buffer; None for a contiguous tensor, one with no base, or one
+        whose memory is over 4 times its size (a buffer that long would cost more than the views save)."""
+        base = tensor._base
+        length = tensor.untyped_storage().nbytes() // tensor.element_size()
+        if tensor.is_contiguous() or base is None or length > 4 * tensor.numel():
+            return None
+        entry = self._spans.get(id(base))
+        if entry is None or entry[0]() is not base:  # an id can be reused once a tensor is freed
+            entry = self._spans[id(base)] = (weakref.ref(base), SpanKey())
+        return entry[1]
 
     def _is_weight_copy(self, tensor: torch.Tensor) -> bool:
         fn = tensor.grad_fn
@@ -127,11 +141,13 @@ class FP8ActivationStorage:
     def context(self) -> Iterator[None]:
         """The hooks, around one forward; what was packed is forgotten after it (autograd's graph holds it)."""
         self._packed.clear()
+        self._spans.clear()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
         finally:
             self._packed.clear()
+            self._spans.clear()
 
 
 # torch.compile modes that run the graphs through CUDA graphs (inductor's "triton.cudagraphs")
