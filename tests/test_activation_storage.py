@@ -220,6 +220,17 @@ def test_cuda_graphs_are_refused_naming_the_option(plugin, named):
         Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], dynamo_plugin=TorchDynamoPlugin(**plugin))
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_cuda_graphs_inherited_from_an_earlier_accelerator_are_refused_saying_so():
+    from accelerate.utils import TorchDynamoPlugin
+
+    Accelerator(mixed_precision="bf16", dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode="reduce-overhead"))
+    recipe = FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, activation_dtype="fp8")
+    with pytest.raises(ValueError, match="mode='reduce-overhead'; dynamo_backend=.* inherited from an earlier "
+                                         "Accelerator"):
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe])
+
+
 def test_compile_without_cuda_graphs_is_accepted():
     from accelerate.utils import TorchDynamoPlugin
 

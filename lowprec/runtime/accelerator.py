@@ -117,7 +117,8 @@ class Accelerator(_Accelerator):
             # The engines' own reduction dtype, set before they wrap the model; the context the backend is
             # made with reads it back from the plugin.
             context = self.run_context()
-            check_activation_dtype(recipe.activation_dtype, self.state.dynamo_plugin if context.compiled else None)
+            check_activation_dtype(recipe.activation_dtype, self.state.dynamo_plugin if context.compiled else None,
+                                   source=self._compile_source)
             engine = context.engine
             apply_grad_comm_dtype(recipe.grad_comm_dtype, engine, engine_plugin(self.state, engine))
             create_backend(recipe, self.run_context())

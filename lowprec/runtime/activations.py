@@ -154,13 +154,14 @@ class FP8ActivationStorage:
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
-def check_activation_dtype(activation_dtype: str | None, dynamo_plugin=None) -> None:
+def check_activation_dtype(activation_dtype: str | None, dynamo_plugin=None, source: str = "") -> None:
     """Refuse what this path does not do yet, when the Accelerator is built rather than mid-prepare().
 
     A compiled model is fine: the hooks sit around the compiled forward and store what the compiled
     graph saves for its backward (AOTAutograd's saved tensors, as the partitioner chose them). Under
     CUDA graphs those tensors live in the graphs' static memory pool, which stays allocated whatever is
-    done with them: packing would add FP8 copies and save nothing. Not measured, so refused for now."""
+    done with them: packing would add FP8 copies and save nothing. Not measured, so refused for now.
+    `source`: where the dynamo setting came from when not from this Accelerator's arguments."""
     if activation_dtype != "fp8" or dynamo_plugin is None:
         return
     backend = str(getattr(dynamo_plugin.backend, "value", dynamo_plugin.backend)).lower()
@@ -173,6 +174,8 @@ def check_activation_dtype(activation_dtype: str | None, dynamo_plugin=None) -> 
         how = "dynamo options triton.cudagraphs=True"
     else:
         return
+    if source:  # not this Accelerator's own setting: say where it came from
+        how = f"{how}; {source}"
     raise ValueError(
         f"lowprec: FP8RecipeKwargs.activation_dtype='fp8' is not yet supported with CUDA graphs ({how}): the "
         "graphs' memory pool keeps the high-precision tensors the forward saves, so FP8 copies would add "
