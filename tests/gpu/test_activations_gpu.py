@@ -105,3 +105,18 @@ def test_torchao_tensorwise_eager_layers_keep_their_fp8_input_with_torchaos_grad
     assert torch.equal(dx, ref_dx) and all(torch.equal(a, b) for a, b in zip(dw, ref_dw))
     # the two Linear inputs (2048 and 8192 wide, 8192 tokens) go from BF16 to FP8: 8192 * 10240 bytes fewer
     assert theirs_held - ours_held >= 0.9 * 8192 * 10240, (ours_held, theirs_held)
+
+
+def test_views_of_one_cuda_tensor_decode_into_one_buffer_with_the_cpu_values():
+    # q, k, v of a fused QKV output on the GPU: one decoded buffer of the output's size, each view at its offset
+    # and strides, the values those of the CPU definition
+    from lowprec.kernels.activations import SpanKey
+
+    base = torch.randn(2, 128, 3, 4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    key = SpanKey()
+    views = base.cuda().unbind(2)
+    out = [unpack_fp8(pack_fp8(v, key)) for v in views]
+    assert len({o.untyped_storage().data_ptr() for o in out}) == 1
+    for o, v, cpu in zip(out, views, base.unbind(2)):
+        assert o.stride() == v.stride() and o.storage_offset() == v.storage_offset()
+        assert torch.equal(o.cpu(), unpack_fp8(pack_fp8(cpu)))

@@ -1,0 +1,59 @@
+"""`LOWPREC_FP8_GRAD_OVERLAP=1` on two GPUs: the stored FP8 weight gradients averaged block by block on a side CUDA
+stream over NCCL are bitwise those of the single pass after the backward (tests/distributed/blockwise_ddp.py in
+its `cuda` mode; the CPU run of the same script is tests/optim/test_grad_overlap.py). Needs two Hopper GPUs:
+skipped on one (verify.sh's single-GPU call), run on `nvidia-h200-x2` with `pytest -m gpu` on this file.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2
+        or torch.cuda.get_device_capability() < (9, 0),
+        reason="needs two Hopper (sm_90) or newer GPUs",
+    ),
+]
+
+HERE = os.path.dirname(__file__)
+SCRIPT = os.path.join(HERE, "..", "distributed", "blockwise_ddp.py")
+BLOCKS = 3
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    import json
+
+    from conftest import free_port, run_processes
+
+    out = tmp_path_factory.mktemp("blockwise_cuda") / "result.json"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    environ.update(CUDA_VISIBLE_DEVICES="0,1", NCCL_NVLS_ENABLE="0")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           SCRIPT, "cuda", str(out)]
+    proc = run_processes(cmd, environ, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as fh:
+        return json.load(fh)
+
+
+@pytest.mark.parametrize("name", ["plain", "accumulation", "two_backwards", "recompute", "data_into_block0", "stores"])
+def test_blockwise_averaging_on_a_side_stream_changes_no_byte(ranks, name):
+    for rank in ranks:
+        entry = rank["scenarios"][name]
+        assert "error" not in entry, entry.get("error")
+        off, on = entry["off"], entry["on"]
+        assert (off["blockwise"], on["blockwise"]) == (False, True)
+        for i, (a, b) in enumerate(zip(off["backwards"], on["backwards"])):
+            assert a["grads"] == b["grads"], f"backward {i}: stored gradients differ"
+        assert on["params"] == off["params"]
+        expected = {"accumulation": [0, BLOCKS, 0, BLOCKS], "two_backwards": [BLOCKS] * 4,
+                    "data_into_block0": [BLOCKS - 1] * 3}.get(name, [BLOCKS] * 3)
+        assert [b["early"] for b in on["backwards"]] == expected
+    assert ranks[0]["scenarios"][name]["on"]["params"] == ranks[1]["scenarios"][name]["on"]["params"]
