@@ -239,7 +239,6 @@ class Accelerator(_Accelerator):
         results = tuple(result) if isinstance(result, (tuple, list)) and len(args) > 1 else (result,)
         for i in converted:
             self._finalize(results[i])
-        self._forget_replaced_params()
         if owner is not None:
             inner, backend, _ = owner
             hook = backend.post_optimizer_step(inner)
@@ -332,13 +331,7 @@ class Accelerator(_Accelerator):
             model = self._convert(model)
         prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         self._finalize(prepared)
-        self._forget_replaced_params()
         return prepared
-
-    def _forget_replaced_params(self) -> None:
-        """Keep the old -> new Parameter table only where the models still hold the new Parameters (an
-        optimizer prepared later is pointed at them); under FSDP2 they were sharded into new ones."""
-        self._replaced_params.keep_only(p for inner, _, _ in self._lowprec for p in inner.parameters())
 
     def _convert(self, model: nn.Module) -> nn.Module:
         context = self.run_context()
@@ -383,6 +376,8 @@ class Accelerator(_Accelerator):
 
     def _finalize(self, prepared: nn.Module) -> None:
         """After wrapping: forward context and communication hooks. Once per model."""
+        # old -> new Parameters, kept only while a model holds the new ones (FSDP2 shards them into others)
+        self._replaced_params.keep_only(p for entry in self._lowprec for p in entry[0].parameters())
         if getattr(prepared, _FINAL_ATTR, False):
             return
         inner = self.unwrap_model(prepared, keep_torch_compile=False)
