@@ -239,6 +239,18 @@ def test_compile_without_cuda_graphs_is_accepted():
                 dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode="max-autotune-no-cudagraphs"))
 
 
+def _input_grads_with_and_without(storage, model) -> list[torch.Tensor]:
+    """The input gradient of one BF16-autocast step of `model` with the storage's hooks, then without them."""
+    grads = []
+    for hooks in (True, False):
+        x = torch.randn(128, 256, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        with storage.context() if hooks else torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+        y.float().square().sum().backward()
+        grads.append(x.grad)
+    return grads
+
+
 @pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
 def test_autocast_copies_of_weights_are_not_packed(frozen):
     # under autocast a Linear saves its BF16 copy of the weight, not the Parameter: packing it would run a
@@ -249,13 +261,7 @@ def test_autocast_copies_of_weights_are_not_packed(frozen):
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
     model[1].requires_grad_(not frozen)
     storage = FP8ActivationStorage(model)
-    grads = []
-    for hooks in (True, False):
-        x = torch.randn(128, 256, generator=torch.Generator().manual_seed(1)).requires_grad_()
-        with storage.context() if hooks else torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            y = model(x)
-        y.float().square().sum().backward()
-        grads.append(x.grad)
+    grads = _input_grads_with_and_without(storage, model)
     # the saved inputs packed (a frozen layer saves none: it has no weight gradient to make), both weight
     # copies kept: the input gradient only meets the weights, so it is the same bit for bit
     assert (storage.counts.packed, storage.counts.parameters_kept) == (1 if frozen else 2, 2)
@@ -385,13 +391,7 @@ def test_an_autocast_copy_of_a_parameter_listed_after_install_is_not_packed():
     model = nn.Linear(256, 256)
     storage = FP8ActivationStorage(model)
     model.weight = nn.Parameter(model.weight.detach().clone())
-    grads = []
-    for hooks in (True, False):
-        x = torch.randn(128, 256, generator=torch.Generator().manual_seed(1)).requires_grad_()
-        with storage.context() if hooks else torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            y = model(x)
-        y.float().square().sum().backward()
-        grads.append(x.grad)
+    grads = _input_grads_with_and_without(storage, model)
     assert storage.counts.packed == 1 and storage.counts.parameters_kept == 1  # the input; the weight copy
     assert torch.equal(grads[0], grads[1])
 
