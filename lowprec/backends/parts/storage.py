@@ -183,8 +183,12 @@ class WeightStorage:
         # Every backward may add local gradient, also after a reduction (two backwards per step):
         # reducing again averages (mean + local) into mean + mean of the locals.
         self.reducer.mark_pending()
-        if sync_gradients:
-            self.reduce_if_pending()
+        # a backward DDP synchronised (so it was hooked block by block) ends here whatever Accelerate's flag says:
+        # its buckets run on a side stream that the next backward's accumulation must wait for
+        if self.blockwise is not None and self.blockwise.finish():
+            self.reducer.pending = False
+        elif sync_gradients:
+            self.reducer.reduce_if_pending()
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip with the stored gradients counted; None: nothing stored, Accelerate clips."""
