@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 32's measurements on one GPU (saved activations in FP8), each part sized for one device call:
+#
+#   bash scripts/gpu/memory.sh OUT headline      # ~5 min: d4096 proxy, BF16 eager/compiled and te, torchao,
+#                                                #   msamp O2 with and without activation_dtype='fp8': speed,
+#                                                #   peak, the memory a forward holds for backward
+#   bash scripts/gpu/memory.sh OUT convergence   # ~7 min: lowprec bench --convergence (300 steps, proxy):
+#                                                #   held-out loss of each FP8-activation configuration vs BF16
+#   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
+#                                                #   configuration trains at batch 4 x 2048
+#
+# Several parts may be named in one call. The set-up (.gpubundle/setup.sh, see verify.sh) must have run on
+# the machine; TE's configurations need its compiled extension (they fail alone without it). Writes
+# OUT/<date>-<gpu>-memory/: one file per part plus commit.txt; commit that folder under results/gpu/.
+set -uo pipefail
+out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|convergence|largest ...}; shift
+[ $# -gt 0 ] || { echo "name at least one part: headline convergence largest" >&2; exit 2; }
+cd "$(dirname "$0")/../.."
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H100|H200|B200' || echo gpu)
+dir="$out/$(date -u +%Y-%m-%d)-${gpu,,}-memory"
+mkdir -p "$dir"
+export PYTHONUNBUFFERED=1
+git rev-parse HEAD > "$dir/commit.txt" 2>/dev/null || echo "${COMMIT:-unknown}" > "$dir/commit.txt"
+status=0
+for part in "$@"; do
+  echo "== $part"
+  case "$part" in
+    headline)
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/headline.json" --configs \
+        "bf16 eager" te "te act8" "bf16 compiled" torchao "torchao act8" "msamp O2" "msamp O2 act8" \
+        > "$dir/headline.log" 2>&1 || status=1
+      python3 benchmarks/headline.py --summarize "$dir/headline.json" > "$dir/headline.md" 2>&1 ;;
+    convergence)
+      python3 -m lowprec.cli bench --convergence --steps 300 --size proxy --no-raw --no-progress --out "$dir/convergence" \
+        --configs bf16 msamp:delayed:O2 msamp:delayed:O2,activation_dtype=fp8 torchao:tensorwise,activation_dtype=fp8 \
+        > "$dir/convergence.log" 2>&1 || status=1 ;;
+    largest)
+      python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
+        --configs "bf16 compiled" torchao "torchao act8" "msamp O2" "msamp O2 act8" > "$dir/largest.log" 2>&1 || status=1 ;;
+    *) echo "unknown part '$part' (headline|convergence|largest)" >&2; exit 2 ;;
+  esac
+  tail -15 "$dir/$part.log" 2>/dev/null
+done
+exit $status
