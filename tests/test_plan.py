@@ -169,6 +169,15 @@ def test_build_plan_with_context():
     assert "ddp x8 on H100 (sm_90)" in str(plan)
 
 
+@pytest.mark.parametrize(("engine", "dtype", "baseline"), [("single", "BF16", 8), ("ddp", "BF16", 8),
+                                                          ("fsdp2", "FP32", 16)])
+def test_a_bf16_model_under_fsdp2_is_planned_on_the_fp32_masters_accelerate_makes(engine, dtype, baseline):
+    # Accelerate upcasts every trainable parameter to FP32 under FSDP2 when mixed precision is on (always, for FP8)
+    context = RunContext(device=DeviceInfo("cuda", "H100", (9, 0)), engine=engine, world_size=2)
+    plan = build_plan(model().to(torch.bfloat16), FP8RecipeKwargs(backend="torchao"), context=context)
+    assert (plan.param_dtype, plan.baseline_bytes_per_param) == (dtype, baseline)
+
+
 def test_bad_engine():
     with pytest.raises(ValueError, match="RunContext.engine='zero3'"):
         RunContext(device=device_info("cpu"), engine="zero3")

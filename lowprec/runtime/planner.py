@@ -23,11 +23,15 @@ if TYPE_CHECKING:
     from ..frontend.recipe import FP8RecipeKwargs
 
 
-def _param_dtype(model: nn.Module) -> torch.dtype:
+def _param_dtype(model: nn.Module, engine: str = "single") -> torch.dtype:
+    """The dtype most parameter elements are held in during training. Under FSDP2 Accelerate upcasts every
+    trainable parameter to FP32 when mixed precision is on (as it is for FP8), so a BF16 model trains on FP32
+    masters there."""
     counts: dict[torch.dtype, int] = {}
     for p in model.parameters():
         if p.is_floating_point():
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+            dtype = torch.float32 if engine == "fsdp2" and p.requires_grad else p.dtype
+            counts[dtype] = counts.get(dtype, 0) + p.numel()
     return max(counts, key=counts.get) if counts else torch.float32
 
 
@@ -78,7 +82,7 @@ def build_plan(
         context = RunContext(device=device_info())
     if backend is None:
         backend = create_backend(recipe, context)
-    param_dtype = _param_dtype(model)
+    param_dtype = _param_dtype(model, context.engine)
     plan = PrecisionPlan(
         backend=backend.name,
         backend_display=backend.display_name,
