@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -791,6 +792,54 @@ def test_a_checkpoint_of_another_backend_loads_its_weights(tmp_path, fresh_accel
     accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
     optimizer.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(("saved_len", "loaded_len"), [(16, 4), (4, 16)])
+def test_amax_windows_of_another_length_are_converted(tmp_path, fresh_accelerate_state, monkeypatch, saved_len,
+                                                      loaded_len):
+    monkeypatch.setattr("lowprec.runtime.notices._warned", set())  # the warning is once per process
+    # the first tensors were copied, then torch raised on the window's shape: a half-loaded model
+    accelerator, model, optimizer = _fresh_prepared(dict(backend="msamp", opt_level="O2",
+                                                         amax_history_len=saved_len), 0)
+    x, y = next(iter(torch.utils.data.DataLoader(regression_data(32), batch_size=32)))
+    for _ in range(3):
+        accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    saved = {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()}
+    accelerator.save_state(str(tmp_path / "ckpt"))
+
+    accelerator, model, optimizer = _fresh_prepared(dict(backend="msamp", opt_level="O2",
+                                                         amax_history_len=loaded_len), 1)
+    with pytest.warns(UserWarning, match="amax histories in the checkpoint had another length"):
+        accelerator.load_state(str(tmp_path / "ckpt"))
+    loaded = accelerator.unwrap_model(model).state_dict()
+    keep = min(saved_len, loaded_len)
+    for key, value in loaded.items():
+        if key.endswith("amax_history"):
+            assert value.shape[1] == loaded_len
+            assert torch.equal(value[:, :keep], saved[key][:, :keep]) and not value[:, keep:].any()
+        else:
+            assert torch.equal(value, saved[key]), key
+    accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
+    optimizer.step()
+
+
+@pytest.mark.parametrize("bad", ["inf scale", "zero scale", "nan scale", "weight shape"])
+def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_copied(fresh_accelerate_state, bad):
+    accelerator, model, _ = _fresh_prepared(dict(backend="msamp", opt_level="O2"), 0)
+    inner = accelerator.unwrap_model(model)
+    state = {k: v.clone() + (1 if v.is_floating_point() and k.endswith(("weight", "bias")) else 0)
+             for k, v in inner.state_dict().items()}
+    last = [k for k in state if k.endswith(".weight")][-1]
+    key = {"weight shape": last}.get(bad, next(k for k in state if k.endswith("fp8_meta_scale_input")))
+    state[key] = {"inf scale": torch.tensor(float("inf")), "zero scale": torch.tensor(0.0),
+                  "nan scale": torch.tensor(float("nan")), "weight shape": torch.zeros(3, 3)}[bad]
+    before = {k: v.clone() for k, v in inner.state_dict().items()}
+    with pytest.raises(ValueError, match=r"does not fit the msamp model .* nothing was loaded:\n  " + re.escape(key)):
+        inner.load_state_dict(state)
+    after = inner.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
 # ---- the old -> new Parameter table (issue 29: FP8 under FSDP2 held 4 bytes per converted weight element more

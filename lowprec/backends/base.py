@@ -316,6 +316,12 @@ class Backend(LayerExecution, ABC):
         """The state dict as the original (unconverted) model would have it."""
         return type(self).strip_state_dict(self.restore_weight_dtypes(state_dict))
 
+    def convert_own_entries(self, own: dict, incoming: dict) -> tuple[dict, list[str]]:
+        """A checkpoint's entries of this backend's own scaling state (`incoming`, keys as in `own`, this model's
+        state dict) saved under other settings: (those converted to fit this model, why others cannot load).
+        Nothing to convert or refuse here; msamp resizes its amax windows and refuses unusable scales."""
+        return {}, []
+
     @classmethod
     def strip_state_dict(cls, state_dict: dict) -> dict:
         """`state_dict` without the entries only this backend's modules add, and with tensors of its own

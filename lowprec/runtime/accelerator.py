@@ -389,7 +389,7 @@ class Accelerator(_Accelerator):
         backend.setup_grad_stores(prepared)
         backend.setup_grad_comm(prepared)
         backend.compile_layers(inner)
-        inner.register_load_state_dict_pre_hook(ForeignBackendEntries(plan))
+        inner.register_load_state_dict_pre_hook(ForeignBackendEntries(plan, backend))
         context = backend.forward_context(inner)
         # No FP8 GEMM, no FP8 context: a model the plan kept in high precision trains as the plain one.
         if context is not None and plan.fp8_linear_param_fraction > 0:

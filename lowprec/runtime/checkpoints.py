@@ -19,13 +19,15 @@ class ForeignBackendEntries:
     current values: that scaling state restarts, which the warning says. Parameters and buffers of the model
     itself are left to strict loading."""
 
-    def __init__(self, plan: PrecisionPlan):
+    def __init__(self, plan: PrecisionPlan, backend=None):
         self.plan = plan
+        self.backend = backend
 
     def __call__(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                  error_msgs) -> None:
         incoming = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
         own = module.state_dict()
+        self._convert_or_refuse(state_dict, prefix, own, incoming)
         backend_keys = (set(incoming) - set(strip_backend_entries(incoming))) | (set(own) - set(
             strip_backend_entries(own)))
         foreign = [k for k in incoming if k in backend_keys and k not in own]
@@ -40,6 +42,31 @@ class ForeignBackendEntries:
             f"lowprec: the checkpoint loaded into this {self.plan.backend} model was saved under another backend or "
             f"level: its weights were loaded; {len(foreign)} entries of the other backend's scaling state were "
             f"dropped and {len(absent)} of this one's kept their current values (its scaling starts afresh)")
+
+
+    def _convert_or_refuse(self, state_dict: dict, prefix: str, own: dict, incoming: dict) -> None:
+        """Before anything is copied (this hook runs on the model itself, ahead of its modules): this backend's
+        entries saved under other settings converted (msamp's amax windows of another length), and a checkpoint
+        that still does not fit refused whole: a tensor of another shape, a scale no GEMM can use. torch would
+        raise on a shape only after copying every tensor before it."""
+        converted, refused = self.backend.convert_own_entries(own, incoming) if self.backend else ({}, [])
+        for key, value in incoming.items():
+            mine = own.get(key)
+            if (key not in converted and isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor)
+                    and mine.numel() > 0  # DeepSpeed ZeRO-3 holds partitioned parameters as empty tensors
+                    and tuple(value.shape) != tuple(mine.shape)):
+                refused.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, {tuple(mine.shape)} in the "
+                               "model")
+        if refused:
+            raise ValueError(
+                f"lowprec: this checkpoint does not fit the {self.plan.backend} model it is loaded into, and nothing "
+                "was loaded:\n  " + "\n  ".join(refused[:10]) + (f"\n  ... and {len(refused) - 10} more"
+                                                                 if len(refused) > 10 else ""))
+        for key, value in converted.items():
+            state_dict[prefix + key] = value
+        if converted:
+            warn_once(f"lowprec: {len(converted)} amax histories in the checkpoint had another length "
+                      "(amax_history_len): their most recent steps were kept")
 
 
 def from_low_bit_states(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
 from torch import nn
 
 from ...frontend.specs import backend_spec
@@ -188,6 +189,27 @@ class MSAMPBackend(Backend):
             state_dict = {**state_dict, **{f"{name}.weight": masters[name] for name in masters
                                            if f"{name}.weight" in state_dict}}
         return super().portable_state_dict(state_dict)
+
+    def convert_own_entries(self, own: dict, incoming: dict) -> tuple[dict, list[str]]:
+        """An amax window saved with another `amax_history_len` keeps its most recent columns (zeros beyond
+        them, as a fresh window has); a scale that is not a finite positive number is refused: the GEMMs would
+        multiply by it once the warm-up is over."""
+        converted, refused = {}, []
+        for key, value in incoming.items():
+            mine = own.get(key)
+            if not isinstance(value, torch.Tensor) or not isinstance(mine, torch.Tensor):
+                continue
+            name = key.rsplit(".", 1)[-1]
+            if name == META_PREFIX + "amax_history" and value.dim() == 2 and value.shape != mine.shape \
+                    and value.shape[0] == mine.shape[0]:
+                window = torch.zeros_like(mine)
+                keep = min(value.shape[1], mine.shape[1])
+                window[:, :keep] = value[:, :keep].to(window.dtype)
+                converted[key] = window
+            elif name.startswith(META_PREFIX + "scale_") and value.numel() == 1 and not (
+                    torch.isfinite(value).all() and (value > 0).all()):
+                refused.append(f"{key} = {float(value)} (an FP8 scale must be finite and positive)")
+        return converted, refused
 
     @classmethod
     def strip_state_dict(cls, state_dict: dict) -> dict:
