@@ -248,6 +248,16 @@ class LowBitAdamW(torch.optim.Optimizer):
         # torch casts floating-point states to the parameter's dtype on load: an FP32 moment or a
         # scale of 2**35 would become FP16 (inf). Take the saved tensors as they are instead.
         own = [{key: group[key] for key in ("exp_avg_dtype", "exp_avg_sq_dtype")} for group in self.param_groups]
+        # Checked before anything changes: torch's load replaces the groups and states first, and an SGD
+        # checkpoint refused after it left SGD's groups behind (the next step failed on 'step')
+        for pid, entry in state_dict.get("state", {}).items():
+            missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
+            if missing:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: the state of parameter {pid} has no "
+                                 f"{', '.join(missing)}: not an Adam/AdamW checkpoint; nothing was loaded")
+        if any("betas" not in group for group in state_dict.get("param_groups", [])):
+            raise ValueError(f"{type(self).__name__}.load_state_dict: the checkpoint's parameter groups have no "
+                             "betas: not an Adam/AdamW checkpoint; nothing was loaded")
         super().load_state_dict(state_dict)
         for group, dtypes in zip(self.param_groups, own):
             group.update(dtypes)  # the run's storage, not the checkpoint's
@@ -259,10 +269,6 @@ class LowBitAdamW(torch.optim.Optimizer):
             if pid not in saved:
                 continue
             entry = saved[pid]
-            missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
-            if missing:
-                raise ValueError(f"{type(self).__name__}.load_state_dict: the state of parameter {pid} has no "
-                                 f"{', '.join(missing)}: not an Adam/AdamW checkpoint")
             state = self.state[p] = {}
             state["step"] = torch.as_tensor(entry["step"]).detach().to("cpu", torch.float32, copy=True).reshape(())
             for key in ("exp_avg", "exp_avg_sq"):

@@ -581,3 +581,28 @@ def test_fp8_layer_with_o2_states_tracks_fp32_adamw():
         ref.step()
     # MS-AMP's 3e-4 plus the FP16 rounding of |w| < 0.25 over 4 steps (4 * 2**-14)
     assert (layer.weight.detach().float() - shadow.detach()).abs().max().item() < 3e-4 + 4 * 2**-14
+
+
+@pytest.mark.parametrize("other", ["SGD", "Adam states without moments"])
+def test_a_checkpoint_of_another_optimizer_is_refused_before_anything_changes(other):
+    from lowprec.optim.low_bit_adam import LowBitAdamW
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(8, 8))]
+    optimizer = LowBitAdamW(params, lr=1e-2, exp_avg_dtype=torch.float8_e4m3fn)
+    params[0].grad = torch.randn(8, 8)
+    optimizer.step()
+    if other == "SGD":
+        sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        sgd.step()
+        state = sgd.state_dict()
+    else:
+        state = optimizer.state_dict()
+        state["state"][0] = {"step": state["state"][0]["step"]}
+    groups, moments = [dict(g) for g in optimizer.param_groups], optimizer.state[params[0]]["exp_avg"].clone()
+    with pytest.raises(ValueError, match="not an Adam/AdamW checkpoint; nothing was loaded"):
+        optimizer.load_state_dict(state)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    assert torch.equal(optimizer.state[params[0]]["exp_avg"], moments)
+    optimizer.step()  # and it still steps
