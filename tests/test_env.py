@@ -320,6 +320,13 @@ def test_mxfp8_flag_off_selects_nothing(monkeypatch, value):
     assert read_fp8_env().values == {}
 
 
+@pytest.mark.parametrize("value", ["maybe", "2", "mxfp8"])
+def test_mxfp8_flag_that_is_no_boolean_is_refused(monkeypatch, value):
+    monkeypatch.setenv("ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING", value)
+    with pytest.raises(ValueError, match=f"ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING='{value}' is not a boolean"):
+        read_fp8_env()
+
+
 def test_mxfp8_flag_agreeing_with_recipe(monkeypatch):
     setenv(monkeypatch, {"ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING": "1", "ACCELERATE_FP8_RECIPE": "MXFP8"})
     assert read_fp8_env().values["recipe"] == "mxfp8"

@@ -161,6 +161,9 @@ def read_fp8_env(environ: Mapping[str, str] | None = None) -> EnvOptions:
 
     mxfp8_var = next((v for v in (LOWPREC_PREFIX + MXFP8_KEY, PREFIX + MXFP8_KEY) if v in env), None)
     mxfp8 = env.get(mxfp8_var) if mxfp8_var else None
+    if mxfp8 is not None and not _false(mxfp8) and mxfp8.strip().lower() not in ("1", "true", "yes", "on"):
+        raise ValueError(f"{mxfp8_var}={mxfp8!r} is not a boolean: '1'/'true'/'yes'/'on' asks for the MXFP8 recipe, "
+                         "'0'/'false'/'no'/'off' (or empty) does not")
     if mxfp8 is not None and not _false(mxfp8):
         if out.values.get("recipe", "mxfp8").lower() != "mxfp8":
             raise ValueError(
