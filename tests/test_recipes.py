@@ -60,6 +60,23 @@ def test_fields_set_in_code_win_over_the_name():
     assert (recipe.backend, recipe.recipe, recipe.skip_first_blocks, recipe.skip_last_blocks) == ("te", "delayed", 1, 0)
 
 
+def test_a_field_the_name_set_is_named_as_its_source_when_refused():
+    # the caller wrote recipe='current'; amax_history_len=1024 came from the name, which the error must say
+    with pytest.raises(ValueError, match=r"amax_history_len=1024 .*\(amax_history_len set by named recipe "
+                                         r"'bf16_with_fp8_delayed_scaling_mixed'\)"):
+        FP8RecipeKwargs.from_name("bf16_with_fp8_delayed_scaling_mixed", recipe="current")
+    with pytest.raises(ValueError, match=r"recipe='delayed' is not a recipe of backend 'torchao'.*recipe set by named "
+                                         r"recipe"):
+        FP8RecipeKwargs(name="bf16_with_fp8_delayed_scaling_mixed", backend="torchao")
+
+
+def test_replace_cannot_change_the_name_under_the_first_names_fields():
+    recipe = FP8RecipeKwargs.from_name("bf16_with_fp8_delayed_scaling_mixed")
+    with pytest.raises(ValueError, match=r"replace\(name='bf16_with_fp8_current_scaling_mixed'\) .*from_name\("):
+        recipe.replace(name="bf16_with_fp8_current_scaling_mixed")
+    assert recipe.replace(margin=1).margin == 1 and recipe.replace(name=recipe.name) == recipe
+
+
 def test_fields_set_in_the_environment_win_over_the_name(monkeypatch):
     monkeypatch.setenv("ACCELERATE_FP8_OPT_LEVEL", "O1")
     monkeypatch.setenv("ACCELERATE_FP8_RECIPE_NAME", "msamp_o2")

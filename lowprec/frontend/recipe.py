@@ -164,10 +164,14 @@ class FP8RecipeKwargs(KwargsHandler):
         try:
             self._check_backend()
         except ValueError as exc:
-            # Name the variable a rejected value came from: the user may never have written it in code.
+            # Name where a rejected value came from: the user may never have written it in code.
             sources = [f"{env.sources[n]}" for n in env.sources if f"FP8RecipeKwargs.{n}=" in str(exc)]
-            if sources:
-                raise ValueError(f"{exc} (read from environment variable {', '.join(sources)})") from None
+            named = [n for n in getattr(self, "_named_fields", ()) if f"FP8RecipeKwargs.{n}=" in str(exc)
+                     or (n == "recipe" and f"recipe={self.recipe!r}" in str(exc))]
+            where = ([f"read from environment variable {', '.join(sources)}"] if sources else []) + (
+                [f"{', '.join(named)} set by named recipe {self.name!r}"] if named else [])
+            if where:
+                raise ValueError(f"{exc} ({'; '.join(where)})") from None
             raise
 
     def _apply_named_recipe(self, source: str | None) -> None:
@@ -180,6 +184,7 @@ class FP8RecipeKwargs(KwargsHandler):
         except ValueError as exc:
             raise ValueError(f"{exc}{where}") from None
         self.name = named.name
+        self._named_fields = []  # the fields the name filled, for errors about them
         fields = {f.name for f in dataclasses.fields(self)} - {"name"}
         for field, value in named.fields().items():
             if field not in fields:
@@ -189,6 +194,7 @@ class FP8RecipeKwargs(KwargsHandler):
                     setattr(self, field, self._parse(field, value))
                 except ValueError as exc:
                     raise ValueError(f"{exc} (set by named recipe {named.name!r})") from None
+                self._named_fields.append(field)
 
     @classmethod
     def from_name(cls, name: str, **fields: Any) -> FP8RecipeKwargs:
@@ -229,6 +235,13 @@ class FP8RecipeKwargs(KwargsHandler):
 
     def replace(self, **changes: Any) -> FP8RecipeKwargs:
         """A copy with `changes` applied and validated again."""
+        new_name = changes.get("name", self.name)
+        if self.name is not None and new_name != self.name:
+            # the fields the first name filled look like the caller's own: the new name would fill none of them
+            raise ValueError(
+                f"FP8RecipeKwargs.replace(name={new_name!r}) on a recipe built from named recipe {self.name!r} would "
+                f"keep that recipe's fields under the new name; build it afresh: "
+                f"FP8RecipeKwargs.from_name({new_name!r}, **fields)")
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
