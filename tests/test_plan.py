@@ -88,7 +88,7 @@ def test_str_without_skips_has_no_kept_section():
 
 
 def test_no_fp8_module_is_noted():
-    plan = plan_for(model(), recipe(include=["nothing"]))
+    plan = plan_for(model(), recipe(exclude=["*"]))
     assert plan.converted == [] and plan.fp8_linear_param_fraction == 0.0
     assert plan.notes[0].startswith("no module runs in FP8")
     assert "no module runs in FP8" in str(plan)

@@ -129,7 +129,6 @@ def test_exclude_comma_string_and_several_patterns():
     [
         (["*.mlp.*"], [n for n in LINEARS if ".mlp." in n]),
         (["lm_head", "q_proj"], ["layers.0.attn.q_proj", "layers.1.attn.q_proj", "lm_head"]),
-        (["nothing"], []),
     ],
 )
 def test_include_patterns(patterns, included):
@@ -137,6 +136,13 @@ def test_include_patterns(patterns, included):
     assert fp8(d) == included
     for name in set(LINEARS) - set(included):
         assert d[name].reason == "not matched by any include pattern"
+
+
+@pytest.mark.parametrize("patterns", [["nothing"], ["q_proj", "lm_haed"]])
+def test_an_include_pattern_that_matches_nothing_is_refused_like_an_exclude_one(patterns):
+    # a typo beside good patterns was dropped without a word, while the same typo in exclude raised
+    with pytest.raises(ValueError, match=f"include has {patterns[-1]!r}, which matches no module of Tiny"):
+        decide(Tiny(), include=patterns, skip_first_last=False, **FAST)
 
 
 def test_exclude_beats_include():

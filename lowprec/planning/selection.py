@@ -62,10 +62,12 @@ def _matches(fqn: str, patterns) -> str | None:
     return None
 
 
-def check_exclude(model: nn.Module, patterns) -> None:
-    """Raise ValueError for an exclude pattern that names no module of `model`: a typo ("lm_haed") would
-    otherwise leave the module it meant in FP8 with nothing said."""
+def check_exclude(model: nn.Module, patterns, field: str = "exclude") -> None:
+    """Raise ValueError for an exclude (or include) pattern that names no module of `model`: a typo
+    ("lm_haed") would otherwise leave the module it meant in FP8 (out of FP8) with nothing said."""
     names = [fqn or "<root>" for fqn, _ in model.named_modules()]
+    effect = ("keeps nothing in high precision" if field == "exclude" else
+              "converts nothing (the other patterns still do)")
     for pattern in patterns:
         if any(_matches(name, (pattern,)) for name in names):
             continue
@@ -73,9 +75,9 @@ def check_exclude(model: nn.Module, patterns) -> None:
         suffixes = {".".join(name.split(".")[i:]) for name in names for i in range(name.count(".") + 1)}
         close = get_close_matches(pattern, sorted(suffixes), n=3, cutoff=0.6)
         raise ValueError(
-            f"FP8RecipeKwargs.exclude has {pattern!r}, which matches no module of {type(model).__name__}: patterns "
+            f"FP8RecipeKwargs.{field} has {pattern!r}, which matches no module of {type(model).__name__}: patterns "
             "are fnmatch-style module names (a bare name also matches the last components, 'lm_head' covers "
-            "'model.lm_head'), and one that matches nothing keeps nothing in high precision. "
+            f"'model.lm_head'), and one that matches nothing {effect}. "
             + (f"Closest module names: {', '.join(map(repr, close))}" if close
                else "No module name is close; print(model) lists them")
         )
@@ -206,6 +208,8 @@ def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Selection
     on a model with no block list or fewer blocks than they keep.
     """
     check_exclude(model, recipe.exclude)
+    if recipe.include is not None:
+        check_exclude(model, recipe.include, "include")
     kept_blocks = _kept_blocks(model, recipe)
     candidates = []
     for fqn, module in model.named_modules():
