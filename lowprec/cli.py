@@ -43,11 +43,19 @@ def build_model_for_plan(model: str | None, config: str | None, overrides: dict)
         raise SystemExit(f"lowprec plan: --model {model!r} and --config {config!r} both choose the model; give one")
     transformers = require("transformers", feature="lowprec plan --config")
     if os.path.exists(config):
-        cfg = transformers.AutoConfig.from_pretrained(config, local_files_only=True, **overrides)
+        try:
+            cfg = transformers.AutoConfig.from_pretrained(config, local_files_only=True, **overrides)
+        except Exception as exc:  # noqa: BLE001 - unreadable JSON, a field transformers validates: said in one line
+            raise SystemExit(f"lowprec plan: --config {config!r} could not be read as a transformers config"
+                             f"{' with --set ' + str(overrides) if overrides else ''}: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split()[:40])}") from None
     else:
         try:
             cfg = transformers.AutoConfig.for_model(config, **overrides)
-        except ValueError:
+        except Exception as exc:  # noqa: BLE001 - transformers' strict config validation raises its own types
+            if config in transformers.CONFIG_MAPPING:  # a known type: the --set values were refused
+                raise SystemExit(f"lowprec plan: --set {overrides} is not a valid {config!r} config: "
+                                 f"{type(exc).__name__}: {' '.join(str(exc).split()[:40])}") from None
             # transformers' message lists all of its several hundred model types: name a few instead
             raise SystemExit(f"lowprec plan: --config {config!r} is neither a local config file/folder nor a "
                              "transformers model type (such as 'llama', 'mistral', 'qwen2', 'gpt2'; the full list "
@@ -90,6 +98,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     model, description = build_model_for_plan(args.model, args.config, dict(args.set or []))
     device = device_info() if args.capability is None else assumed_device(args.capability)
+    if args.engine == "single" and args.world_size != 1:
+        raise ValueError(f"--world-size {args.world_size} with --engine single: one process trains alone; name the "
+                         "engine that runs several (ddp, fsdp2, deepspeed, fsdp1)")
     context = RunContext(device=device, engine=args.engine, world_size=args.world_size, compiled=args.compile)
     backend = create_backend(recipe, context, require_package=False)
     plan = build_plan(model, backend.recipe, context=context, backend=backend)

@@ -46,6 +46,31 @@ def test_plan_local_config_file(tmp_path, capsys):
     assert "lm_head" in out and "1000 not divisible by 16" in out.replace("out_features=", "")
 
 
+@pytest.mark.parametrize(("args", "said"), [
+    (["--config", "llama", "--set", "hidden_size=abc"], "--set {'hidden_size': 'abc'} is not a valid 'llama' config"),
+    (["--config", "llama", "--set", "hidden_size=-8"], "--set {'hidden_size': -8} is not a valid 'llama' config"),
+    (["--config", "BAD_JSON"], "could not be read as a transformers config"),
+])
+def test_a_config_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path, args, said):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    args = [str(bad) if a == "BAD_JSON" else a for a in args]
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *args])
+    assert said in str(exc.value) and str(exc.value).startswith("lowprec plan: ")
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--engine", "ddp", "--world-size", "-4"], "RunContext.world_size=-4 must be an integer >= 1"),
+    (["--engine", "ddp", "--world-size", "0"], "RunContext.world_size=0 must be an integer >= 1"),
+    (["--world-size", "4"], "--world-size 4 with --engine single"),
+    (["--capability", "-1.0"], "capability='-1.0' is not of the form MAJOR.MINOR with MAJOR >= 1"),
+])
+def test_an_impossible_machine_is_refused(capsys, args, said):
+    assert main(["plan", *args]) == 2
+    assert said in capsys.readouterr().err
+
+
 def test_plan_for_backend_that_cannot_run_here_is_a_clear_error(capsys):
     assert main(["plan", "--backend", "te"]) == 2
     err = capsys.readouterr().err

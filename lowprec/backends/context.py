@@ -32,6 +32,9 @@ class RunContext:
     def __post_init__(self):
         if self.engine not in self.ENGINES:
             raise ValueError(f"RunContext.engine={self.engine!r} is not one of {self.ENGINES}")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"RunContext.world_size={self.world_size!r} must be an integer >= 1 (the processes "
+                             "training together)")
 
     @property
     def engine_precision(self) -> EnginePrecision:

@@ -51,8 +51,11 @@ def assumed_device(capability: str | None) -> DeviceInfo:
         return DeviceInfo("cpu", "CPU", None)
     try:
         major, minor = (int(x) for x in capability.split("."))
+        if major < 1 or minor < 0:
+            raise ValueError
     except ValueError:
         raise ValueError(
-            f"capability={capability!r} is not of the form MAJOR.MINOR (e.g. '9.0' for H100) or 'cpu'"
+            f"capability={capability!r} is not of the form MAJOR.MINOR with MAJOR >= 1 (e.g. '9.0' for H100) or "
+            "'cpu'"
         ) from None
     return DeviceInfo("cuda", "assumed GPU", (major, minor))
