@@ -48,6 +48,8 @@ BAD_VALUES = [
     ("weight_grad_dtype", "int8", ["'fp32'", "'bf16'", "'fp8'"]),
     ("grad_comm_dtype", "fp16", ["'fp32'", "'bf16'", "'fp8'"]),
     ("module_filter_fn", "lm_head", ["fn(module, fqn)"]),
+    ("module_filter_fn", lambda module: True, ["fn(module, fqn)"]),  # failed at prepare() with a bare TypeError
+    ("module_filter_fn", lambda module, fqn, extra: True, ["fn(module, fqn)"]),
     ("optimizer_states", "fp4", ["'fp32'", "'fp8'", "'e4m3'", "('e4m3', 'fp16')"]),
     ("optimizer_states", ("e4m3",), ["'fp32'", "'fp8'"]),
     ("optimizer_states", ("e4m3", "int8"), ["'e5m2'"]),

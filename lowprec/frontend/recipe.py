@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -20,6 +21,20 @@ from .specs import TE_REMOVED_OPTIONS, backend_spec, registered_specs
 log = logging.getLogger(__name__)
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+def _callable_as_filter(fn) -> bool:
+    """Whether `fn` can be called with two positional arguments (a callable whose signature Python cannot read,
+    some builtins, is taken on trust)."""
+    if not callable(fn):
+        return False
+    try:
+        inspect.signature(fn).bind(None, "")
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
 
 
 @dataclass
@@ -154,10 +169,10 @@ class FP8RecipeKwargs(KwargsHandler):
             self.skip_first_blocks = 0
         if self.skip_last_blocks is None:
             self.skip_last_blocks = 0
-        if self.module_filter_fn is not None and not callable(self.module_filter_fn):
+        if self.module_filter_fn is not None and not _callable_as_filter(self.module_filter_fn):
             raise ValueError(
                 f"FP8RecipeKwargs.module_filter_fn={self.module_filter_fn!r} must be callable as "
-                "fn(module, fqn) -> bool"
+                "fn(module, fqn) -> bool (torchao's module_filter_fn: the module and its fully qualified name)"
             )
         # Set aside, not forgotten: unapplied_launcher_defaults() lists, in the plan's notes, those that matter.
         self._launcher_defaults = {n: v for n, v in env.launcher_defaults.items() if getattr(self, n) is None}
