@@ -50,7 +50,8 @@ BAD_VALUES = [
     ("module_filter_fn", "lm_head", ["fn(module, fqn)"]),
     ("module_filter_fn", lambda module: True, ["fn(module, fqn)"]),  # failed at prepare() with a bare TypeError
     ("module_filter_fn", lambda module, fqn, extra: True, ["fn(module, fqn)"]),
-    ("optimizer_states", "fp4", ["'fp32'", "'fp8'", "'e4m3'", "('e4m3', 'fp16')"]),
+    ("optimizer_states", "fp4", ["optimizer_states='fp4' is not", "'fp32'", "'fp8'", "'e4m3'", "('e4m3', 'fp16')"]),
+    ("include", b"abc", ["include=b'abc' must be a list of module-name patterns"]),
     ("optimizer_states", ("e4m3",), ["'fp32'", "'fp8'"]),
     ("optimizer_states", ("e4m3", "int8"), ["'e5m2'"]),
     ("optimizer_states", "e4m3+fp16+fp32", ["'e4m3+fp16'"]),

@@ -90,7 +90,7 @@ def _parse_patterns(name: str, value: Any) -> tuple[str, ...]:
             raise ValueError(f"FP8RecipeKwargs.{name}={value!r} looks like a list but does not parse as one") from None
     if isinstance(value, str):
         items = [p.strip() for p in value.split(",")]
-    elif isinstance(value, Sequence):
+    elif isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
         items = list(value)
     else:
         raise ValueError(

@@ -42,17 +42,18 @@ def parse_states(option: str, value) -> str:
     'e4m3,fp16' / 'e4m3+fp16'. Raises ValueError naming `option` and what it accepts."""
     accepted = (f"one of {', '.join(repr(p) for p in STATE_PRESETS)}, or a pair (exp_avg, exp_avg_sq) of "
                 f"{', '.join(repr(n) for n in SHORT_NAMES.values())} such as ('e4m3', 'fp16') or 'e4m3+fp16'")
+    given = value  # the value as written, for the message
     if isinstance(value, str):
         text = value.strip().lower()
         if text in STATE_PRESETS:
             return text
         value = text.replace(",", "+").split("+")
     if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(f"{option}={value!r} is not {accepted}")
+        raise ValueError(f"{option}={given!r} is not {accepted}")
     try:
         pair = tuple(state_dtype(option, v.strip() if isinstance(v, str) else v) for v in value)
     except ValueError:
-        raise ValueError(f"{option}={value!r} is not {accepted}") from None
+        raise ValueError(f"{option}={given!r} is not {accepted}") from None
     preset = next((name for name, dtypes in STATE_PRESETS.items() if dtypes == pair), None)
     return preset or "+".join(SHORT_NAMES[d] for d in pair)
 
