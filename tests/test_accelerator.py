@@ -527,6 +527,17 @@ def test_grad_comm_dtype_on_one_process_is_a_warning():
     assert accelerator.fp8_recipe.grad_comm_dtype == "bf16"  # accepted: the same recipe runs on several processes
 
 
+@pytest.mark.parametrize(("fields", "said"), [
+    (dict(backend="msamp", reduce_amax=False), "reduce_amax=False has no effect in this run: one process"),
+    (dict(backend="torchao", enable_fsdp_float8_all_gather=True),
+     "enable_fsdp_float8_all_gather=True has no effect in this run: it applies under FSDP2, and this run's engine "
+     "is single"),
+])
+def test_an_option_this_run_cannot_use_is_a_warning(fields, said):
+    with pytest.warns(UserWarning, match=re.escape(said)):
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(**fields)])
+
+
 def test_each_model_with_no_fp8_layer_gets_its_warning():
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe(exclude="*")])
     _, found, _ = prepare_recording(accelerator, regression_model(), regression_model(1))

@@ -24,7 +24,7 @@ from ..backends import Backend, RunContext, create_backend
 from ..frontend.compat import is_fp8_handler, to_recipe
 from ..frontend.recipe import FP8RecipeKwargs
 from ..optim.low_bit_adam import LowBitAdamW
-from ..planning.engines import apply_grad_comm_dtype
+from ..planning.engines import apply_grad_comm_dtype, options_without_effect
 from ..planning.plan import PrecisionPlan
 from .activations import check_activation_dtype, install_activation_storage
 from .checkpoints import ForeignBackendEntries, from_low_bit_states
@@ -122,13 +122,9 @@ class Accelerator(_Accelerator):
             engine = context.engine
             apply_grad_comm_dtype(recipe.grad_comm_dtype, engine, engine_plugin(self.state, engine))
             create_backend(recipe, self.run_context())
-            if recipe.grad_comm_dtype is not None and self.num_processes == 1:
-                # Accepted (the same recipe runs on several processes) but not silently: the plan row alone says N/A.
-                warnings.warn(
-                    f"lowprec: FP8RecipeKwargs.grad_comm_dtype={recipe.grad_comm_dtype!r} has no effect in this run: "
-                    "one process communicates no gradients (it applies under DDP, FSDP and DeepSpeed)",
-                    stacklevel=2,
-                )
+            for idle in options_without_effect(recipe, engine, self.num_processes):
+                warnings.warn(f"lowprec: FP8RecipeKwargs.{idle.replace(': ', ' has no effect in this run: ', 1)}",
+                              stacklevel=2)
 
     # ---- what Accelerate sees ----------------------------------------------------------------
     @property
