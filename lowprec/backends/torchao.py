@@ -48,6 +48,17 @@ def _forward_with_fp8_input(self: nn.Module, input: torch.Tensor) -> torch.Tenso
     return type(self).forward(self, x)
 
 
+def _to_cpu_autocast_dtype(module: nn.Module, args: tuple):
+    """Forward pre-hook: the input in CPU autocast's dtype, as torchao's Float8Linear puts it in CUDA autocast's
+    (it asks `torch.is_autocast_enabled()`, CUDA's only). Without it, emulated on a CPU, a recipe whose weight
+    gradient is a high-precision GEMM (rowwise_with_gw_hp) multiplied the BF16 output gradient by the FP32 input
+    and failed in backward."""
+    x = args[0] if args else None
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return (x.to(torch.get_autocast_dtype("cpu")), *args[1:])
+    return None
+
+
 def _is_mha_projection(module: nn.Module) -> bool:
     # nn.MultiheadAttention calls F.linear on out_proj.weight directly, never out_proj.forward, so
     # swapping the module would report FP8 while the GEMM stays high precision.
@@ -162,6 +173,11 @@ class TorchAOBackend(Backend):
         model = float8.convert_to_float8_training(
             model, module_filter_fn=lambda module, fqn: fqn in chosen, config=config
         )
+        hp_weight_grad = config.cast_config_input_for_grad_weight.scaling_type.name == "DISABLED"
+        if self.emulated and self.context.device.type == "cpu" and hp_weight_grad:
+            for module in model.modules():
+                if self.is_converted(module):
+                    module.register_forward_pre_hook(_to_cpu_autocast_dtype)
         if self.saves_fp8_input:
             if config.cast_config_input != config.cast_config_input_for_grad_weight:
                 raise RuntimeError(  # a torchao whose tensorwise recipe no longer casts the input once
