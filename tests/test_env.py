@@ -244,6 +244,17 @@ def test_two_spellings_disagreeing_is_an_error(monkeypatch, env):
         assert var in str(err.value)
 
 
+@pytest.mark.parametrize("env", [
+    {"ACCELERATE_FP8_FORMAT": "hybrid", "ACCELERATE_FP8_FP8_FORMAT": "HYBRID"},
+    {"ACCELERATE_FP8_NAME": "bf16_with_fp8_mixed", "ACCELERATE_FP8_RECIPE_NAME": "BF16-with-FP8-mixed"},
+    {"ACCELERATE_FP8_AMAX_HISTORY_LEN": "16", "ACCELERATE_FP8_AMAX_HISTORY_LENGTH": " 16"},
+])
+def test_two_spellings_of_one_value_agree(monkeypatch, env):
+    # they were refused as different values: the text was compared, not what it means
+    setenv(monkeypatch, env)
+    assert len(read_fp8_env().values) == 1
+
+
 def test_lowprec_and_plain_spelling_disagreeing_is_an_error(monkeypatch):
     # margin=3 is not the launcher default, so the user wrote both `margin: 3` and `lowprec_margin: 2`.
     setenv(monkeypatch, {**LAUNCHER_ENV, "ACCELERATE_FP8_MARGIN": "3", "ACCELERATE_FP8_LOWPREC_MARGIN": "2"})

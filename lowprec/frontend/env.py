@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .parsing import parse_field
 from .specs import TE_REMOVED_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,18 @@ class EnvOptions:
     launcher_defaults: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
+def _meaning(name: str, value: str):
+    """What `value` of field `name` means, so that two spellings of one choice ('hybrid', 'HYBRID') agree; the
+    raw text where it does not parse (FP8RecipeKwargs says why when it reads it)."""
+    if name == "name":
+        return value.strip().lower().replace("-", "_")
+    try:
+        meaning = parse_field(name, value)
+    except ValueError:
+        return value
+    return repr(meaning)  # hashable, whatever the field's type
+
+
 def _false(value: str) -> bool:
     return value.strip().lower() in ("0", "false", "no", "off", "")
 
@@ -148,7 +161,7 @@ def read_fp8_env(environ: Mapping[str, str] | None = None) -> EnvOptions:
                 out.launcher_defaults[name] = (PREFIX + key, value)
                 continue
             found[PREFIX + key] = value
-        if len(set(found.values())) > 1:
+        if len({_meaning(name, v) for v in found.values()}) > 1:
             raise ValueError(
                 f"FP8RecipeKwargs.{name} is set twice in the environment with different values: "
                 + ", ".join(f"{k}={v!r}" for k, v in found.items())
