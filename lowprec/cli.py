@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="auto, torchao, te, msamp (default: ACCELERATE_FP8_BACKEND or auto)")
     plan.add_argument("--recipe", default=None)
     plan.add_argument("--name", default=None, help="a named recipe (`lowprec recipes`); the options below win over it")
-    plan.add_argument("--fp8-format", default=None, choices=["HYBRID", "E4M3"])
+    plan.add_argument("--fp8-format", default=None, type=str.upper, choices=["HYBRID", "E4M3"])
     plan.add_argument("--opt-level", default=None,
                       help="O1, O2 or O3 (msamp under FSDP2 / DeepSpeed ZeRO-1/2): a preset of the storage knobs below")
     plan.add_argument("--weight-dtype", default=None, help="converted Linear weights: fp32, fp16, bf16")

@@ -55,7 +55,8 @@ class FP8RecipeKwargs(KwargsHandler):
         amax_compute_algo: delayed scaling only: "max" over the history, or "most_recent".
         opt_level: MS-AMP memory level "O1", "O2", "O3", or None (FP32 states and gradients): a
             preset of weight, weight-gradient, communication and optimizer-state precision, accepted
-            only by a backend that honours the whole row (backend="msamp").
+            only by a backend that honours the whole row: msamp (O1, O2, O3), te and torchao (O1, O2, through
+            the storage knobs on their layers).
         optimizer_states: storage of Adam's moments, for any backend: "fp32", "bf16", "fp16", "fp8"
             (MS-AMP's E4M3 exp_avg + FP16 exp_avg_sq, 3 bytes/param instead of 8), or a pair such as
             ("e4m3", "e4m3"). Adam/AdamW passed to prepare() becomes lowprec.optim.LowBitAdam(W).
