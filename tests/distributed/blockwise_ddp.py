@@ -5,6 +5,10 @@ Run by tests/optim/test_grad_overlap.py:
 
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/blockwise_ddp.py run OUT.json
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/blockwise_ddp.py cuda OUT.json  # 2 GPUs
+    DS_ACCELERATOR=cpu ACCELERATE_USE_DEEPSPEED=true \
+        python -m torch.distributed.run --nproc_per_node 2 tests/distributed/blockwise_ddp.py zero OUT.json
+
+(`zero`: msamp O3 under DeepSpeed ZeRO-2, whose FP8 layers' gradients lowprec averages beside DeepSpeed.)
 
 (`cuda`: NCCL and real FP8 on two GPUs, the side stream in use: tests/gpu/test_grad_overlap_gpu.py.)
 
@@ -66,12 +70,22 @@ class Net(nn.Module):
 
 
 def stored_grads(backend) -> str:
-    stores = backend.grad_stores
+    stores = backend.zero.layers if getattr(backend, "zero", None) is not None else backend.grad_stores
     return digest(*[t for s in stores for t in (s.fp8_grad_data, s.fp8_grad_scale, s.fp8_grad_valid)])
 
 
+def deepspeed_plugin(accumulation: int):
+    from accelerate.utils import DeepSpeedPlugin
+
+    micro = GLOBAL_BATCH // dist.get_world_size() // accumulation
+    return DeepSpeedPlugin(hf_ds_config={
+        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
+        "train_batch_size": GLOBAL_BATCH, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
+        "bf16": {"enabled": "auto"}})
+
+
 def train(overlap: bool, *, backend: str = "msamp", embed: bool = True, recompute: bool = False,
-          accumulation: int = 1, backwards: int = 1, steps: int = 3, cuda: bool = False) -> dict:
+          accumulation: int = 1, backwards: int = 1, steps: int = 3, cuda: bool = False, zero: bool = False) -> dict:
     from accelerate.utils import InitProcessGroupKwargs
 
     from lowprec import Accelerator, FP8RecipeKwargs
@@ -80,19 +94,25 @@ def train(overlap: bool, *, backend: str = "msamp", embed: bool = True, recomput
     # the layers run eager: the hooks sit on the blocks, outside any compiled layer, and compiling costs minutes
     common = dict(skip_first_last=False, skip_slow_shapes=False, compile_fp8_layers=False)
     if backend == "msamp":
-        recipe = FP8RecipeKwargs(backend="msamp", opt_level="O2", **common)
+        recipe = FP8RecipeKwargs(backend="msamp", opt_level="O3" if zero else "O2", **common)
     else:
         recipe = FP8RecipeKwargs(backend="torchao", recipe="tensorwise", weight_grad_dtype="fp8", pad_inner_dim=True,
                                  **common)
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="fp8", gradient_accumulation_steps=accumulation,
-                              kwargs_handlers=[recipe, InitProcessGroupKwargs(timeout=TIMEOUT)])
-    rank, world = accelerator.process_index, accelerator.num_processes
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    extra = dict(deepspeed_plugin=deepspeed_plugin(accumulation)) if zero else dict(cpu=not cuda)
+    accelerator = Accelerator(mixed_precision="fp8", gradient_accumulation_steps=accumulation,
+                              kwargs_handlers=[recipe, InitProcessGroupKwargs(timeout=TIMEOUT)], **extra)
+    # torch.distributed's ranks: on a CPU host Accelerate counts one process under DeepSpeed
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Net(embed=embed, recompute=recompute)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
     lowprec_backend = accelerator._lowprec[-1][1]
-    blockwise = lowprec_backend.weight_storage.blockwise
+    blockwise = lowprec_backend.zero.blockwise if zero else lowprec_backend.weight_storage.blockwise
     g = torch.Generator().manual_seed(1)
     x = torch.randn(steps * GLOBAL_BATCH, WIDTH, generator=g).to(accelerator.device)
     y = torch.tanh(x.flip(-1))
@@ -118,7 +138,7 @@ def train(overlap: bool, *, backend: str = "msamp", embed: bool = True, recomput
                         blockwise.last_early = 0  # a backward without sync leaves it as the last one set it
                 optimizer.step()
                 optimizer.zero_grad()
-        record["params"].append(digest(*accelerator.unwrap_model(model).parameters()))
+        record["params"].append(digest(*[p.detach().float() for p in accelerator.unwrap_model(model).parameters()]))
     if blockwise is not None:
         blockwise.remove()
     accelerator.wait_for_everyone()
@@ -135,15 +155,20 @@ SCENARIOS = {
 }
 
 
+ZERO_SCENARIOS = {"plain": dict(), "accumulation": dict(accumulation=2, steps=2), "recompute": dict(recompute=True)}
+
+
 def main() -> None:
-    cuda, out = sys.argv[1] == "cuda", sys.argv[2]
+    mode, out = sys.argv[1], sys.argv[2]
+    cuda, zero = mode == "cuda", mode == "zero"
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
     results = {}
-    for name, kwargs in SCENARIOS.items():
+    for name, kwargs in (ZERO_SCENARIOS if zero else SCENARIOS).items():
+        kwargs = dict(kwargs, cuda=cuda, zero=zero)
         try:
-            results[name] = {"off": train(False, cuda=cuda, **kwargs), "on": train(True, cuda=cuda, **kwargs)}
+            results[name] = {"off": train(False, **kwargs), "on": train(True, **kwargs)}
         except Exception:  # noqa: BLE001
             results[name] = {"error": traceback.format_exc()[-3000:]}
     write_ranks({"world_size": dist.get_world_size(), "scenarios": results}, out)

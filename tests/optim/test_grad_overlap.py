@@ -72,6 +72,35 @@ def test_buckets_start_during_the_backward(run, name, early):
         assert rank["on"]["rest"] == (1 if name == "data_into_block0" else 2)  # embed (if a Linear) and head
 
 
+@pytest.fixture(scope="module")
+def zero_run(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    from conftest import run_two_ranks
+
+    ranks = run_two_ranks(SCRIPT, "zero", out=tmp_path_factory.mktemp("blockwise_zero") / "result.json", timeout=600,
+                          DS_ACCELERATOR="cpu", ACCELERATE_USE_DEEPSPEED="true")
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    return ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "early"), [("plain", [BLOCKS] * 3), ("accumulation", [0, BLOCKS, 0, BLOCKS]),
+                                             ("recompute", [BLOCKS] * 3)])
+def test_o3_under_zero2_averages_block_by_block_to_the_same_bytes(zero_run, name, early):
+    # msamp O3 under DeepSpeed ZeRO-2: lowprec averages its FP8 layers' gradients beside DeepSpeed, and with the
+    # switch on does it block by block during the backward instead of at the step
+    for rank in zero_run:
+        entry = rank["scenarios"][name]
+        assert "error" not in entry, entry.get("error")
+        off, on = entry["off"], entry["on"]
+        assert (off["blockwise"], on["blockwise"]) == (False, True)
+        assert [a["grads"] for a in off["backwards"]] == [b["grads"] for b in on["backwards"]]
+        assert on["params"] == off["params"]
+        assert [b["early"] for b in on["backwards"]] == early
+        assert "per transformer block" in on["grad_comm"] and "the rest by DeepSpeed" in on["grad_comm"]
+    assert zero_run[0]["scenarios"][name]["on"]["params"] == zero_run[1]["scenarios"][name]["on"]["params"]
+
+
 @pytest.mark.slow
 def test_the_plan_says_when_gradients_are_averaged(run):
     rank = scenario(run, "plain")[0]

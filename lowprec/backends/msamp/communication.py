@@ -118,9 +118,11 @@ class MSAMPCommunication(GradientCommunication):
                                    "weight grads: amax all-reduced (MAX), FP8 all_to_all, FP32 sum, FP8 all_gather, "
                                    + reduction_timing())
         elif plan.converted and self.owner.zero_o3:
+            from ...optim.grad_overlap import reduction_timing
+
             comm = TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (Linear), {comm.dtype} (rest)",
                                    "weight grads averaged by lowprec once per step (amax all-reduced, FP8 all_to_all, "
-                                   "FP32 sum, FP8 all_gather); the rest by DeepSpeed")
+                                   f"FP32 sum, FP8 all_gather), {reduction_timing()}; the rest by DeepSpeed")
         return [comm, *rest]
 
     def update_delayed_scales(self) -> None:
@@ -220,7 +222,10 @@ class MSAMPCommunication(GradientCommunication):
             p.requires_grad_(True)
         self.frozen = []
         if self.zero is not None:
-            self.zero.install(engine=model)
+            from ...optim.grad_overlap import overlap_requested
+
+            # a model compiled whole would run the blocks' hooks inside its graph: one reduction at the step
+            self.zero.install(engine=model, overlap=overlap_requested() and not self.owner.context.compiled)
         super().install(model)
 
     def after_backward(self, sync_gradients: bool) -> None:

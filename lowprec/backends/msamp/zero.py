@@ -90,6 +90,7 @@ class ZeroFP8Weights:
         self._stash: list[torch.Tensor] | None = None
         self._trainable: list[bool] = []
         self.reducer: FP8GradReducer | None = None
+        self.blockwise = None  # or block by block during the backward (grad_overlap.BlockwiseReduction)
         self.engine = None
 
     # ----- before / after DeepSpeed initialises -------------------------------------------------------
@@ -134,7 +135,7 @@ class ZeroFP8Weights:
             layer.weight.requires_grad_(False)
 
     @torch.no_grad()
-    def install(self, engine=None) -> None:
+    def install(self, engine=None, overlap: bool = False) -> None:
         """After DeepSpeed initialised: each weight becomes E4M3 bytes with its scale (the
         `FP8GatheredWeight` the layer's GEMMs read), owners keep FP16 masters, and LowBitAdamW
         with O2 states steps them."""
@@ -165,13 +166,32 @@ class ZeroFP8Weights:
                                      exp_avg_sq_dtype=torch.float16)
         self.optimizer.attach_fp8_grads(slots)
         self.reducer = FP8GradReducer(self.layers, self.group)
+        self.blockwise = self._blockwise(engine, overlap)
+
+    def _blockwise(self, engine, overlap: bool):
+        """`BlockwiseReduction` of the layers (`LOWPREC_FP8_GRAD_OVERLAP=1`, docs/communication.md) where the
+        model has a block list and runs eager; None otherwise (one reduction at the step)."""
+        from ...optim.grad_overlap import BlockwiseReduction
+        from ...planning.selection import find_blocks
+
+        if not overlap or engine is None or self.world_size == 1:
+            return None
+        found = find_blocks(getattr(engine, "module", engine))
+        if found is None:
+            return None
+        from accelerate.state import GradientState
+
+        # Accelerate's accumulate() sets sync_gradients before the forward: the backward that steps is hooked
+        return BlockwiseReduction(self.layers, list(found[1]), will_sync=lambda: GradientState().sync_gradients,
+                                  group=self.group)
 
     # ----- each step -------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, max_norm: float | None = None, engine_norm: float | torch.Tensor | None = None) -> None:
         """Average the FP8 gradients, clip them by the norm over every gradient (with `engine_norm`,
         DeepSpeed's pre-clip norm of the rest), step the masters, broadcast the new FP8 weights."""
-        self.reducer.reduce()
+        if self.blockwise is None or not self.blockwise.finish():  # hooked: its buckets end here
+            self.reducer.reduce()
         if max_norm:
             self._clip(max_norm, 0.0 if engine_norm is None else engine_norm)
         for group, source in zip(self.optimizer.param_groups, self._group_sources):
