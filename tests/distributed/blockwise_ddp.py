@@ -8,7 +8,8 @@ Run by tests/optim/test_grad_overlap.py:
     DS_ACCELERATOR=cpu ACCELERATE_USE_DEEPSPEED=true \
         python -m torch.distributed.run --nproc_per_node 2 tests/distributed/blockwise_ddp.py zero OUT.json
 
-(`zero`: msamp O3 under DeepSpeed ZeRO-2, whose FP8 layers' gradients lowprec averages beside DeepSpeed.)
+(`zero`: msamp O3 under DeepSpeed ZeRO-2, whose FP8 layers' gradients lowprec averages beside DeepSpeed;
+`zero-cuda` the same on two GPUs.)
 
 (`cuda`: NCCL and real FP8 on two GPUs, the side stream in use: tests/gpu/test_grad_overlap_gpu.py.)
 
@@ -160,7 +161,7 @@ ZERO_SCENARIOS = {"plain": dict(), "accumulation": dict(accumulation=2, steps=2)
 
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
-    cuda, zero = mode == "cuda", mode == "zero"
+    cuda, zero = mode in ("cuda", "zero-cuda"), mode.startswith("zero")
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)

@@ -26,21 +26,31 @@ SCRIPT = os.path.join(HERE, "..", "distributed", "blockwise_ddp.py")
 BLOCKS = 3
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def _launch(tmp_path_factory, mode: str, **env: str) -> list[dict]:
     import json
 
     from conftest import free_port, run_processes
 
-    out = tmp_path_factory.mktemp("blockwise_cuda") / "result.json"
+    out = tmp_path_factory.mktemp(f"blockwise_{mode}") / "result.json"
     environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    environ.update(CUDA_VISIBLE_DEVICES="0,1", NCCL_NVLS_ENABLE="0")
+    environ.update(CUDA_VISIBLE_DEVICES="0,1", NCCL_NVLS_ENABLE="0", **env)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           SCRIPT, "cuda", str(out)]
+           SCRIPT, mode, str(out)]
     proc = run_processes(cmd, environ, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out) as fh:
         return json.load(fh)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return _launch(tmp_path_factory, "cuda")
+
+
+@pytest.fixture(scope="module")
+def zero_ranks(tmp_path_factory):
+    pytest.importorskip("deepspeed")
+    return _launch(tmp_path_factory, "zero-cuda", ACCELERATE_USE_DEEPSPEED="true")
 
 
 @pytest.mark.parametrize("name", ["plain", "accumulation", "two_backwards", "recompute", "data_into_block0", "stores"])
@@ -57,3 +67,15 @@ def test_blockwise_averaging_on_a_side_stream_changes_no_byte(ranks, name):
                     "data_into_block0": [BLOCKS - 1] * 3}.get(name, [BLOCKS] * 3)
         assert [b["early"] for b in on["backwards"]] == expected
     assert ranks[0]["scenarios"][name]["on"]["params"] == ranks[1]["scenarios"][name]["on"]["params"]
+
+
+@pytest.mark.parametrize(("name", "early"), [("plain", [BLOCKS] * 3), ("accumulation", [0, BLOCKS, 0, BLOCKS]),
+                                             ("recompute", [BLOCKS] * 3)])
+def test_o3_under_zero2_on_a_side_stream_changes_no_byte(zero_ranks, name, early):
+    for rank in zero_ranks:
+        entry = rank["scenarios"][name]
+        assert "error" not in entry, entry.get("error")
+        off, on = entry["off"], entry["on"]
+        assert [a["grads"] for a in off["backwards"]] == [b["grads"] for b in on["backwards"]]
+        assert on["params"] == off["params"] and [b["early"] for b in on["backwards"]] == early
+    assert zero_ranks[0]["scenarios"][name]["on"]["params"] == zero_ranks[1]["scenarios"][name]["on"]["params"]
