@@ -14,13 +14,18 @@ hook; a call whose input needs no gradient leaves its block to the end of the ba
 
 Order: every rank must issue the same collectives in the same order. Buckets start strictly in
 backward order (the last block first), a bucket whose block is not finished holding back those after it,
-and `finish()` (after the backward) starts whatever is left in the same order. The layers of no block,
-or of several, form the last bucket. The collectives run on a process group of their own, so they never
-interleave with DDP's on one communicator.
+and the end of the backward (a callback autograd runs when the backward is over, queued by the first
+block's hook, as DDP does) starts whatever is left in the same order. The layers of no block, or of several,
+form the last bucket. What ends a round is the backward itself, on every rank alike: not a forward (one rank
+alone may run one, a preview) and not `Accelerator.backward` (a script may call `loss.backward()`, twice per
+step). A backward in which no block's hook fired (every block's input needing no gradient) leaves its
+gradients to the single pass. The collectives run on a process group of their own, so they never interleave
+with DDP's on one communicator.
 
-Streams (CUDA): a bucket runs on the side stream after the work queued so far; `finish()` makes the
-current stream wait for the side stream (a device-side wait: no host sync), so the optimizer reads the
-averaged bytes. On CPU (gloo) buckets run inline, the backward waiting for the collectives.
+Streams (CUDA): a bucket runs on the side stream after the work queued so far; the end of the backward makes
+the current stream wait for the side stream (a device-side wait: no host sync), so what runs next (the
+optimizer, the next backward's accumulation) reads the averaged bytes. On CPU (gloo) buckets run inline, the
+backward waiting for the collectives.
 """
 
 from __future__ import annotations
@@ -93,19 +98,21 @@ class BlockwiseReduction:
         self.rest = FP8GradReducer(rest, group, method) if rest else None
         self.layers = layers
         self.will_sync = will_sync
-        self.stream = torch.cuda.Stream() if layers and layers[0].fp8_grad_data.is_cuda else None
-        self.last_early = 0  # buckets the last finished backward started before it ended
+        device = layers[0].fp8_grad_data.device if layers else None
+        self.stream = torch.cuda.Stream(device=device) if device is not None and device.type == "cuda" else None
+        self.last_early = 0  # buckets the last hooked backward started before it ended
+        self.averaged = False  # a hooked backward averaged the gradients since `finish()` last said so
         self._reset()
         self._handles = [block.register_forward_pre_hook(self._pre_forward(i), with_kwargs=True)
                          for i, block in enumerate(blocks) if per_block[i]]
 
     def _reset(self) -> None:
-        self.armed = False  # a forward hooked blocks for the coming backward
-        self.calls: dict[int, int] = {}  # forward calls of each block since the last finish
+        self.calls: dict[int, int] = {}  # forward calls of each block since the last round ended
         self.done: dict[int, int] = {}  # of them, those whose input gradient arrived
-        self.blind: set[int] = set()  # blocks called on an input needing no gradient: left to finish()
+        self.blind: set[int] = set()  # blocks called on an input needing no gradient: left to the end
         self.next = 0  # position in self.order of the next bucket to start
         self.started: list[int] = []
+        self.queued = False  # the end-of-backward callback is queued
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -119,7 +126,6 @@ class BlockwiseReduction:
             # whose gradients belong to the call already counted.
             if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1 or not self.will_sync():
                 return None
-            self.armed = True
             self.calls[index] = self.calls.get(index, 0) + 1
             x = _first_grad_input(args, kwargs)
             if x is None or not x.requires_grad:
@@ -131,6 +137,9 @@ class BlockwiseReduction:
         return hook
 
     def _block_done(self, index: int) -> None:
+        if not self.queued:  # the first block this backward finished: end the round with the backward
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.queued = True
         self.done[index] = self.done.get(index, 0) + 1
         while self.next < len(self.order):
             i = self.order[self.next]
@@ -150,11 +159,9 @@ class BlockwiseReduction:
             reducer.reduce()
 
     # ---- after the backward ----------------------------------------------------------------------------
-    def finish(self) -> bool:
-        """Start the buckets the backward left, in order, and make the current stream wait for them. Returns
-        whether this backward was hooked (its gradients are now averaged); False: nothing was done."""
-        if not self.armed:
-            return False
+    def _end_of_backward(self) -> None:
+        """Autograd's callback when a hooked backward is over: the buckets it left, in order, the rest, and the
+        current stream made to wait for them."""
         for i in self.order[self.next:]:
             self._start(self.reducers[i])
         if self.rest is not None:
@@ -162,5 +169,14 @@ class BlockwiseReduction:
         if self.stream is not None:
             torch.cuda.current_stream().wait_stream(self.stream)
         self.last_early = len(self.started)
+        self.averaged = True
         self._reset()
-        return True
+
+    def finish(self) -> bool:
+        """Whether a hooked backward averaged the gradients since the last call (then the single pass has
+        nothing left to do); False: none did, the single pass averages them. Forgets what forwards counted
+        since (a forward with no backward after it, on one rank or all)."""
+        averaged, self.averaged = self.averaged, False
+        if not self.queued:  # a round in a backward still under way is not for this call to end
+            self._reset()
+        return averaged

@@ -393,4 +393,5 @@ class Accelerator(_Accelerator):
         if self.fp8_recipe.activation_dtype == "fp8":  # outermost: it sees every tensor the forward saves
             install_activation_storage(prepared, inner, converted=lambda m: backend.converted_kind(m) == "linear")
         object.__setattr__(prepared, _FINAL_ATTR, True)
+        self._replaced_params.keep_only(p for entry in self._lowprec for p in entry[0].parameters())  # O3+ZeRO's too
 

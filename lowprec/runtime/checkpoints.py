@@ -27,7 +27,7 @@ class ForeignBackendEntries:
                  error_msgs) -> None:
         incoming = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
         own = module.state_dict()
-        self._convert_or_refuse(state_dict, prefix, own, incoming)
+        self._convert_or_refuse(module, state_dict, prefix, own, incoming)
         backend_keys = (set(incoming) - set(strip_backend_entries(incoming))) | (set(own) - set(
             strip_backend_entries(own)))
         foreign = [k for k in incoming if k in backend_keys and k not in own]
@@ -44,16 +44,20 @@ class ForeignBackendEntries:
             f"dropped and {len(absent)} of this one's kept their current values (its scaling starts afresh)")
 
 
-    def _convert_or_refuse(self, state_dict: dict, prefix: str, own: dict, incoming: dict) -> None:
+    def _convert_or_refuse(self, module, state_dict: dict, prefix: str, own: dict, incoming: dict) -> None:
         """Before anything is copied (this hook runs on the model itself, ahead of its modules): this backend's
         entries saved under other settings converted (msamp's amax windows of another length), and a checkpoint
         that still does not fit refused whole: a tensor of another shape, a scale no GEMM can use. torch would
         raise on a shape only after copying every tensor before it."""
         converted, refused = self.backend.convert_own_entries(own, incoming) if self.backend else ({}, [])
+        # parameters and buffers only: an _extra_state (TE's) is a blob whose length follows its contents, and
+        # torch hands it to set_extra_state whatever its shape. DeepSpeed ZeRO-3 holds partitioned parameters as
+        # empty tensors: nothing to compare.
+        tensors = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
         for key, value in incoming.items():
             mine = own.get(key)
-            if (key not in converted and isinstance(value, torch.Tensor) and isinstance(mine, torch.Tensor)
-                    and mine.numel() > 0  # DeepSpeed ZeRO-3 holds partitioned parameters as empty tensors
+            if (key in tensors and key not in converted and isinstance(value, torch.Tensor)
+                    and isinstance(mine, torch.Tensor) and mine.numel() > 0
                     and tuple(value.shape) != tuple(mine.shape)):
                 refused.append(f"{key}: shape {tuple(value.shape)} in the checkpoint, {tuple(mine.shape)} in the "
                                "model")

@@ -327,3 +327,15 @@ def test_optimizer_prepared_in_a_later_call_updates_the_converted_weights(te_acc
         p.grad = torch.ones_like(p)
     optimizer.step()
     assert all(not torch.equal(a, b) for a, b in zip(before, inner.parameters()))
+
+
+def test_a_state_dict_saved_before_fp8_ran_loads_after(te_accelerator):
+    # TE's _extra_state is a blob whose length follows its contents (empty before the first FP8 forward): torch
+    # hands it to set_extra_state, and lowprec's check of the checkpoint's shapes leaves it alone
+    accelerator = te_accelerator("delayed", amax_history_len=8)
+    inner = accelerator.unwrap_model(accelerator.prepare(small_model(0)))
+    early = {k: v.clone() for k, v in inner.state_dict().items()}
+    for i, module in enumerate(m for m in inner.modules() if type(m).__name__ == "Linear" and hasattr(m, "fp8_meta")):
+        fake.fill_delayed_state(module, fake.DelayedScaling(margin=1, amax_history_len=8), seed=i)
+    assert any(v.numel() != early[k].numel() for k, v in inner.state_dict().items() if k.endswith("_extra_state"))
+    inner.load_state_dict(early)

@@ -86,7 +86,10 @@ def deepspeed_plugin(accumulation: int):
 
 
 def train(overlap: bool, *, backend: str = "msamp", embed: bool = True, recompute: bool = False,
-          accumulation: int = 1, backwards: int = 1, steps: int = 3, cuda: bool = False, zero: bool = False) -> dict:
+          accumulation: int = 1, backwards: int = 1, steps: int = 3, cuda: bool = False, zero: bool = False,
+          direct: bool = False, preview: bool = False) -> dict:
+    """One run; `direct`: `loss.backward()` instead of `accelerator.backward`; `preview`: rank 0 alone runs a
+    forward with gradients on between the backward and the step (a sample preview written carelessly)."""
     from accelerate.utils import InitProcessGroupKwargs
 
     from lowprec import Accelerator, FP8RecipeKwargs
@@ -131,12 +134,17 @@ def train(overlap: bool, *, backend: str = "msamp", embed: bool = True, recomput
                 for j in range(backwards):
                     rows = slice(base + k * micro + j * part, base + k * micro + (j + 1) * part)
                     loss = nn.functional.mse_loss(model(x[rows]).float(), y[rows]) / backwards
-                    accelerator.backward(loss)
+                    if direct:
+                        loss.backward()
+                    else:
+                        accelerator.backward(loss)
                     record["backwards"].append({"sync": accelerator.sync_gradients,
                                                 "early": None if blockwise is None else blockwise.last_early,
                                                 "grads": stored_grads(lowprec_backend)})
                     if blockwise is not None:
                         blockwise.last_early = 0  # a backward without sync leaves it as the last one set it
+                if preview and rank == 0:
+                    accelerator.unwrap_model(model)(x[:4])
                 optimizer.step()
                 optimizer.zero_grad()
         record["params"].append(digest(*[p.detach().float() for p in accelerator.unwrap_model(model).parameters()]))
@@ -153,6 +161,12 @@ SCENARIOS = {
     "recompute": dict(recompute=True),
     "data_into_block0": dict(embed=False),
     "stores": dict(backend="torchao"),
+    # loss.backward() twice per step: each backward ends its own round (a second one added local gradient
+    # that no one averaged, and ranks diverged)
+    "direct_two_backwards": dict(backwards=2, steps=2, direct=True),
+    # a forward on rank 0 alone between backward and step: nothing is sent for it (rank 0 sent a round that
+    # rank 1 never joined, and the job hung)
+    "preview_on_rank0": dict(preview=True),
 }
 
 

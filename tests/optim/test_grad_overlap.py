@@ -38,7 +38,7 @@ def scenario(run, name: str) -> list[dict]:
     return entries
 
 
-SCENARIOS = ["plain", "accumulation", "two_backwards", "recompute", "data_into_block0", "stores"]
+SCENARIOS = ["plain", "accumulation", "two_backwards", "recompute", "data_into_block0", "stores", "preview_on_rank0"]
 
 
 @pytest.mark.slow
@@ -54,6 +54,18 @@ def test_blockwise_averaging_changes_no_byte(run, name):
         assert on["params"] == off["params"]
     # DDP: both ranks hold the same parameters after every step
     assert scenario(run, name)[0]["on"]["params"] == scenario(run, name)[1]["on"]["params"]
+
+
+@pytest.mark.slow
+def test_loss_backward_called_directly_twice_a_step_keeps_ranks_in_step(run):
+    # without Accelerator.backward nothing ends a round but the backward itself; the single pass (off) averages
+    # once at the step, so its bytes differ by FP8 rounding: what must hold is that both ranks agree
+    ranks = scenario(run, "direct_two_backwards")
+    assert [b["early"] for b in ranks[0]["on"]["backwards"]] == [BLOCKS] * 4
+    for mode in ("off", "on"):
+        assert ranks[0][mode]["params"] == ranks[1][mode]["params"], mode
+    # each backward averaged as under Accelerator.backward: the same bytes as the two_backwards scenario
+    assert ranks[0]["on"]["params"] == scenario(run, "two_backwards")[0]["on"]["params"]
 
 
 @pytest.mark.slow

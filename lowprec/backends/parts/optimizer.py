@@ -69,6 +69,9 @@ class OptimizerPrecision:
         if storage.grad_stores:
             new.attach_fp8_grads(storage.grad_stores)
             new.add_fp8_pre_step(storage.reduce_if_pending)
+            # gradients stored after this step are not averaged yet, also those of a `loss.backward()` called
+            # directly (Accelerator.backward marks them itself)
+            new.register_step_post_hook(lambda *_args, **_kwargs: storage.mark_pending())
         return new
 
     def row(self, param_dtype: str) -> TensorPrecision:

@@ -177,6 +177,10 @@ class WeightStorage:
             self.reducer.pending = False
         self.reducer.reduce_if_pending()
 
+    def mark_pending(self) -> None:
+        if self.reducer is not None:
+            self.reducer.mark_pending()
+
     def after_backward(self, sync_gradients: bool) -> None:
         if self.reducer is None:
             return
