@@ -167,6 +167,9 @@ SCENARIOS = {
     # a forward on rank 0 alone between backward and step: nothing is sent for it (rank 0 sent a round that
     # rank 1 never joined, and the job hung)
     "preview_on_rank0": dict(preview=True),
+    # torchao's FP8 gradient stores with loss.backward(): nothing marked them pending after a step, so from the
+    # second step on they were never averaged (ranks diverged), with or without the overlap
+    "stores_direct": dict(backend="torchao", direct=True),
 }
 
 

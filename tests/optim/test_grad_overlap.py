@@ -57,6 +57,14 @@ def test_blockwise_averaging_changes_no_byte(run, name):
 
 
 @pytest.mark.slow
+def test_stores_are_averaged_every_step_with_loss_backward_called_directly(run):
+    ranks = scenario(run, "stores_direct")
+    for mode in ("off", "on"):
+        assert ranks[0][mode]["params"] == ranks[1][mode]["params"], mode
+    assert ranks[0]["on"]["params"] == ranks[0]["off"]["params"]  # one backward a step: the same bytes
+
+
+@pytest.mark.slow
 def test_loss_backward_called_directly_twice_a_step_keeps_ranks_in_step(run):
     # without Accelerator.backward nothing ends a round but the backward itself; the single pass (off) averages
     # once at the step, so its bytes differ by FP8 rounding: what must hold is that both ranks agree
