@@ -190,7 +190,7 @@ class ZeroFP8Weights:
     def step(self, max_norm: float | None = None, engine_norm: float | torch.Tensor | None = None) -> None:
         """Average the FP8 gradients, clip them by the norm over every gradient (with `engine_norm`,
         DeepSpeed's pre-clip norm of the rest), step the masters, broadcast the new FP8 weights."""
-        if self.blockwise is None or not self.blockwise.finish():  # hooked: its buckets end here
+        if self.blockwise is None or not self.blockwise.finish():  # else the hooked backward averaged them
             self.reducer.reduce()
         if max_norm:
             self._clip(max_norm, 0.0 if engine_norm is None else engine_norm)

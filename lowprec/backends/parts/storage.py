@@ -172,7 +172,7 @@ class WeightStorage:
     def reduce_if_pending(self) -> None:
         if self.reducer is None:
             return
-        # a backward hooked block by block and not ended through Accelerator.backward: its buckets end here
+        # a backward hooked block by block averaged the gradients as it ended: nothing left for the single pass
         if self.blockwise is not None and self.blockwise.finish():
             self.reducer.pending = False
         self.reducer.reduce_if_pending()
@@ -187,8 +187,8 @@ class WeightStorage:
         # Every backward may add local gradient, also after a reduction (two backwards per step):
         # reducing again averages (mean + local) into mean + mean of the locals.
         self.reducer.mark_pending()
-        # a backward DDP synchronised (so it was hooked block by block) ends here whatever Accelerate's flag says:
-        # its buckets run on a side stream that the next backward's accumulation must wait for
+        # a backward DDP synchronised, hooked block by block, averaged the gradients as it ended (the current
+        # stream waits for the side stream), whatever Accelerate's flag says
         if self.blockwise is not None and self.blockwise.finish():
             self.reducer.pending = False
         elif sync_gradients:
