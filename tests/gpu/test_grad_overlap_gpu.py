@@ -23,7 +23,6 @@ pytestmark = [
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "..", "distributed", "blockwise_ddp.py")
-BLOCKS = 3
 
 
 def _launch(tmp_path_factory, mode: str, **env: str) -> list[dict]:
@@ -53,29 +52,25 @@ def zero_ranks(tmp_path_factory):
     return _launch(tmp_path_factory, "zero-cuda", ACCELERATE_USE_DEEPSPEED="true")
 
 
+def _cpu_test_module():
+    """tests/optim/test_grad_overlap.py: the same scenarios' checks, run here on what the GPUs recorded."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grad_overlap_checks",
+                                                  os.path.join(HERE, "..", "optim", "test_grad_overlap.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CHECKS = _cpu_test_module()
+
+
 @pytest.mark.parametrize("name", ["plain", "accumulation", "two_backwards", "recompute", "data_into_block0", "stores"])
 def test_blockwise_averaging_on_a_side_stream_changes_no_byte(ranks, name):
-    for rank in ranks:
-        entry = rank["scenarios"][name]
-        assert "error" not in entry, entry.get("error")
-        off, on = entry["off"], entry["on"]
-        assert (off["blockwise"], on["blockwise"]) == (False, True)
-        for i, (a, b) in enumerate(zip(off["backwards"], on["backwards"])):
-            assert a["grads"] == b["grads"], f"backward {i}: stored gradients differ"
-        assert on["params"] == off["params"]
-        expected = {"accumulation": [0, BLOCKS, 0, BLOCKS], "two_backwards": [BLOCKS] * 4,
-                    "data_into_block0": [BLOCKS - 1] * 3}.get(name, [BLOCKS] * 3)
-        assert [b["early"] for b in on["backwards"]] == expected
-    assert ranks[0]["scenarios"][name]["on"]["params"] == ranks[1]["scenarios"][name]["on"]["params"]
+    CHECKS.assert_same_bytes_as_the_single_pass(ranks, name)
 
 
-@pytest.mark.parametrize(("name", "early"), [("plain", [BLOCKS] * 3), ("accumulation", [0, BLOCKS, 0, BLOCKS]),
-                                             ("recompute", [BLOCKS] * 3)])
-def test_o3_under_zero2_on_a_side_stream_changes_no_byte(zero_ranks, name, early):
-    for rank in zero_ranks:
-        entry = rank["scenarios"][name]
-        assert "error" not in entry, entry.get("error")
-        off, on = entry["off"], entry["on"]
-        assert [a["grads"] for a in off["backwards"]] == [b["grads"] for b in on["backwards"]]
-        assert on["params"] == off["params"] and [b["early"] for b in on["backwards"]] == early
-    assert zero_ranks[0]["scenarios"][name]["on"]["params"] == zero_ranks[1]["scenarios"][name]["on"]["params"]
+@pytest.mark.parametrize("name", CHECKS.ZERO_SCENARIOS)
+def test_o3_under_zero2_on_a_side_stream_changes_no_byte(zero_ranks, name):
+    CHECKS.assert_same_bytes_as_the_single_pass(zero_ranks, name)
