@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .named_recipes import name_key
 from .parsing import parse_field
 from .specs import TE_REMOVED_OPTIONS
 
@@ -103,7 +104,7 @@ def _meaning(name: str, value: str):
     """What `value` of field `name` means, so that two spellings of one choice ('hybrid', 'HYBRID') agree; the
     raw text where it does not parse (FP8RecipeKwargs says why when it reads it)."""
     if name == "name":
-        return value.strip().lower().replace("-", "_")
+        return name_key(value)
     try:
         meaning = parse_field(name, value)
     except ValueError:

@@ -33,7 +33,8 @@ _NAMED: dict[str, NamedRecipe] = {}
 _NOT_OFFERED: dict[str, str] = {}
 
 
-def _key(name: str) -> str:
+def name_key(name: str) -> str:
+    """How a recipe name is matched: without case, hyphens as underscores."""
     return str(name).strip().lower().replace("-", "_")
 
 
@@ -46,7 +47,7 @@ def register(func: RecipeFactory | None = None, *, name: str | None = None, summ
     the caller's own fields are known."""
 
     def add(factory: RecipeFactory) -> RecipeFactory:
-        key = _key(name or factory.__name__)
+        key = name_key(name or factory.__name__)
         if not key or not key.replace("_", "").isalnum():
             raise ValueError(f"lowprec.recipes.register: name {name or factory.__name__!r} must be letters, digits, "
                              "'_' or '-'")
@@ -77,7 +78,7 @@ def unregister(name: str) -> NamedRecipe:
 
 def not_offered(name: str, why: str) -> None:
     """Know `name` from another tool's vocabulary, and say `why` lowprec does not offer it, when it is asked for."""
-    _NOT_OFFERED[_key(name)] = why
+    _NOT_OFFERED[name_key(name)] = why
 
 
 def not_offered_names() -> dict[str, str]:
@@ -92,7 +93,7 @@ def names() -> list[str]:
 
 def lookup(name: str) -> NamedRecipe:
     """The named recipe `name`; ValueError naming the option and listing the names otherwise."""
-    key = _key(name)
+    key = name_key(name)
     if key in _NAMED:
         return _NAMED[key]
     if key in _NOT_OFFERED:

@@ -43,7 +43,6 @@ class ForeignBackendEntries:
             f"level: its weights were loaded; {len(foreign)} entries of the other backend's scaling state were "
             f"dropped and {len(absent)} of this one's kept their current values (its scaling starts afresh)")
 
-
     def _convert_or_refuse(self, module, state_dict: dict, prefix: str, own: dict, incoming: dict) -> None:
         """Before anything is copied (this hook runs on the model itself, ahead of its modules): this backend's
         entries saved under other settings converted (msamp's amax windows of another length), and a checkpoint
