@@ -176,16 +176,17 @@ def apply_grad_comm_dtype(choice: str | None, engine: str, plugin=None) -> None:
         config["communication_data_type"] = choice
 
 
-def options_without_effect(recipe, engine: str, processes: int) -> list[str]:
-    """The options `recipe` sets that this run has no use for, each with why: accepted (the same recipe runs
-    under other engines), but said, since the plan's rows alone would show them as N/A."""
+def options_without_effect(recipe, engine: str, processes: int) -> list[tuple[str, str]]:
+    """(option=value, why) for each option `recipe` sets that this run has no use for: accepted (the same recipe
+    runs under other engines), but said, since the plan's rows alone would show them as N/A."""
     idle = []
     if processes == 1:
         if recipe.grad_comm_dtype is not None:
-            idle.append(f"grad_comm_dtype={recipe.grad_comm_dtype!r}: one process communicates no gradients (it "
-                        "applies under DDP, FSDP and DeepSpeed)")
+            idle.append((f"grad_comm_dtype={recipe.grad_comm_dtype!r}",
+                         "one process communicates no gradients (it applies under DDP, FSDP and DeepSpeed)"))
         if recipe.reduce_amax is not None:
-            idle.append(f"reduce_amax={recipe.reduce_amax!r}: one process has no other rank's amaxes to reduce")
+            idle.append((f"reduce_amax={recipe.reduce_amax!r}", "one process has no other rank's amaxes to reduce"))
     if recipe.enable_fsdp_float8_all_gather and engine != "fsdp2":
-        idle.append(f"enable_fsdp_float8_all_gather=True: it applies under FSDP2, and this run's engine is {engine}")
+        idle.append(("enable_fsdp_float8_all_gather=True",
+                     f"it applies under FSDP2, and this run's engine is {engine}"))
     return idle

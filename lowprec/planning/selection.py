@@ -62,7 +62,7 @@ def _matches(fqn: str, patterns) -> str | None:
     return None
 
 
-def check_exclude(model: nn.Module, patterns, field: str = "exclude") -> None:
+def check_patterns_match(model: nn.Module, patterns, field: str) -> None:
     """Raise ValueError for an exclude (or include) pattern that names no module of `model`: a typo
     ("lm_haed") would otherwise leave the module it meant in FP8 (out of FP8) with nothing said."""
     names = [fqn or "<root>" for fqn, _ in model.named_modules()]
@@ -207,9 +207,9 @@ def select_modules(model: nn.Module, recipe: FP8RecipeKwargs, backend: Selection
     Raises ValueError for an exclude pattern naming no module, and for skip_first_blocks / skip_last_blocks
     on a model with no block list or fewer blocks than they keep.
     """
-    check_exclude(model, recipe.exclude)
+    check_patterns_match(model, recipe.exclude, "exclude")
     if recipe.include is not None:
-        check_exclude(model, recipe.include, "include")
+        check_patterns_match(model, recipe.include, "include")
     kept_blocks = _kept_blocks(model, recipe)
     candidates = []
     for fqn, module in model.named_modules():

@@ -122,9 +122,8 @@ class Accelerator(_Accelerator):
             engine = context.engine
             apply_grad_comm_dtype(recipe.grad_comm_dtype, engine, engine_plugin(self.state, engine))
             create_backend(recipe, self.run_context())
-            for idle in options_without_effect(recipe, engine, self.num_processes):
-                warnings.warn(f"lowprec: FP8RecipeKwargs.{idle.replace(': ', ' has no effect in this run: ', 1)}",
-                              stacklevel=2)
+            for option, why in options_without_effect(recipe, engine, self.num_processes):
+                warnings.warn(f"lowprec: FP8RecipeKwargs.{option} has no effect in this run: {why}", stacklevel=2)
 
     # ---- what Accelerate sees ----------------------------------------------------------------
     @property
@@ -372,8 +371,6 @@ class Accelerator(_Accelerator):
 
     def _finalize(self, prepared: nn.Module) -> None:
         """After wrapping: forward context and communication hooks. Once per model."""
-        # old -> new Parameters, kept only while a model holds the new ones (FSDP2 shards them into others)
-        self._replaced_params.keep_only(p for entry in self._lowprec for p in entry[0].parameters())
         if getattr(prepared, _FINAL_ATTR, False):
             return
         inner = self.unwrap_model(prepared, keep_torch_compile=False)
@@ -393,5 +390,7 @@ class Accelerator(_Accelerator):
         if self.fp8_recipe.activation_dtype == "fp8":  # outermost: it sees every tensor the forward saves
             install_activation_storage(prepared, inner, converted=lambda m: backend.converted_kind(m) == "linear")
         object.__setattr__(prepared, _FINAL_ATTR, True)
-        self._replaced_params.keep_only(p for entry in self._lowprec for p in entry[0].parameters())  # O3+ZeRO's too
+        # old -> new Parameters, kept only while a model holds the new ones: FSDP2 shards them into others, O3
+        # under ZeRO replaces its weights while being set up above
+        self._replaced_params.keep_only(p for entry in self._lowprec for p in entry[0].parameters())
 
