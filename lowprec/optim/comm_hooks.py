@@ -21,11 +21,10 @@ to its smallest subnormal. Blocks start at each shard's start, so a tensor gets 
 where it fills whole blocks (the large weights do) and shares one with its neighbour at its ends.
 The scales cost 4 bytes per `BLOCK` elements on top of 1 byte per element (0.4%); BF16 sends 2.
 
-Overflow: DDP sends a bucket with inf/NaN on any rank in FP32 instead (one host sync per bucket
-tells), so the overflow reaches the training loop exactly as without FP8. FSDP2's reduce-scatter
-runs on its own stream during backward, where a host sync would stall the backward: there a block
-with inf/NaN keeps scale 1 and its inf/NaN values arrive as NaN (E4M3 has no inf), so the step sees
-a non-finite gradient, never a saturated finite one; `nonfinite_blocks` counts them on the device.
+Overflow, under both engines and with no host sync (a sync per bucket would stall the backward that the
+communication overlaps): a block holding inf/NaN on any rank keeps scale 1 and its inf/NaN values arrive
+as NaN (E4M3 has no inf), so the step sees a non-finite gradient, never a saturated finite one;
+`nonfinite_blocks` counts such blocks on the device.
 """
 
 from __future__ import annotations
@@ -84,6 +83,12 @@ def _global_amax(flat: torch.Tensor, n: int, block: int, group) -> torch.Tensor:
     return amax
 
 
+def _count_nonfinite(amax: torch.Tensor, total: torch.Tensor | None) -> torch.Tensor:
+    """`total` plus how many of the blocks whose (global) `amax` is given held inf or NaN, on the device."""
+    bad = (~torch.isfinite(amax)).sum()
+    return bad if total is None else total + bad
+
+
 def _cast(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`values` [..., blocks, block] to E4M3 with one scale per block; inf becomes NaN."""
     return quantize(values, scale.unsqueeze(-1), E4M3)
@@ -132,8 +137,7 @@ class FP8ReduceScatter:
                              f"{n} shards of {chunk}")
         self.calls += 1
         amax = _global_amax(input_tensor, n, self.block, group)
-        bad = (~torch.isfinite(amax)).sum()
-        self.nonfinite_blocks = bad if self.nonfinite_blocks is None else self.nonfinite_blocks + bad
+        self.nonfinite_blocks = _count_nonfinite(amax, self.nonfinite_blocks)
         scale = compute_scale(amax, E4M3)  # inf/NaN/0 amax: scale 1
         total = _reduce_scatter_blocks(input_tensor, scale, n, self.block, group, divisor=n if average else 1.0)
         output_tensor.copy_(total.reshape(-1)[:chunk].view_as(output_tensor))
@@ -166,22 +170,23 @@ def install_fp8_reduce_scatter(model: nn.Module, comm: FP8ReduceScatter | None =
 
 # ----- DDP -------------------------------------------------------------------------------------------
 class FP8CommState:
-    """State of `fp8_allreduce_hook`: the process group, the block size, and how many buckets fell
-    back to FP32 because a gradient was not finite."""
+    """State of `fp8_allreduce_hook`: the process group, the block size, and `nonfinite_blocks`, a device
+    tensor counting the blocks that held inf or NaN over all calls (None before the first)."""
 
     def __init__(self, group=None, block: int = BLOCK):
+        if block < 1:
+            raise ValueError(f"FP8CommState block={block} must be a positive number of elements")
         self.group = group
         self.block = block
-        self.nonfinite_buckets = 0
+        self.nonfinite_blocks: torch.Tensor | None = None
 
 
 # The hooks carry no return annotation: under `from __future__ import annotations` it would be a
 # string, and DDP's check compares it with the type itself.
 def fp8_allreduce_hook(state: FP8CommState, bucket):
     """DDP communication hook: average a gradient bucket in FP8 E4M3, block scales shared by all ranks
-    (module docstring: reduce-scatter of E4M3 bytes, FP32 sums, all_gather of the E4M3 mean). A bucket
-    holding inf or NaN is averaged in FP32 instead, so the overflow reaches the training loop exactly as
-    without FP8 (a clipped or skipped step); `state.nonfinite_buckets` counts those.
+    (module docstring: reduce-scatter of E4M3 bytes, FP32 sums, all_gather of the E4M3 mean). A block
+    holding inf or NaN on any rank arrives as NaN (module docstring, "Overflow"); no host sync.
     """
     buffer = bucket.buffer()
     group = state.group
@@ -191,13 +196,8 @@ def fp8_allreduce_hook(state: FP8CommState, bucket):
     flat = torch.zeros(-(-numel // n) * n, dtype=buffer.dtype, device=buffer.device)
     flat[:numel].copy_(buffer.reshape(-1))
     amax = _global_amax(flat, n, state.block, group)
-    if not torch.isfinite(amax).all().item():
-        state.nonfinite_buckets += 1
-        exact = buffer.float()
-        dist.all_reduce(exact, group=group)
-        future.set_result(exact.div_(n).to(buffer.dtype))
-        return future
-    scale = compute_scale(amax, E4M3)
+    state.nonfinite_blocks = _count_nonfinite(amax, state.nonfinite_blocks)
+    scale = compute_scale(amax, E4M3)  # inf/NaN/0 amax: scale 1
     mean = _reduce_scatter_blocks(flat, scale, n, state.block, group, divisor=n)
     # the mean of values within E4M3's range is within it: the same scales serve the way back
     mine = _cast(mean.unsqueeze(0), scale[dist.get_rank(group)].unsqueeze(0))[0]

@@ -97,7 +97,8 @@ def train(accumulation: int = 1, **knobs) -> dict:
                 optimizer.zero_grad()
         entry["params"] = digest(*inner.parameters())
         record["steps"].append(entry)
-    record["nonfinite_buckets"] = None if backend.comm_state is None else backend.comm_state.nonfinite_buckets
+    blocks = None if backend.comm_state is None else backend.comm_state.nonfinite_blocks
+    record["nonfinite_blocks"] = None if blocks is None else int(blocks)
     return record
 
 
@@ -127,7 +128,7 @@ def hook_numerics() -> dict:
         result = fp8_allreduce_hook(state, _Bucket(local.clone())).wait()
         err = (result.float() - exact).norm() / exact.norm()
         out[str(dtype)] = {"dtype": str(result.dtype), "rel_l2": float(err), "digest": digest(result),
-                           "nonfinite_buckets": state.nonfinite_buckets}
+                           "nonfinite_blocks": int(state.nonfinite_blocks)}
     # A tensor 10**6 below its neighbours in the same bucket, filling whole blocks of each rank's shard:
     # its own block scales keep it (one scale per bucket would flush it to zero, E4M3 spanning 2**17)
     n = dist.get_world_size()
@@ -144,8 +145,10 @@ def hook_numerics() -> dict:
     if rank == 1:
         bad[7] = float("inf")
     result = fp8_allreduce_hook(state, _Bucket(bad)).wait()
+    block = FP8CommState().block  # element 7 is in rank 0's first block, whatever the world size
     out["inf"] = {"value_7": float(result[7]), "finite_elsewhere": bool(torch.isfinite(result[8:]).all()),
-                  "nonfinite_buckets": state.nonfinite_buckets}
+                  "first_block_finite_but_7": bool(torch.isfinite(result[:block][torch.arange(block) != 7]).all()),
+                  "nonfinite_blocks": int(state.nonfinite_blocks)}
     return out
 
 
