@@ -45,6 +45,10 @@ class AdamItem:
     grad: torch.Tensor
     grad_scale: torch.Tensor | None  # FP8 gradient: value = grad / grad_scale
     state: dict  # LowBitAdamW state, "step" already incremented
+    # FP8 gradient store's presence flag (FP32 scalar on the device, > 0: the gradient arrived): where it
+    # is 0, the kernels leave the parameter, its states and their scales as they were, and the step count
+    # ("step", then a device tensor that `count_present_steps` advances) is not advanced either.
+    valid: torch.Tensor | None = None
 
 
 def _float_bits(value: float) -> tuple[int, int]:
@@ -105,11 +109,26 @@ def _to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Te
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
 
 
+def count_present_steps(items: list[AdamItem]) -> None:
+    """Advance the device step count of every item whose gradient arrived (`valid` > 0), with no host
+    sync: two launches for all of them."""
+    flags = (torch.stack([item.valid for item in items]) > 0).to(torch.float32)
+    torch._foreach_add_([item.state["step"] for item in items], list(flags.unbind(0)))
+
+
+def _hyper_on_device(items: list[AdamItem], lr: float, beta1: float, beta2: float) -> torch.Tensor:
+    """The bias corrections of items whose step count lives on the device, computed there in FP64 as the
+    host computes them for the others (a step count of 0, an item no gradient reached yet, is never used)."""
+    steps = torch.stack([item.state["step"] for item in items]).double().clamp_(min=1)
+    return torch.stack([lr / (1 - torch.pow(beta1, steps)), (1 - torch.pow(beta2, steps)).sqrt()], dim=1).float()
+
+
 def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bool) -> None:
     """One Adam(W) update, in place, of every parameter in `items` and of its states.
 
-    All items share a device and the dtypes of parameter, gradient, gradient scale and states
-    (`LowBitAdamW` buckets them); tensors are contiguous. Scales are updated in place.
+    All items share a device and the dtypes of parameter, gradient, gradient scale and states, and
+    either all have a presence flag (`valid`, then a device step count) or none (`LowBitAdamW` buckets
+    them); tensors are contiguous. Scales are updated in place.
     """
     if not items:
         return
@@ -119,6 +138,7 @@ def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bo
     m_dtype, v_dtype = first.state["exp_avg"].dtype, first.state["exp_avg_sq"].dtype
     m_scaled, v_scaled = m_dtype in SCALED, v_dtype in SCALED
     g_scaled = first.grad_scale is not None
+    g_valid = first.valid is not None
     beta1, beta2 = group["betas"]
     lr = float(group["lr"])
     ptrs, sizes, hyper = [], [], []  # the kernels read 7 pointers per tensor in this order
@@ -131,12 +151,19 @@ def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bo
             state["exp_avg_sq_scale"].data_ptr() if v_scaled else 0,
         ])
         sizes.append(item.param.numel())
-        step = float(state["step"])
-        hyper.append([lr / (1 - beta1**step), (1 - beta2**step) ** 0.5])
+        if not g_valid:
+            step = float(state["step"])
+            hyper.append([lr / (1 - beta1**step), (1 - beta2**step) ** 0.5])
     aligned = all(ptr % 16 == 0 for row in ptrs for ptr in row[:4])  # views into flat buffers may not be
     ptr_table = _to_device(ptrs, torch.int64, device)
     size_table = _to_device(sizes, torch.int64, device)
-    hyper_table = _to_device(hyper, torch.float32, device)
+    if g_valid:
+        flags = [item.valid if item.valid.dtype == torch.float32 else item.valid.float() for item in items]
+        valid_table = _to_device([flag.data_ptr() for flag in flags], torch.int64, device)
+        hyper_table = _hyper_on_device(items, lr, beta1, beta2)
+    else:
+        valid_table = size_table  # not read (G_VALID=False)
+        hyper_table = _to_device(hyper, torch.float32, device)
     chunks, starts = _chunks(tuple(sizes), device)
     grid = (chunks.shape[0],)
     if not grid[0]:  # every tensor empty
@@ -145,16 +172,17 @@ def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bo
                  M_TY=_triton_dtype(m_dtype), V_TY=_triton_dtype(v_dtype),
                  G_SCALED=g_scaled, M_SCALED=m_scaled, V_SCALED=v_scaled,
                  DECOUPLED=decoupled, MAXIMIZE=bool(group["maximize"]), CHUNK=CHUNK, BLOCK=BLOCK,
-                 ALIGNED=aligned, WIDE=max(sizes) + CHUNK + BLOCK >= 2**31, num_warps=NUM_WARPS)
+                 ALIGNED=aligned, WIDE=max(sizes) + CHUNK + BLOCK >= 2**31, G_VALID=g_valid, num_warps=NUM_WARPS)
     scratch = torch.empty(len(items), 4, dtype=torch.float32, device=device)  # every row is written
     if m_scaled or v_scaled:
         partials = torch.empty(grid[0], 2, dtype=torch.float32, device=device)
-        amax_pass[grid](ptr_table, size_table, chunks, partials, beta1, beta2, group["weight_decay"], **types)
+        amax_pass[grid](ptr_table, size_table, chunks, valid_table, partials, beta1, beta2, group["weight_decay"],
+                        **types)
         reduce_pass[(len(items),)](ptr_table, starts, partials, scratch, M_SCALED=m_scaled, V_SCALED=v_scaled,
                                    BLOCK=1024)
     m_exp, m_mant = _float_bits(format_max(m_dtype)) if m_scaled else (0, 0)
     v_exp, v_mant = _float_bits(format_max(v_dtype)) if v_scaled else (0, 0)
-    update_pass[grid](ptr_table, size_table, chunks, scratch, hyper_table, lr, beta1, beta2, group["eps"],
+    update_pass[grid](ptr_table, size_table, chunks, valid_table, scratch, hyper_table, lr, beta1, beta2, group["eps"],
                       group["weight_decay"],
                       M_MAX=format_max(m_dtype) if m_scaled else 0.0, M_MAX_EXP=m_exp, M_MAX_MANT=m_mant,
                       V_MAX=format_max(v_dtype) if v_scaled else 0.0, V_MAX_EXP=v_exp, V_MAX_MANT=v_mant,
@@ -164,7 +192,7 @@ def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bo
 def bucket_key(item: AdamItem) -> tuple:
     """Items with the same key can share one fused launch."""
     return (item.param.device, item.param.dtype, item.grad.dtype, item.grad_scale is not None,
-            item.state["exp_avg"].dtype, item.state["exp_avg_sq"].dtype)
+            item.valid is not None, item.state["exp_avg"].dtype, item.state["exp_avg_sq"].dtype)
 
 
 def triton_cdiv(a: int, b: int) -> int:

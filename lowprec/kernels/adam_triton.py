@@ -30,8 +30,9 @@ def inverse(scale):
     return tl.where(exact, ((254 - exp) << 23).to(tl.float32, bitcast=True), 1.0 / scale)
 
 @triton.jit
-def _load_item(ptrs, sizes, chunks, P_TY: tl.constexpr, G_TY: tl.constexpr, M_TY: tl.constexpr,
-               V_TY: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr, WIDE: tl.constexpr):
+def _load_item(ptrs, sizes, chunks, valid, P_TY: tl.constexpr, G_TY: tl.constexpr, M_TY: tl.constexpr,
+               V_TY: tl.constexpr, CHUNK: tl.constexpr, ALIGNED: tl.constexpr, WIDE: tl.constexpr,
+               G_VALID: tl.constexpr):
     c = tl.program_id(0)
     t = tl.load(chunks + 2 * c)
     k = tl.load(chunks + 2 * c + 1)
@@ -54,7 +55,13 @@ def _load_item(ptrs, sizes, chunks, P_TY: tl.constexpr, G_TY: tl.constexpr, M_TY
         n = n.to(tl.int32)
         start = k * CHUNK
     end = tl.minimum(start + CHUNK, n)
-    return t, k, base, p_ptr, g_ptr, m_ptr, v_ptr, start, end
+    present = True
+    if G_VALID:
+        # The gradient's presence flag (> 0: it arrived this step), read here rather than on the host, which
+        # would wait for the whole backward: with none, the range is empty and nothing is read or written.
+        present = tl.load(tl.load(valid + t).to(tl.pointer_type(tl.float32))) > 0
+        end = tl.where(present, end, start)
+    return t, k, base, p_ptr, g_ptr, m_ptr, v_ptr, start, end, present
 
 @triton.jit
 def _moments(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, g_inv, m_inv, v_inv, beta1, beta2, weight_decay,
@@ -74,13 +81,13 @@ def _moments(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, g_inv, m_inv, v_inv, beta1,
     return p, m, v
 
 @triton.jit
-def amax_pass(ptrs, sizes, chunks, partials, beta1, beta2, weight_decay,
+def amax_pass(ptrs, sizes, chunks, valid, partials, beta1, beta2, weight_decay,
               P_TY: tl.constexpr, G_TY: tl.constexpr, M_TY: tl.constexpr, V_TY: tl.constexpr,
               G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
               DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-              ALIGNED: tl.constexpr, WIDE: tl.constexpr):
-    t, k, base, p_ptr, g_ptr, m_ptr, v_ptr, start, end = _load_item(ptrs, sizes, chunks, P_TY, G_TY, M_TY,
-                                                                     V_TY, CHUNK, ALIGNED, WIDE)
+              ALIGNED: tl.constexpr, WIDE: tl.constexpr, G_VALID: tl.constexpr):
+    t, k, base, p_ptr, g_ptr, m_ptr, v_ptr, start, end, _ = _load_item(ptrs, sizes, chunks, valid, P_TY, G_TY,
+                                                                        M_TY, V_TY, CHUNK, ALIGNED, WIDE, G_VALID)
     g_inv = 1.0
     m_inv = 1.0
     v_inv = 1.0
@@ -130,19 +137,19 @@ def reduce_pass(ptrs, starts, partials, scratch, M_SCALED: tl.constexpr, V_SCALE
         tl.store(row + 3, tl.load(tl.load(base + 6).to(tl.pointer_type(tl.float32))))
 
 @triton.jit
-def update_pass(ptrs, sizes, chunks, scratch, hyper, lr, beta1, beta2, eps, weight_decay,
+def update_pass(ptrs, sizes, chunks, valid, scratch, hyper, lr, beta1, beta2, eps, weight_decay,
                 P_TY: tl.constexpr, G_TY: tl.constexpr, M_TY: tl.constexpr, V_TY: tl.constexpr,
                 G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
                 M_MAX: tl.constexpr, M_MAX_EXP: tl.constexpr, M_MAX_MANT: tl.constexpr,
                 V_MAX: tl.constexpr, V_MAX_EXP: tl.constexpr, V_MAX_MANT: tl.constexpr,
                 DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-              ALIGNED: tl.constexpr, WIDE: tl.constexpr):
-    t, k, base, p_ptr, g_ptr, m_ptr, v_ptr, start, end = _load_item(ptrs, sizes, chunks, P_TY, G_TY, M_TY,
-                                                                     V_TY, CHUNK, ALIGNED, WIDE)
+                ALIGNED: tl.constexpr, WIDE: tl.constexpr, G_VALID: tl.constexpr):
+    t, k, base, p_ptr, g_ptr, m_ptr, v_ptr, start, end, present = _load_item(
+        ptrs, sizes, chunks, valid, P_TY, G_TY, M_TY, V_TY, CHUNK, ALIGNED, WIDE, G_VALID)
     step_size = tl.load(hyper + 2 * t)
     bias2_sqrt = tl.load(hyper + 2 * t + 1)
     row = scratch + 4 * t
-    first = k == 0
+    first = (k == 0) & present  # an absent gradient leaves the scales as they were too
     g_inv = 1.0
     m_inv = 1.0
     v_inv = 1.0

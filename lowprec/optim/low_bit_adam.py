@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..kernels.adam import SCALED, AdamItem, bucket_key, fused_low_bit_adam_step
+from ..kernels.adam import SCALED, AdamItem, bucket_key, count_present_steps, fused_low_bit_adam_step
 from ..kernels.scaling import compute_scale, format_max, tensor_amax
 from ..utils.tensors import local_data
 
@@ -129,10 +129,10 @@ class LowBitAdamW(torch.optim.Optimizer):
                         f"{type(self).__name__} updates float32, float16 or bfloat16 parameters, got {p.dtype}"
                     )
 
-    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+    def _init_state(self, p: torch.Tensor, group: dict, step_on_device: bool = False) -> dict:
         state = self.state[p]
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if step_on_device else None)
             for key in ("exp_avg", "exp_avg_sq"):
                 # separate buffers: an FP32 state is stored as is, so one zeros tensor would alias both
                 zeros = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
@@ -166,7 +166,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         layers = self._fp8_layers
         if not layers:
             return {}
-        # One device sync per step for all layers, instead of one per layer.
+        # One device sync for all layers, instead of one per layer; only the unfused path asks.
         flags = torch.stack([layer.fp8_grad_valid for layer in layers.values()]).cpu().tolist()
         return {key: bool(flag) for key, flag in zip(layers, flags)}
 
@@ -178,33 +178,42 @@ class LowBitAdamW(torch.optim.Optimizer):
                 loss = closure()
         for fn in self._pre_step_fns:
             fn()
-        fp8_present = self._fp8_grads_present()
         fp8_layers = self._fp8_layers
+        fp8_present = None  # read from the device once, and only where an FP8 gradient's update runs unfused
         for group in self.param_groups:
             buckets: dict[tuple, list[AdamItem]] = {}  # one fused launch per bucket
             for p in group["params"]:
                 layer = fp8_layers.get(id(p))
                 if layer is not None:
-                    if not fp8_present[id(p)]:
-                        continue
-                    grad, grad_scale = layer.fp8_grad_data, layer.fp8_grad_scale
+                    grad, grad_scale, valid = layer.fp8_grad_data, layer.fp8_grad_scale, layer.fp8_grad_valid
                 elif p.grad is None:
                     continue
                 else:
-                    grad, grad_scale = p.grad, None
+                    grad, grad_scale, valid = p.grad, None, None
                 if grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self._init_state(p, group)
-                state["step"] += 1
-                if self._use_fused(p, grad, group):
+                fused = self._use_fused(p, grad, group)
+                if valid is not None and not fused:
+                    fp8_present = self._fp8_grads_present() if fp8_present is None else fp8_present
+                    if not fp8_present[id(p)]:
+                        continue
+                    valid = None  # known to be present
+                state = self._init_state(p, group, step_on_device=valid is not None)
+                if valid is None:
+                    state["step"] += 1
+                else:  # whether the gradient arrived is known on the device only: count_present_steps counts it
+                    state["step"] = state["step"].to(p.device)  # a no-op but after loading a checkpoint
+                if fused:
                     # the kernels take pointers: FSDP2's DTensor shards (and wrapped weights) by their bytes
                     local_state = {k: local_data(v) if k != "step" else v for k, v in state.items()}
-                    item = AdamItem(local_data(p), local_data(grad), grad_scale, local_state)
+                    item = AdamItem(local_data(p), local_data(grad), grad_scale, local_state, valid)
                     buckets.setdefault(bucket_key(item), []).append(item)
                 else:
                     dense = grad.float() if grad_scale is None else grad.float() / grad_scale
                     self._reference_step(p, dense, state, group)
             for items in buckets.values():
+                if items[0].valid is not None:
+                    count_present_steps(items)
                 fused_low_bit_adam_step(items, group, decoupled=self._decoupled)
         return loss
 

@@ -162,6 +162,23 @@ def test_fused_adam_buckets_mixed_dtypes_empty_tensors_and_nan_gradients():
             assert (a.float()[finite] - b.float()[finite]).abs().max() < kw["lr"] + 1.6e-2
 
 
+@pytest.mark.parametrize("states", [("e4m3", "fp16"), ("fp32", "fp32")], ids=["e4m3_fp16", "fp32_fp32"])
+def test_absent_fp8_gradients_are_skipped_on_the_device_with_no_host_sync(states):
+    # The FP8 gradient stores' presence flags are read by the kernels, not the host: a step over stores that
+    # got no gradient leaves them as torch leaves a parameter whose .grad is None, bitwise, and CUDA's sync
+    # debug mode ('error') raises on any host sync inside the step (tests/kernels/adam_presence.py).
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels"))
+    from adam_presence import PRESENCE, compare
+
+    r = compare("cuda", states, sync_mode="error")
+    expected = [float(sum(column)) for column in zip(*PRESENCE)] + [float(len(PRESENCE))]
+    assert r["steps"] == expected and r["plain_steps"] == expected
+    assert all(r["params_equal"]) and all(r["states_equal"]), r
+
+
 # ---- FP8Linear on tensor cores --------------------------------------------------------------------
 def _layer_pair(weight_dtype=torch.float16, seed=0):
     torch.manual_seed(seed)

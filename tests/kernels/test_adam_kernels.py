@@ -1,0 +1,39 @@
+"""The fused low-bit Adam kernels (lowprec.kernels.adam) run on the CPU by Triton's interpreter.
+
+CI has no GPU; where Triton is installed (it is not a test requirement: about 1 GB), TRITON_INTERPRET=1
+runs the kernels' own code on CPU tensors, in a separate process since the variable is read when the
+kernels are defined. tests/gpu/test_msamp_gpu.py runs the same comparison on a GPU, with no host sync.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "adam_presence.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("states", ["e4m3_fp16", "fp32_fp32"])
+def test_an_absent_fp8_gradient_is_skipped_on_the_device_as_torch_skips_a_none_grad(interpreted, states):
+    from adam_presence import PRESENCE
+
+    r = interpreted[states]
+    expected = [float(sum(column)) for column in zip(*PRESENCE)] + [float(len(PRESENCE))]
+    assert r["steps"] == expected and r["plain_steps"] == expected
+    assert all(r["params_equal"]), r["params_equal"]
+    assert all(r["states_equal"]), r["states_equal"]
