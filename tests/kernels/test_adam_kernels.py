@@ -1,8 +1,10 @@
 """The fused low-bit Adam kernels (lowprec.kernels.adam) run on the CPU by Triton's interpreter.
 
-CI has no GPU; where Triton is installed (it is not a test requirement: about 1 GB), TRITON_INTERPRET=1
-runs the kernels' own code on CPU tensors, in a separate process since the variable is read when the
-kernels are defined. tests/gpu/test_msamp_gpu.py runs the same comparison on a GPU, with no host sync.
+CI has no GPU; Triton (a test requirement on Linux) runs the kernels' own code on CPU tensors with
+TRITON_INTERPRET=1, in a separate process since the variable is read when the kernels are defined.
+Interpreted, the kernels' arithmetic is NumPy's, so these tests compare two fused paths with each other
+(bitwise), never a fused path with the reference. tests/gpu/test_msamp_gpu.py runs the same comparison on
+a GPU, where it also checks that the step makes no host sync.
 """
 
 from __future__ import annotations
