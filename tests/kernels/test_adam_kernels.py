@@ -3,8 +3,9 @@
 CI has no GPU; Triton (a test requirement on Linux) runs the kernels' own code on CPU tensors with
 TRITON_INTERPRET=1, in a separate process since the variable is read when the kernels are defined.
 Interpreted, a cast to E4M3 rounds otherwise than torch's (2.2% of N(0, 10) values differ by a code), so
-these tests compare two fused paths with each other (bitwise), never a fused path with the reference. tests/gpu/test_msamp_gpu.py runs the same comparison on
-a GPU, where it also checks that the step makes no host sync.
+these tests compare two fused paths with each other (bitwise), never a fused path with the reference.
+tests/gpu/test_msamp_gpu.py runs the same comparison on a GPU, where it also checks that the step makes no
+host sync.
 """
 
 from __future__ import annotations
