@@ -12,6 +12,7 @@ them to OUT.json for the pytest side. A scenario that raises is recorded as an e
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import sys
@@ -110,6 +111,28 @@ class _Bucket:
         return self._buffer
 
 
+@contextlib.contextmanager
+def _host_reads():
+    """Count the calls of host-reading tensor methods (`.item()`, `bool()`, ...) inside the block."""
+    reads: list[str] = []
+    names = ("item", "tolist", "cpu", "__bool__", "__float__", "__int__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def spy(name):
+        def method(self, *args, **kwargs):
+            reads.append(name)
+            return originals[name](self, *args, **kwargs)
+        return method
+
+    for name in names:
+        setattr(torch.Tensor, name, spy(name))
+    try:
+        yield reads
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
 def hook_numerics() -> dict:
     """fp8_allreduce_hook on hand-made buckets against the exact FP32 mean of the ranks' values."""
     from lowprec.optim.comm_hooks import FP8CommState, fp8_allreduce_hook
@@ -144,11 +167,13 @@ def hook_numerics() -> dict:
     bad = mine.clone()
     if rank == 1:
         bad[7] = float("inf")
-    result = fp8_allreduce_hook(state, _Bucket(bad)).wait()
+    with _host_reads() as reads:  # on a GPU each would wait for the backward queued before the hook
+        future = fp8_allreduce_hook(state, _Bucket(bad))
+    result = future.wait()
     block = FP8CommState().block  # element 7 is in rank 0's first block, whatever the world size
     out["inf"] = {"value_7": float(result[7]), "finite_elsewhere": bool(torch.isfinite(result[8:]).all()),
                   "first_block_finite_but_7": bool(torch.isfinite(result[:block][torch.arange(block) != 7]).all()),
-                  "nonfinite_blocks": int(state.nonfinite_blocks)}
+                  "nonfinite_blocks": int(state.nonfinite_blocks), "host_reads": reads}
     return out
 
 

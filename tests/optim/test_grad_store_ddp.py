@@ -104,3 +104,4 @@ def test_fp8_hook_turns_an_inf_into_nan_in_its_block_only_and_counts_it(run):
         assert math.isnan(r["inf"]["value_7"]) and r["inf"]["finite_elsewhere"]
         assert r["inf"]["first_block_finite_but_7"]
         assert r["inf"]["nonfinite_blocks"] == 1
+        assert r["inf"]["host_reads"] == []  # nothing in the hook waits for the device
