@@ -31,6 +31,7 @@ backward waiting for the collectives.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -73,33 +74,46 @@ class BlockwiseReduction:
     `layers`: objects with the `FP8GradReducer` attributes whose `module` (or which themselves) is a
     module of the model; `blocks`: the model's transformer blocks in forward order. `will_sync()` says
     whether the backward about to run averages gradients (DDP's `require_backward_grad_sync`); only then
-    are the blocks' inputs hooked.
+    are the blocks' inputs hooked. `model`, where given, is searched for modules outside a block that hold
+    a layer's weight too (tied weights): such a layer's gradient is complete only at the end of the
+    backward, so it goes to the last bucket. (A module of a block that the model also calls from outside the
+    block is not detected.)
     """
 
     def __init__(self, layers, blocks: list[nn.Module], will_sync=lambda: True, group=None,
-                 method: str = "all_to_all"):
+                 method: str = "all_to_all", model: nn.Module | None = None):
         layers = list(layers)
+        holders: dict[int, set[int]] = {}  # id(Parameter) -> ids of the modules holding it
+        for module in (model.modules() if model is not None else ()):
+            for param in module.parameters(recurse=False):
+                holders.setdefault(id(param), set()).add(id(module))
         owner: dict[int, set[int]] = {}
         for index, block in enumerate(blocks):
             inside = {id(m) for m in block.modules()}
             for layer in layers:
                 if id(getattr(layer, "module", layer)) in inside:
-                    owner.setdefault(id(layer), set()).add(index)
+                    held_outside = holders.get(id(getattr(layer, "weight", None)), set()) - inside
+                    owner.setdefault(id(layer), set()).update({index, -1} if held_outside else {index})
         per_block: list[list] = [[] for _ in blocks]
         rest = []
         for layer in layers:
             where = owner.get(id(layer), set())
             (per_block[next(iter(where))] if len(where) == 1 else rest).append(layer)
+        device = layers[0].fp8_grad_data.device if layers else None
         if group is None and dist.get_world_size() > 1:
             group = dist.new_group(list(range(dist.get_world_size())))  # every rank, in the same order
+            if layers:
+                # Set the group's communicator up now, not at the first bucket in the middle of a backward
+                # beside DDP's own traffic (NCCL's set-up may wait on the whole device)
+                dist.all_reduce(torch.zeros(1, device=device), group=group)
         # Backward order: the last block's bucket first; empty blocks have nothing to send.
         self.order = [i for i in reversed(range(len(blocks))) if per_block[i]]
         self.reducers = {i: FP8GradReducer(per_block[i], group, method) for i in self.order}
         self.rest = FP8GradReducer(rest, group, method) if rest else None
         self.layers = layers
         self.will_sync = will_sync
-        device = layers[0].fp8_grad_data.device if layers else None
         self.stream = torch.cuda.Stream(device=device) if device is not None and device.type == "cuda" else None
+        self._warned_no_block = False
         self.last_early = 0  # buckets the last hooked backward started before it ended
         self.averaged = False  # a hooked backward averaged the gradients since `finish()` last said so
         self._reset()
@@ -120,8 +134,18 @@ class BlockwiseReduction:
         self._handles = []
 
     # ---- during forward and backward -----------------------------------------------------------------
+    def _drop_stale_round(self) -> None:
+        """Forget a round whose backward raised (an out-of-memory error, say: autograd then drops the callback
+        that would have ended it), once no backward runs: the current stream waits for what it started, and
+        the next backward starts a round of its own instead of finding this one's counts."""
+        if self.queued and torch._C._current_graph_task_id() == -1:
+            if self.stream is not None:
+                torch.cuda.current_stream().wait_stream(self.stream)
+            self._reset()
+
     def _pre_forward(self, index: int):
         def hook(module, args, kwargs):
+            self._drop_stale_round()
             # A forward under no_grad trains nothing; one inside the backward is activation recomputation,
             # whose gradients belong to the call already counted.
             if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1 or not self.will_sync():
@@ -177,6 +201,13 @@ class BlockwiseReduction:
         nothing left to do); False: none did, the single pass averages them. Forgets what forwards counted
         since (a forward with no backward after it, on one rank or all)."""
         averaged, self.averaged = self.averaged, False
+        counted = bool(self.calls)
+        self._drop_stale_round()
+        if not averaged and not counted and not self._warned_no_block:
+            self._warned_no_block = True
+            warnings.warn(f"lowprec: {ENV}=1 found no transformer block run with gradients before this step (blocks "
+                          "run under torch.no_grad, as reentrant activation checkpointing runs them): the FP8 "
+                          "weight gradients are averaged once after the backward instead", stacklevel=3)
         if not self.queued:  # a round in a backward still under way is not for this call to end
             self._reset()
         return averaged

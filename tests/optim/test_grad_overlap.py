@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+from torch import nn
 
 from lowprec.optim.grad_overlap import ENV, overlap_requested, reduction_timing
 
@@ -149,3 +151,118 @@ def test_a_bad_switch_names_the_variable_and_its_values(monkeypatch, value):
     monkeypatch.setenv(ENV, value)
     with pytest.raises(ValueError, match=rf"{ENV}=.*not one of '0', '1'"):
         overlap_requested()
+
+
+# ---- the round's bookkeeping, on one process (buckets recorded, nothing sent) -------------------------------
+class _Layer:
+    """What BlockwiseReduction reads of a layer: its module, weight and FP8 gradient buffer."""
+
+    def __init__(self, module):
+        self.module, self.weight = module, module.weight
+        self.fp8_grad_data = torch.zeros(module.weight.shape, dtype=torch.float8_e4m3fn)
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """A world of one, and the order in which buckets start (each bucket named by its layers' indices)."""
+    import torch.distributed as dist
+
+    from lowprec.optim.grad_reduce import FP8GradReducer
+
+    started = []
+    monkeypatch.setattr(FP8GradReducer, "reduce", lambda self: started.append([id(layer) for layer in self.layers]))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield started
+    finally:
+        dist.destroy_process_group()
+
+
+def _blocks(n: int = 3):
+    torch.manual_seed(0)
+    blocks = [nn.Linear(8, 8) for _ in range(n)]
+    return blocks, [_Layer(block) for block in blocks]
+
+
+def _forward(blocks, x):
+    for block in blocks:
+        x = torch.tanh(block(x))
+    return x.square().sum()
+
+
+def test_a_backward_that_raises_leaves_no_round_behind(one_process):
+    from lowprec.optim.grad_overlap import BlockwiseReduction
+
+    blocks, layers = _blocks()
+    reduction = BlockwiseReduction(layers, blocks)
+    x = torch.randn(4, 8, requires_grad=True)
+    # An error in the middle of the backward (after the last block's bucket started): autograd drops the
+    # callback that would have ended the round
+    h = torch.tanh(blocks[0](x))
+    h.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    for block in blocks[1:]:
+        h = torch.tanh(block(h))
+    with pytest.raises(RuntimeError, match="out of memory"):
+        h.square().sum().backward()
+    assert one_process == [[id(layers[2])]]
+    assert reduction.finish() is False  # the round never ended: the single pass averages this step's gradients
+    one_process.clear()
+    for _ in range(2):  # later steps: every bucket starts during its backward again, in backward order
+        _forward(blocks, x).backward()
+        assert one_process == [[id(layers[i])] for i in (2, 1, 0)] and reduction.last_early == 3
+        assert reduction.finish() is True
+        one_process.clear()
+
+
+def test_a_backward_that_raises_before_the_next_forward_is_forgotten_there(one_process):
+    from lowprec.optim.grad_overlap import BlockwiseReduction
+
+    blocks, layers = _blocks()
+    reduction = BlockwiseReduction(layers, blocks)
+    x = torch.randn(4, 8, requires_grad=True)
+    loss = _forward(blocks, x)
+    blocks[0].weight.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError):
+        loss.backward()
+    assert reduction.queued
+    blocks[0].weight._backward_hooks.clear()
+    one_process.clear()
+    _forward(blocks, x).backward()  # no finish() in between: the forward drops the stale round
+    assert one_process == [[id(layers[i])] for i in (2, 1, 0)] and reduction.finish() is True
+
+
+def test_a_weight_held_outside_its_block_goes_to_the_last_bucket(one_process):
+    from lowprec.optim.grad_overlap import BlockwiseReduction
+
+    blocks, layers = _blocks()
+    head = nn.Linear(8, 8)
+    head.weight = blocks[1].weight  # tied: its gradient is complete only at the end of the backward
+    model = nn.ModuleDict({"blocks": nn.ModuleList(blocks), "head": head})
+    reduction = BlockwiseReduction(layers, blocks, model=model)
+    assert reduction.order == [2, 0] and reduction.rest.layers == [layers[1]]
+    assert BlockwiseReduction(layers, blocks).order == [2, 1, 0]  # without the model nothing tells
+
+
+def test_blocks_run_without_gradients_are_said_once(one_process):
+    from torch.utils.checkpoint import checkpoint
+
+    from lowprec.optim.grad_overlap import ENV, BlockwiseReduction
+
+    blocks, layers = _blocks()
+    reduction = BlockwiseReduction(layers, blocks)
+    x = torch.randn(4, 8, requires_grad=True)
+    for step in range(2):
+        h = x
+        for block in blocks:  # reentrant checkpointing runs each block under no_grad
+            h = checkpoint(lambda t, b=block: torch.tanh(b(t)), h, use_reentrant=True)
+        h.square().sum().backward()
+        assert one_process == []  # nothing started during the backward
+        if step == 0:
+            with pytest.warns(UserWarning, match=rf"{ENV}=1 found no transformer block run with gradients"):
+                assert reduction.finish() is False
+        else:
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert reduction.finish() is False

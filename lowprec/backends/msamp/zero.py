@@ -183,7 +183,7 @@ class ZeroFP8Weights:
 
         # Accelerate's accumulate() sets sync_gradients before the forward: the backward that steps is hooked
         return BlockwiseReduction(self.layers, list(found[1]), will_sync=lambda: GradientState().sync_gradients,
-                                  group=self.group)
+                                  group=self.group, model=getattr(engine, "module", engine))
 
     # ----- each step -------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -144,7 +144,7 @@ class WeightStorage:
         if found is None:
             return None
         return BlockwiseReduction(self.grad_stores, list(found[1]),
-                                  will_sync=lambda: model.require_backward_grad_sync)
+                                  will_sync=lambda: model.require_backward_grad_sync, model=model.module)
 
     def verify(self, model: nn.Module) -> None:
         """Raise `PlanMismatchError` where a converted weight or its gradient is not stored as planned."""
