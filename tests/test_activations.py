@@ -220,3 +220,20 @@ def test_an_expanded_view_is_refused():
     assert overlapping(x) and not overlapping(torch.randn(8, 256)[:, :128]) and not overlapping(torch.randn(3, 5).t())
     with pytest.raises(ValueError, match="expanded view"):
         pack_fp8(x)
+
+
+def test_the_fused_form_compiles_once_inside_and_outside_autocast(monkeypatch):
+    # The pack hook runs inside the model's autocast and outside it (a norm's FP32 input): one graph for both,
+    # or every dtype would cost two of dynamo's 8 recompiles, past which the encode runs as ten eager kernels
+    from torch._dynamo.utils import counters
+
+    import lowprec.kernels.fused as fused
+
+    monkeypatch.setattr(fused, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    encode = fused.cuda_fused(lambda rows, size: (rows.float() * 2).to(torch.bfloat16))  # a function of its own
+    rows = torch.randn(8, 128)
+    encode(rows, 128)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = encode(rows, 128)
+    assert counters["stats"]["unique_graphs"] == graphs and torch.equal(out, (rows * 2).to(torch.bfloat16))
