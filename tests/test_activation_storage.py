@@ -232,12 +232,23 @@ def test_cuda_graphs_inherited_from_an_earlier_accelerator_are_refused_saying_so
         Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe])
 
 
-def test_compile_without_cuda_graphs_is_accepted():
+@pytest.mark.parametrize("regional", [True, False], ids=["block by block", "whole model"])
+def test_compile_without_cuda_graphs_is_accepted_and_a_whole_model_graph_is_warned_of(regional):
+    import warnings
+
     from accelerate.utils import TorchDynamoPlugin
 
     recipe = FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, activation_dtype="fp8")
-    Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe],
-                dynamo_plugin=TorchDynamoPlugin(backend="inductor", mode="max-autotune-no-cudagraphs"))
+    plugin = TorchDynamoPlugin(backend="inductor", mode="max-autotune-no-cudagraphs", use_regional_compilation=regional)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], dynamo_plugin=plugin)
+    said = [str(w.message) for w in caught if "saves little or no memory" in str(w.message)]
+    if regional:
+        assert said == []
+    else:
+        assert len(said) == 1 and "use_regional_compilation=True" in said[0] and "whole model" in said[0]
+        assert caught[[str(w.message) for w in caught].index(said[0])].filename == __file__  # the user's line
 
 
 def _input_grads_with_and_without(storage, model) -> list[torch.Tensor]:
