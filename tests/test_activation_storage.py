@@ -393,6 +393,30 @@ def test_the_views_of_one_output_saved_in_a_forward_come_back_in_one_buffer():
     assert other.span is None or other.span[0] is not saved[0].span[0]
 
 
+def test_views_a_compiled_graph_returns_with_no_base_come_back_in_one_buffer_too():
+    # a compiled graph's outputs are views with no `_base`; their shared storage names them
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    def detached_views(qkv):  # as a graph returns them: views of one storage, `_base` None
+        return [torch.empty(0).set_(qkv.untyped_storage(), i * 128, (2, 64, 128), qkv.view(2, 64, 3, 128)[..., i, :]
+                                    .stride()) for i in range(3)]
+
+    storage = FP8ActivationStorage(nn.Linear(2, 2), min_elements=0)
+    qkv = torch.randn(2, 64, 3 * 128)
+    with storage.context():
+        q, k, v = detached_views(qkv)
+        assert q._base is None and not q.is_contiguous()
+        saved = [storage.pack(t) for t in (q, k, v)]
+        again = detached_views(torch.randn(2, 64, 3 * 128))  # another storage: a key of its own
+        other = storage.pack(again[0])
+    unpacked = [storage.unpack(p) for p in saved]
+    assert len({u.untyped_storage().data_ptr() for u in unpacked}) == 1
+    assert [u.stride() for u in unpacked] == [q.stride()] * 3
+    for u, t in zip(unpacked, (q, k, v)):
+        assert (u - t).abs().max() <= 2**-4 * t.abs().max()
+    assert other.span[0] is not saved[0].span[0]
+
+
 def test_an_autocast_copy_of_a_parameter_listed_after_install_is_not_packed():
     # FSDP2's unsharded parameters are other Parameter objects than the sharded ones the model lists at install:
     # autocast's copy of one still comes from a Parameter, and is kept (a kept layer's backward on an FP8 weight

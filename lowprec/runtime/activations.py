@@ -79,6 +79,7 @@ class FP8ActivationStorage:
         self._packed: dict[int, tuple[weakref.ref, int, PackedFP8]] = {}
         self._spans: dict[int, tuple[weakref.ref, SpanKey]] = {}  # id(base) -> (its weak reference, key)
         self._row_shapes: set[tuple[int, ...]] = set()  # shape[:-1] of the 4-D tensors saved in this forward
+        self._storage_spans: dict[int, tuple[weakref.ref, SpanKey]] = {}  # storage address -> (first view, key)
 
     def pack(self, tensor: torch.Tensor):
         if (type(tensor) is not torch.Tensor  # parameters, DTensors, FP8 tensor subclasses: theirs to store
@@ -114,13 +115,23 @@ class FP8ActivationStorage:
         return packed
 
     def _span_key(self, tensor: torch.Tensor) -> SpanKey | None:
-        """The key shared by the strided views of one base tensor saved in this forward (q, k, v of a fused QKV
-        output), so that they decode into one buffer; None for a contiguous tensor, one with no base, or one
-        whose memory is over 4 times its size (a buffer that long would cost more than the views save)."""
+        """The key shared by the strided views of one tensor's memory saved in this forward (q, k, v of a fused
+        QKV output), so that they decode into one buffer; None for a contiguous tensor, or one whose memory is
+        over 4 times its size (a buffer that long would cost more than the views save)."""
         base = tensor._base
         length = tensor.untyped_storage().nbytes() // tensor.element_size()
-        if tensor.is_contiguous() or base is None or length > 4 * tensor.numel():
+        if tensor.is_contiguous() or length > 4 * tensor.numel():
             return None
+        if base is None:
+            # A compiled graph's outputs are views with no `_base`: their storage tells which share memory. The
+            # first view seen keeps that storage, and so its address, while it lives: a later storage at the
+            # same address (once it is freed) gets a key of its own.
+            ptr = tensor.untyped_storage().data_ptr()
+            entry = self._storage_spans.get(ptr)
+            first = entry[0]() if entry is not None else None
+            if first is None or first.untyped_storage().data_ptr() != ptr:
+                entry = self._storage_spans[ptr] = (weakref.ref(tensor), SpanKey())
+            return entry[1]
         entry = self._spans.get(id(base))
         if entry is None or entry[0]() is not base:  # an id can be reused once a tensor is freed
             entry = self._spans[id(base)] = (weakref.ref(base), SpanKey())
@@ -162,6 +173,7 @@ class FP8ActivationStorage:
         """The hooks, around one forward; what was packed is forgotten after it (autograd's graph holds it)."""
         self._packed.clear()
         self._spans.clear()
+        self._storage_spans.clear()
         self._row_shapes.clear()
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
@@ -169,6 +181,7 @@ class FP8ActivationStorage:
         finally:
             self._packed.clear()
             self._spans.clear()
+            self._storage_spans.clear()
             self._row_shapes.clear()
 
 
