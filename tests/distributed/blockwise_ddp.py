@@ -124,6 +124,7 @@ def train(overlap: bool, *, backend: str = "msamp", embed: bool = True, recomput
     micro = share // accumulation
     part = micro // backwards
     record = {"blockwise": blockwise is not None, "grad_comm": accelerator.precision_plan.tensor("grad_comm").scaling,
+              "side_stream": blockwise is not None and blockwise.stream is not None,
               "buckets": None if blockwise is None else [len(blockwise.reducers[i].layers) for i in blockwise.order],
               "rest": None if blockwise is None or blockwise.rest is None else len(blockwise.rest.layers),
               "backwards": [], "params": []}
@@ -176,11 +177,41 @@ SCENARIOS = {
 ZERO_SCENARIOS = {"plain": dict(), "accumulation": dict(accumulation=2, steps=2), "recompute": dict(recompute=True)}
 
 
+SLEEP_CYCLES = 50_000_000  # ~30 ms of a GPU's clock
+
+
+def slow_down_the_streams() -> None:
+    """On the GPUs, make the two races the streams must be ordered against real: every FP8 gradient is written
+    ~30 ms late on the stream that writes it, and every bucket on the side stream starts ~30 ms late. A small
+    model's kernels finish before Python launches the next, so without this a missing wait (the side stream
+    for the gradients, the main stream for the averaged bytes) would go unseen."""
+    import lowprec.backends.msamp.linear as msamp_linear
+    import lowprec.optim.grad_store as grad_store
+    from lowprec.optim.grad_reduce import FP8GradReducer
+
+    accumulate = grad_store.accumulate_into
+
+    def late_accumulate(*args, **kwargs):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return accumulate(*args, **kwargs)
+
+    reduce = FP8GradReducer.reduce
+
+    def late_reduce(self):
+        if torch.cuda.current_stream() != torch.cuda.default_stream():  # a bucket on the side stream
+            torch.cuda._sleep(SLEEP_CYCLES)
+        return reduce(self)
+
+    grad_store.accumulate_into = msamp_linear.accumulate_into = late_accumulate
+    FP8GradReducer.reduce = late_reduce
+
+
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     cuda, zero = mode in ("cuda", "zero-cuda"), mode.startswith("zero")
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        slow_down_the_streams()
     dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
     results = {}
     for name, kwargs in (ZERO_SCENARIOS if zero else SCENARIOS).items():
