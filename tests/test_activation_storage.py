@@ -484,3 +484,25 @@ def test_attentions_log_sum_exp_stays_in_fp32(cudnn_shape):
         probe.pack(torch.randn(4, 8, 512, 64))
         assert probe.pack(lse) is lse
         assert probe.pack(torch.zeros(4, 8, 511)) is not None and probe.counts.logsumexp_kept == 1
+
+
+def test_what_a_backend_owned_module_saves_is_left_alone():
+    # TE's Linear saves its FP8 tensors split into plain ones (FP8 data and, under `block`, FP32 scale_inv
+    # tensors): the backend names such modules (`keeps_saved_tensors`) and what they save is not packed
+    from lowprec.runtime.activations import activation_storage, install_activation_storage
+
+    class Owned(nn.Linear):  # stands in for a TE Linear: saves an FP32 tensor of its own making
+        def forward(self, x):
+            scales = torch.ones(x.shape[0], x.shape[-1] // 2 + 64)  # above MIN_ELEMENTS with 256 rows
+            return super().forward(x) * (x.new_ones(()) + 0 * (x[:, : scales.shape[1]] * scales).sum())
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), Owned(256, 256))
+    install_activation_storage(model, model, keep_saved_by=lambda m: isinstance(m, Owned))
+    storage = activation_storage(model)
+    x = torch.randn(256, 256, requires_grad=True)
+    model(x).square().sum().backward()
+    assert storage.counts.backend_kept > 0  # Owned's saved tensors reached the hook and were kept
+    assert storage.counts.packed > 0  # the GELU's input, outside it, was packed
+    kept = storage.counts.backend_kept
+    model(x).square().sum().backward()  # and again: the depth count came back to 0 after each forward
+    assert storage.counts.backend_kept == 2 * kept and storage.counts.packed > 0

@@ -246,6 +246,11 @@ class Backend(LayerExecution, ABC):
         """The kind ('linear', 'layernorm', 'rmsnorm') of one of this backend's modules, else None."""
         return "linear" if self.is_converted(module) else None
 
+    def keeps_saved_tensors(self, module: nn.Module) -> bool:
+        """Whether what `module` saves for backward is in a form of its own that `activation_dtype='fp8'` must
+        leave as it is (plain tensors the library's autograd function split its FP8 tensors into)."""
+        return False
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Raise ValueError, before any model is converted, if `wrap_optimizer` would refuse `optimizer`."""
         self.optimizer_precision.check(optimizer)

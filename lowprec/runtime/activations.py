@@ -46,6 +46,7 @@ class ActivationCounts:
     shared: int = 0  # saves of a tensor already packed in the same forward: they share its FP8 copy
     weight_shaped_kept: int = 0  # of parameters_kept, kept for the shape and dtype of a kept layer's weight copy
     logsumexp_kept: int = 0  # attention's softmax log-sum-exp, kept in FP32 (FP8 would spoil the probabilities)
+    backend_kept: int = 0  # saved inside a module whose saved tensors are the backend's (`leave_alone`)
 
 
 class FP8ActivationStorage:
@@ -80,8 +81,23 @@ class FP8ActivationStorage:
         self._spans: dict[int, tuple[weakref.ref, SpanKey]] = {}  # id(base) -> (its weak reference, key)
         self._row_shapes: set[tuple[int, ...]] = set()  # shape[:-1] of the 4-D tensors saved in this forward
         self._storage_spans: dict[int, tuple[weakref.ref, SpanKey]] = {}  # storage address -> (first view, key)
+        self._inside = 0  # forwards under way of modules whose saved tensors are left alone (`leave_alone`)
+
+    def leave_alone(self, module: nn.Module) -> None:
+        """Keep as they are the tensors saved while `module`'s forward runs."""
+        def enter(*_):
+            self._inside += 1
+
+        def leave(*_):
+            self._inside -= 1
+
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
 
     def pack(self, tensor: torch.Tensor):
+        if self._inside:
+            self.counts.backend_kept += 1
+            return tensor
         if (type(tensor) is not torch.Tensor  # parameters, DTensors, FP8 tensor subclasses: theirs to store
                 or not tensor.is_floating_point() or tensor.element_size() < 2 or tensor.dim() == 0
                 or tensor.numel() < self.min_elements  # a 0-d tensor is a scale or a loss: nothing to save
@@ -175,6 +191,7 @@ class FP8ActivationStorage:
         self._spans.clear()
         self._storage_spans.clear()
         self._row_shapes.clear()
+        self._inside = 0
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
@@ -233,10 +250,15 @@ def warn_whole_model_compile(how: str) -> None:
         stacklevel=4)
 
 
-def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=None) -> FP8ActivationStorage:
+def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=None,
+                               keep_saved_by=None) -> FP8ActivationStorage:
     """Run `prepared`'s forward inside the FP8 saved-tensor hooks; the storage is kept on `inner` (the
-    unwrapped model) as `_lowprec_activation_storage`, for `activation_storage(model)`."""
+    unwrapped model) as `_lowprec_activation_storage`, for `activation_storage(model)`. What the modules
+    `keep_saved_by(module)` names save in their forward is left as it is (`Backend.keeps_saved_tensors`)."""
     storage = FP8ActivationStorage(inner, converted=converted)
+    for module in inner.modules():
+        if keep_saved_by is not None and keep_saved_by(module):
+            storage.leave_alone(module)
     wrap_forward(prepared, storage.context)
     object.__setattr__(inner, ACTIVATIONS_ATTR, storage)
     return storage

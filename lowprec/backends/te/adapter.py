@@ -107,6 +107,12 @@ class TEBackend(Backend):
     def converted_kind(self, module: nn.Module) -> str | None:
         return type(module).__name__.lower() if self.is_converted(module) else None
 
+    def keeps_saved_tensors(self, module: nn.Module) -> bool:
+        # TE's Linear saves its quantized input and weight split into plain tensors (prepare_for_saving): the
+        # FP8 data (1 byte, kept anyway) and, under `block`, FP32 scale_inv tensors of tokens x hidden/128,
+        # which packing would round. Its norms save a high-precision input: theirs are packed.
+        return self.converted_kind(module) == "linear"
+
     def constraint(self, module: nn.Module) -> str | None:
         kind = self.candidate_kind(module)
         if kind == "linear":
