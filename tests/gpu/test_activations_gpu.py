@@ -120,3 +120,37 @@ def test_views_of_one_cuda_tensor_decode_into_one_buffer_with_the_cpu_values():
     for o, v, cpu in zip(out, views, base.unbind(2)):
         assert o.stride() == v.stride() and o.storage_offset() == v.storage_offset()
         assert torch.equal(o.cpu(), unpack_fp8(pack_fp8(cpu)))
+
+
+@pytest.mark.parametrize("kernel", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
+def test_attention_kernels_log_sum_exp_stays_fp32_and_gradients_stay_close(kernel):
+    # Each CUDA attention kernel saves its softmax log-sum-exp (cuDNN as [B, H, T, 1]); packed in FP8 its error
+    # multiplies the recomputed probabilities (tests/test_activation_storage.py has the CPU figures)
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    def grads(storage):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(4, 8, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        with sdpa_kernel(getattr(SDPBackend, kernel)):
+            if storage is None:
+                out = F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, is_causal=True)
+            else:
+                with storage.context():
+                    out = F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, is_causal=True)
+            out.backward(torch.randn(out.shape, dtype=out.dtype, device="cuda",
+                                     generator=torch.Generator("cuda").manual_seed(1)))
+        return [t.grad.float() for t in (q, k, v)]
+
+    try:
+        reference = grads(None)
+    except RuntimeError as error:  # a kernel this build or GPU does not offer
+        pytest.skip(f"{kernel}: {error}")
+    storage = FP8ActivationStorage(nn.Linear(2, 2))
+    fp8 = grads(storage)
+    assert storage.counts.logsumexp_kept == 1, storage.counts
+    errors = [float((a - b).norm() / b.norm()) for a, b in zip(fp8, reference)]
+    assert max(errors) < 0.08, errors
