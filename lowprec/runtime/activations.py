@@ -239,8 +239,9 @@ def check_activation_dtype(activation_dtype: str | None, dynamo_plugin=None, sou
 
 
 def warn_whole_model_compile(how: str) -> None:
-    """Say that FP8 activations lower no peak when one graph holds the whole model (measured on CPU: 15 of a
-    toy model's 16 saved tensors alive in high precision when the last was packed, against 3 eager)."""
+    """Say that FP8 activations lower no peak when one graph holds the whole model (a review's CPU probe of a
+    toy model: 15 of its 16 saved tensors alive in high precision when the last was packed, 3 eager; not yet
+    measured on a GPU)."""
     warnings.warn(
         f"lowprec: FP8RecipeKwargs.activation_dtype='fp8' saves little or no memory here: {how} as one graph, "
         "which hands every tensor it saves to autograd at the end of its forward, all in high precision, and "
