@@ -83,6 +83,12 @@ def _global_amax(flat: torch.Tensor, n: int, block: int, group) -> torch.Tensor:
     return amax
 
 
+def _checked_block(owner: str, block: int) -> int:
+    if block < 1:
+        raise ValueError(f"{owner} block={block} must be a positive number of elements")
+    return block
+
+
 def _count_nonfinite(amax: torch.Tensor, total: torch.Tensor | None) -> torch.Tensor:
     """`total` plus how many of the blocks whose (global) `amax` is given held inf or NaN, on the device."""
     bad = (~torch.isfinite(amax)).sum()
@@ -114,9 +120,7 @@ class FP8ReduceScatter:
     """
 
     def __init__(self, block: int = BLOCK):
-        if block < 1:
-            raise ValueError(f"FP8ReduceScatter block={block} must be a positive number of elements")
-        self.block = block
+        self.block = _checked_block("FP8ReduceScatter", block)
         self.calls = 0
         self.nonfinite_blocks: torch.Tensor | None = None
 
@@ -174,10 +178,8 @@ class FP8CommState:
     tensor counting the blocks that held inf or NaN over all calls (None before the first)."""
 
     def __init__(self, group=None, block: int = BLOCK):
-        if block < 1:
-            raise ValueError(f"FP8CommState block={block} must be a positive number of elements")
         self.group = group
-        self.block = block
+        self.block = _checked_block("FP8CommState", block)
         self.nonfinite_blocks: torch.Tensor | None = None
 
 

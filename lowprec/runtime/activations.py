@@ -187,19 +187,20 @@ class FP8ActivationStorage:
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
         """The hooks, around one forward; what was packed is forgotten after it (autograd's graph holds it)."""
+        self._forget_forward()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                yield
+        finally:
+            self._forget_forward()
+
+    def _forget_forward(self) -> None:
+        """What one forward's saves told: its FP8 copies, views' spans, query row shapes, modules under way."""
         self._packed.clear()
         self._spans.clear()
         self._storage_spans.clear()
         self._row_shapes.clear()
         self._inside = 0
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-                yield
-        finally:
-            self._packed.clear()
-            self._spans.clear()
-            self._storage_spans.clear()
-            self._row_shapes.clear()
 
 
 # torch.compile modes that run the graphs through CUDA graphs (inductor's "triton.cudagraphs")

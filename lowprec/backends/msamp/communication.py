@@ -108,18 +108,15 @@ class MSAMPCommunication(GradientCommunication):
     def rows(self, plan: PrecisionPlan) -> list[TensorPrecision]:
         """The engine's rows, with the gradient-communication row saying how the FP8 weight gradients of
         converted layers are averaged under DDP and DeepSpeed (the storage part writes the other rows)."""
+        from ...optim.grad_overlap import reduction_timing
         from ...planning.plan import TensorPrecision
 
         comm, *rest = super().rows(plan)
         if plan.converted and self.owner.context.engine == "ddp":
-            from ...optim.grad_overlap import reduction_timing
-
             comm = TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (Linear), {comm.dtype} (rest)",
                                    "weight grads: amax all-reduced (MAX), FP8 all_to_all, FP32 sum, FP8 all_gather, "
                                    + reduction_timing())
         elif plan.converted and self.owner.zero_o3:
-            from ...optim.grad_overlap import reduction_timing
-
             comm = TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (Linear), {comm.dtype} (rest)",
                                    "weight grads averaged by lowprec once per step (amax all-reduced, FP8 all_to_all, "
                                    f"FP32 sum, FP8 all_gather), {reduction_timing()}; the rest by DeepSpeed")

@@ -176,14 +176,15 @@ class ZeroFP8Weights:
 
         if not overlap or engine is None or self.world_size == 1:
             return None
-        found = find_blocks(getattr(engine, "module", engine))
+        model = getattr(engine, "module", engine)
+        found = find_blocks(model)
         if found is None:
             return None
         from accelerate.state import GradientState
 
         # Accelerate's accumulate() sets sync_gradients before the forward: the backward that steps is hooked
         return BlockwiseReduction(self.layers, list(found[1]), will_sync=lambda: GradientState().sync_gradients,
-                                  group=self.group, model=getattr(engine, "module", engine))
+                                  group=self.group, model=model)
 
     # ----- each step -------------------------------------------------------------------------------------
     @torch.no_grad()
