@@ -96,8 +96,7 @@ def _chunks(sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor,
         counts = [triton_cdiv(n, CHUNK) for n in sizes]
         rows = [(t, k) for t, count in enumerate(counts) for k in range(count)]
         starts = [sum(counts[:t]) for t in range(len(counts) + 1)]
-        tables = (torch.tensor(rows, dtype=torch.int32).reshape(-1, 2).to(device),
-                  torch.tensor(starts, dtype=torch.int32).to(device))
+        tables = (_to_device(rows, torch.int32, device).reshape(-1, 2), _to_device(starts, torch.int32, device))
         if len(_chunk_tables) > 64:  # a process building many different models
             _chunk_tables.clear()
         _chunk_tables[key] = tables

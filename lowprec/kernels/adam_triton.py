@@ -86,8 +86,9 @@ def amax_pass(ptrs, sizes, chunks, valid, partials, beta1, beta2, weight_decay,
               G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
               DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
               ALIGNED: tl.constexpr, WIDE: tl.constexpr, G_VALID: tl.constexpr):
-    t, k, base, p_ptr, g_ptr, m_ptr, v_ptr, start, end, _ = _load_item(ptrs, sizes, chunks, valid, P_TY, G_TY,
-                                                                        M_TY, V_TY, CHUNK, ALIGNED, WIDE, G_VALID)
+    # (no `_` for the unused values: Triton's compiler would carry a name bound before the loop into it)
+    t, k, base, p_ptr, g_ptr, m_ptr, v_ptr, start, end, present = _load_item(
+        ptrs, sizes, chunks, valid, P_TY, G_TY, M_TY, V_TY, CHUNK, ALIGNED, WIDE, G_VALID)
     g_inv = 1.0
     m_inv = 1.0
     v_inv = 1.0
@@ -102,7 +103,7 @@ def amax_pass(ptrs, sizes, chunks, valid, partials, beta1, beta2, weight_decay,
     for off in range(start, end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         mask = offs < end
-        _, m, v = _moments(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, g_inv, m_inv, v_inv,
+        p_unused, m, v = _moments(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, g_inv, m_inv, v_inv,
                            beta1, beta2, weight_decay, DECOUPLED, MAXIMIZE, False)
         # NaN -> inf before the max: an amax must never hide a NaN (pow2_scale keeps the old scale)
         m_amax = tl.maximum(m_amax, tl.where(mask, tl.where(m == m, tl.abs(m), float("inf")), 0.0))

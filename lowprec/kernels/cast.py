@@ -80,13 +80,19 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
     global _kernel
     if _kernel is None:
         _kernel = _build_kernel()
+    return launch_cast_transpose(_kernel, x, scale, fp8_dtype, amax_out, transpose)
+
+
+def launch_cast_transpose(kernel, x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                          amax_out: torch.Tensor, transpose: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`cast_transpose`'s launch of `kernel` (tests/kernels/sm90_compile.py records it on the CPU)."""
     m, n = x.shape
     q = torch.empty((m, n), dtype=fp8_dtype, device=x.device)
     qt = torch.empty((n, m), dtype=fp8_dtype, device=x.device) if transpose else q
     block_m, block_n = 64, 64
     grid = ((m + block_m - 1) // block_m, (n + block_n - 1) // block_n)
     if m and n:
-        _kernel[grid](x, q, qt, amax_out, scale, m, n, x.stride(0), x.stride(1),
-                      FP8_MAX=format_max(fp8_dtype), FP8_E4M3=fp8_dtype == torch.float8_e4m3fn, WRITE_T=transpose,
-                      BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+        kernel[grid](x, q, qt, amax_out, scale, m, n, x.stride(0), x.stride(1),
+                     FP8_MAX=format_max(fp8_dtype), FP8_E4M3=fp8_dtype == torch.float8_e4m3fn, WRITE_T=transpose,
+                     BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return q, (qt if transpose else None)
