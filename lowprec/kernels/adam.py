@@ -171,7 +171,12 @@ def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bo
                  M_TY=_triton_dtype(m_dtype), V_TY=_triton_dtype(v_dtype),
                  G_SCALED=g_scaled, M_SCALED=m_scaled, V_SCALED=v_scaled,
                  DECOUPLED=decoupled, MAXIMIZE=bool(group["maximize"]), CHUNK=CHUNK, BLOCK=BLOCK,
-                 ALIGNED=aligned, WIDE=max(sizes) + CHUNK + BLOCK >= 2**31, G_VALID=g_valid, num_warps=NUM_WARPS)
+                 ALIGNED=aligned, WIDE=max(sizes) + CHUNK + BLOCK >= 2**31, G_VALID=g_valid, num_warps=NUM_WARPS,
+                 # No a*b+c contracted into an FMA: which product LLVM fuses depends on the specialisation (an FP8
+                 # gradient's scaled value has more uses than a loaded FP32 one), and even on the vector lane, so
+                 # a .grad and an FP8 store of the same gradient would round differently, as would the amax pass
+                 # and the update pass that must agree on the moments. Memory-bound: the extra instructions are free.
+                 enable_fp_fusion=False)
     scratch = torch.empty(len(items), 4, dtype=torch.float32, device=device)  # every row is written
     if m_scaled or v_scaled:
         partials = torch.empty(grid[0], 2, dtype=torch.float32, device=device)

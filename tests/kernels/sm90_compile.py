@@ -4,7 +4,7 @@ Triton's interpreter (TRITON_INTERPRET=1, tests/kernels/test_adam_kernels.py) ru
 its compiler: a kernel it runs may still fail to compile (a name carried through a loop with two types did,
 on the GPU host only). Here the launchers run on CPU tensors with each kernel replaced by a recorder, and
 every distinct (kernel, signature, constants) they launched is compiled to a cubin for sm_90 by Triton's own
-compiler and ptxas, which need no GPU. Run as a script, it prints {specialisation: "ok" or the error} as JSON.
+compiler and ptxas, which need no GPU. Run as a script, it prints `compile_all()` as JSON.
 """
 
 from __future__ import annotations
@@ -95,21 +95,24 @@ def record_cast(launches: dict) -> None:
                 cast.launch_cast_transpose(kernel, x, torch.ones(()), fp8, torch.zeros(()), transpose)
 
 
-def compile_all() -> dict[str, str]:
+def compile_all() -> dict[str, dict]:
+    """{"compiled": {specialisation: "ok" or the error}, "fma": {specialisation: FMA instructions in its PTX}}."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile
 
     launches: dict = {}
     record_adam(launches)
     record_cast(launches)
-    results = {}
+    compiled, fma = {}, {}
     for key, (fn, sig, constexprs, options) in launches.items():
         try:
-            compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
-            results[key] = "ok"
+            kernel = compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
         except Exception as e:  # noqa: BLE001 - every failure is reported, with its kernel
-            results[key] = f"{type(e).__name__}: {str(e)[-1500:]}"
-    return results
+            compiled[key] = f"{type(e).__name__}: {str(e)[-1500:]}"
+            continue
+        compiled[key] = "ok"
+        fma[key] = kernel.asm["ptx"].count("fma.rn.f32")
+    return {"compiled": compiled, "fma": fma}
 
 
 if __name__ == "__main__":
