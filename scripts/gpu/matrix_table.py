@@ -33,6 +33,13 @@ def table(folder: str) -> str:
         lines.append(f"| {name} | {c['all_forwards_in_fp8']} | {c['first_loss']:.2f} → {c['last_loss']:.2f} "
                      f"| {1000 * c['median_step_s']:.0f} | {speed} | {peak:.1f} | {memory} "
                      f"| {'' if diff is None else diff} |")
+    phased = {name: c["phase_ms"] for name, c in cells.items() if c.get("phase_ms")}
+    if phased:  # where each step's time goes (gpu_engines.py's marks): device ms where measured, else host
+        names = list(next(iter(phased.values()))["host"])
+        lines += ["", "| cell | clock | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        for name, phases in phased.items():
+            side = "device" if "device" in phases else "host"
+            lines.append(f"| {name} | {side} | " + " | ".join(f"{phases[side].get(n, 0):.1f}" for n in names) + " |")
     return "\n".join(lines)
 
 

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import time
 import warnings
 
@@ -50,6 +51,44 @@ def sync_watch(counts: dict[str, int]):
         if "synchroniz" in str(w.message):
             where = f"{os.path.relpath(w.filename)}:{w.lineno}"
             counts[where] = counts.get(where, 0) + 1
+
+
+class PhaseMarks:
+    """Where a step's time goes: host time between marks and, on a GPU, the device time between CUDA events
+    recorded at the same marks (read after the step, once the loss's .item() has synced)."""
+
+    def __init__(self):
+        self.names, self.host = ["start"], [time.perf_counter()]
+        self.events = [self._event()] if torch.cuda.is_available() else None
+
+    @staticmethod
+    def _event():
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self, name: str) -> None:
+        self.names.append(name)
+        self.host.append(time.perf_counter())
+        if self.events is not None:
+            self.events.append(self._event())
+
+    def total_s(self) -> float:
+        return self.host[-1] - self.host[0]
+
+    def phases_ms(self) -> dict[str, dict[str, float]]:
+        out = {"host": {n: (b - a) * 1e3 for n, a, b in zip(self.names[1:], self.host, self.host[1:])}}
+        if self.events is not None:
+            out["device"] = {n: a.elapsed_time(b) for n, a, b in zip(self.names[1:], self.events, self.events[1:])}
+        return out
+
+
+def median_phases(steps: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """The median over steps of each phase's host and device milliseconds."""
+    if not steps:
+        return {}
+    return {side: {name: round(statistics.median(s[side][name] for s in steps), 3) for name in steps[0][side]}
+            for side in steps[0]}
 
 
 @contextlib.contextmanager
@@ -171,24 +210,32 @@ def main() -> None:
     model.train()
     syncs: dict[str, int] = {}
     kernels: dict[str, int] = {}
+    phases: list[dict[str, dict[str, float]]] = []
     for step, ids in enumerate(loader):
         # one step past warm-up (and past the delayed scales' window) with CUDA's sync debug mode on: every
         # host sync in forward, backward, clipping and the optimizer step, by the Python line that made it
         watch = torch.cuda.is_available() and step == max(args.steps - 2, 0)
         profiling = args.profile is not None and step == max(args.steps - 3, 0)
         with sync_watch(syncs) if watch else profiled(args.profile, kernels) if profiling else contextlib.nullcontext():
-            t0 = time.perf_counter()
+            marks = PhaseMarks()
             loss = model(input_ids=ids, labels=ids).loss
+            marks.mark("forward")
             accelerator.backward(loss)
+            marks.mark("backward")
             if step == args.steps - 1 and not args.engine.startswith("zero"):
                 # weights, gradients and states all held: the peak model state (DeepSpeed keeps its own
                 # flat copies, which this does not see: its runs report peak memory only)
                 state_bytes = model_state_bytes(inner, optimizer, getattr(inner, BACKEND_ATTR, None))
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            marks.mark("clip")  # where DDP's and ZeRO's once-per-step FP8 gradient reduction runs, if first asked
             optimizer.step()
+            marks.mark("optimizer")
             optimizer.zero_grad()
+            marks.mark("zero_grad")
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
-        times.append(time.perf_counter() - t0)
+        times.append(marks.total_s())
+        if not (watch or profiling):
+            phases.append(marks.phases_ms())
 
     evidence = {}
     backend = plan.backend if plan is not None else "bf16"
@@ -254,7 +301,8 @@ def main() -> None:
                 "peak_memory_gib_per_rank": peaks.tolist(), "after_prepare_gib_rank0": after_prepare,
                 "model_state_bytes_per_param": state_bytes,
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
-                "losses": losses, "step_times_s": times, "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
+                "losses": losses, "step_times_s": times, "phase_ms": median_phases(phases[1:]),
+                "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
                 "grad_comm_how": plan.tensor("grad_comm").scaling if plan else None,
                 "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled, "fp8_weights": args.fp8_weights,
                 "weight_row": plan.tensor("weight").dtype if plan else None,
