@@ -82,3 +82,20 @@ def test_requantising_a_stored_fp8_weight_equals_the_definition(keep):
     nan[0, 0] = float("nan")  # a non-finite amax keeps the previous scale (1 without one), never a NaN scale
     scale, _ = _scaled_cast(nan, previous, 0)
     assert float(scale) == (4.0 if keep else 1.0)
+
+
+@pytest.mark.parametrize("valid", [1.0, 0.0])
+def test_the_fp8_gradient_reducers_two_passes_equal_the_definition(valid):
+    # DDP's and ZeRO's once-per-step FP8 gradient averaging (lowprec.optim.grad_reduce): the requantisation to
+    # the shared scale and the mean of the received shards, each one kernel, the definition's bytes
+    from lowprec.optim.grad_reduce import mean_over_ranks, requantize
+
+    ratios = torch.tensor([1.0, 0.5, 2.0**-7], device="cuda")
+    for length in (4096 * 3, 777, 5000):
+        data = _values((length,), torch.float32).clamp(-448, 448).to(torch.float8_e4m3fn)  # NaN included
+        flag = torch.tensor(valid, device="cuda")
+        for k in range(3):
+            assert _same(requantize(data, ratios[k], flag), requantize.eager(data, ratios[k], flag)), (length, k)
+    received = torch.stack([_values((4097,), torch.float32, seed).clamp(-448, 448) for seed in range(2)])
+    received = received.to(torch.float8_e4m3fn).view(torch.uint8)
+    assert _same(mean_over_ranks(received, 2), mean_over_ranks.eager(received, 2))
