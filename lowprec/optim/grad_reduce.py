@@ -135,14 +135,16 @@ def mean_over_ranks(received: torch.Tensor, n: int) -> torch.Tensor:
 
 def all_to_all_mean(flat: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
     """Mean across ranks of E4M3 `flat` (length a multiple of `world_size`, one scale shared by all
-    ranks): all_to_all of the bytes, FP32 sum of this rank's shard, one rounding, all_gather."""
+    ranks): all_to_all of the bytes, FP32 sum of this rank's shard, one rounding, all_gather. The mean is
+    gathered into `flat` itself (its bytes were all sent by then), which is returned: one gradient-sized
+    buffer less at the step's end."""
     n = world_size
     chunk = flat.numel() // n
     # Bytes travel as uint8: every backend (gloo included) moves them, whatever its FP8 support.
     received = torch.empty_like(flat.view(torch.uint8))
     dist.all_to_all_single(received, flat.view(torch.uint8), group=group)
     shard = mean_over_ranks(received.view(n, chunk), n)
-    out = torch.empty_like(flat.view(torch.uint8))
-    all_gather_flat(out, shard.view(torch.uint8), group=group)
-    return out.view(E4M3)
-
+    del received
+    # Collectives of a group run in order on its stream: the all_to_all has read `flat` before this writes it.
+    all_gather_flat(flat.view(torch.uint8), shard.view(torch.uint8), group=group)
+    return flat
