@@ -14,6 +14,8 @@
 # step (torch.profiler, by self time) beside its JSON as NAME.prof.txt. A sixth field 'fp8w' (te) sets
 # fp8_weights=True: te:current:fsdp2:::fp8w. A sixth field 'overlap' sets LOWPREC_FP8_GRAD_OVERLAP=1 (the stored FP8
 # weight gradients averaged block by block during the backward under DDP): msamp@O2::ddp:::overlap.
+# PACK=1 packs OUTDIR into OUTDIR.tgz at the end (the device tool brings back at most 8 files a call: a matrix
+# with profiles writes two per cell; a file that does not come back is lost with the machine).
 set -uo pipefail
 out=${1:?usage: multi.sh OUTDIR backend[@level]:recipe:engine...}; shift
 mkdir -p "$out"
@@ -47,3 +49,6 @@ for case in "$@"; do
     grep -E "Error|error" "$out/$name.log" | grep -v "W1\|Warn" | tail -5
   fi
 done
+if [ "${PACK:-0}" = 1 ]; then
+  tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"
+fi
