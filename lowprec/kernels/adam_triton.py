@@ -104,7 +104,7 @@ def amax_pass(ptrs, sizes, chunks, valid, partials, beta1, beta2, weight_decay,
         offs = off + tl.arange(0, BLOCK)
         mask = offs < end
         p_unused, m, v = _moments(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, g_inv, m_inv, v_inv,
-                           beta1, beta2, weight_decay, DECOUPLED, MAXIMIZE, False)
+                                  beta1, beta2, weight_decay, DECOUPLED, MAXIMIZE, False)
         # NaN -> inf before the max: an amax must never hide a NaN (pow2_scale keeps the old scale)
         m_amax = tl.maximum(m_amax, tl.where(mask, tl.where(m == m, tl.abs(m), float("inf")), 0.0))
         v_amax = tl.maximum(v_amax, tl.where(mask, tl.where(v == v, tl.abs(v), float("inf")), 0.0))

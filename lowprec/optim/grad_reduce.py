@@ -11,7 +11,7 @@ accumulation window. Each step:
    never larger than the local one) and all gradients are packed into one FP8 byte buffer;
 3. the buffer is averaged by one of two methods:
    - "all_to_all" (default): all_to_all of the FP8 bytes, each rank sums its shard across ranks in
-     FP32, divides by N and rounds once to FP8, then all_gather of the FP8 shards. Because every
+     FP32, multiplies by 1/N and rounds once to FP8, then all_gather of the FP8 shards. Because every
      rank uses the same scale per tensor, the sum needs no per-element scale, and the mean of
      values bounded by 448 is bounded by 448: no pre-scaling, no overflow, one rounding.
    - "nccl_fp8": NCCL's native FP8 all_reduce(SUM) (NCCL >= 2.24; not gloo) of values pre-scaled
@@ -116,8 +116,9 @@ class FP8GradReducer:
 
 
 # The two passes over every gradient byte, each one fused kernel on CUDA (kernels/fused.py): eager, the
-# requantisation alone was eight kernels over FP32 temporaries, ~60 bytes of memory traffic per element
-# where one pass needs 2 (on the d4096 proxy's 973 M FP8 weight gradients, every step, after the backward).
+# requantisation alone was eight kernels over FP32 temporaries, ~60 bytes of memory traffic per element;
+# fused, its kernel and the copy into the send buffer move ~4 (on the d4096 proxy: 973 M FP8 weight
+# gradients, every step, after the backward).
 @cuda_fused
 def requantize(data: torch.Tensor, ratio: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """E4M3 `data` (1-D) times `ratio` (the shared scale over the local one) in E4M3; zeros where `valid`
@@ -127,10 +128,12 @@ def requantize(data: torch.Tensor, ratio: torch.Tensor, valid: torch.Tensor) -> 
 
 
 @cuda_fused
-def mean_over_ranks(received: torch.Tensor, n: int) -> torch.Tensor:
-    """The mean over ranks of E4M3 `received` bytes ([n, chunk], one scale shared by all ranks), in E4M3.
-    Values bounded by 448 have a mean bounded by 448: no saturation needed; a NaN stays NaN."""
-    return received.view(E4M3).float().sum(0).div(n).to(E4M3)
+def mean_over_ranks(received: torch.Tensor, inverse: float) -> torch.Tensor:
+    """The mean over ranks of E4M3 `received` bytes ([n, chunk], one scale shared by all ranks), in E4M3:
+    the FP32 sum times `inverse` (1/n). A product, not a quotient: inductor's CUDA code divides approximately
+    (div.full.f32) where torch's eager kernel multiplies by the reciprocal, and the two forms would round a
+    sum for n = 3 apart. Values bounded by 448 have a mean bounded by 448: no saturation; a NaN stays NaN."""
+    return received.view(E4M3).float().sum(0).mul(inverse).to(E4M3)
 
 
 def all_to_all_mean(flat: torch.Tensor, world_size: int, group=None) -> torch.Tensor:
@@ -143,7 +146,7 @@ def all_to_all_mean(flat: torch.Tensor, world_size: int, group=None) -> torch.Te
     # Bytes travel as uint8: every backend (gloo included) moves them, whatever its FP8 support.
     received = torch.empty_like(flat.view(torch.uint8))
     dist.all_to_all_single(received, flat.view(torch.uint8), group=group)
-    shard = mean_over_ranks(received.view(n, chunk), n)
+    shard = mean_over_ranks(received.view(n, chunk), 1.0 / n)
     del received
     # Collectives of a group run in order on its stream: the all_to_all has read `flat` before this writes it.
     all_gather_flat(flat.view(torch.uint8), shard.view(torch.uint8), group=group)

@@ -18,6 +18,7 @@
 # with profiles writes two per cell; a file that does not come back is lost with the machine).
 set -uo pipefail
 out=${1:?usage: multi.sh OUTDIR backend[@level]:recipe:engine...}; shift
+out=${out%/}  # PACK=1 writes OUTDIR.tgz beside the folder
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 for case in "$@"; do

@@ -58,6 +58,7 @@ class PhaseMarks:
     recorded at the same marks (read after the step, once the loss's .item() has synced)."""
 
     def __init__(self):
+        REDUCTIONS.clear()
         self.names, self.host = ["start"], [time.perf_counter()]
         self.events = [self._event()] if torch.cuda.is_available() else None
 
@@ -80,7 +81,36 @@ class PhaseMarks:
         out = {"host": {n: (b - a) * 1e3 for n, a, b in zip(self.names[1:], self.host, self.host[1:])}}
         if self.events is not None:
             out["device"] = {n: a.elapsed_time(b) for n, a, b in zip(self.names[1:], self.events, self.events[1:])}
+        # the FP8 gradient reduction inside those phases (DDP: in backward, after_backward; ZeRO: in DeepSpeed's
+        # step), summed over its calls this step: host time, and device time on a GPU
+        calls, REDUCTIONS[:] = list(REDUCTIONS), []
+        out["host"]["fp8_reduce_within"] = sum(host for host, _, _ in calls) * 1e3
+        if self.events is not None:
+            out["device"]["fp8_reduce_within"] = sum(a.elapsed_time(b) for _, a, b in calls if a is not None)
         return out
+
+
+REDUCTIONS: list[tuple] = []  # (host seconds, start event, end event) of each FP8GradReducer.reduce of a step
+
+
+def time_fp8_reductions() -> None:
+    """Record every `FP8GradReducer.reduce` call (`PhaseMarks.phases_ms` reports their sum)."""
+    from lowprec.optim.grad_reduce import FP8GradReducer
+
+    reduce = FP8GradReducer.reduce
+
+    def timed(self):
+        events = None
+        if torch.cuda.is_available():
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
+        t0 = time.perf_counter()
+        reduce(self)
+        if events is not None:
+            events[1].record()
+        REDUCTIONS.append((time.perf_counter() - t0, *(events or (None, None))))
+
+    FP8GradReducer.reduce = timed
 
 
 def median_phases(steps: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -127,6 +157,7 @@ def main() -> None:
     p.add_argument("--profile", default=None,
                    help="write one step's CUDA kernels (torch.profiler, by self time) to this file (rank 0)")
     args = p.parse_args()
+    time_fp8_reductions()
 
     from lowprec.demo.data import Windows, stdlib_corpus
     from lowprec.demo.model import PRESETS, build_model
@@ -227,12 +258,13 @@ def main() -> None:
                 # flat copies, which this does not see: its runs report peak memory only)
                 state_bytes = model_state_bytes(inner, optimizer, getattr(inner, BACKEND_ATTR, None))
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            marks.mark("clip")  # where DDP's and ZeRO's once-per-step FP8 gradient reduction runs, if first asked
+            marks.mark("clip")
             optimizer.step()
             marks.mark("optimizer")
             optimizer.zero_grad()
             marks.mark("zero_grad")
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
+        marks.mark("sync")  # the host waits here for the step's GPU work: the step time ends after it
         times.append(marks.total_s())
         if not (watch or profiling):
             phases.append(marks.phases_ms())
@@ -303,7 +335,7 @@ def main() -> None:
                 "peak_memory_gib_per_rank": peaks.tolist(), "after_prepare_gib_rank0": after_prepare,
                 "model_state_bytes_per_param": state_bytes,
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
-                "losses": losses, "step_times_s": times, "phase_ms": median_phases(phases[1:]),
+                "losses": losses, "step_times_s": times, "phase_ms": median_phases(phases[5:]),
                 "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
                 "grad_comm_how": plan.tensor("grad_comm").scaling if plan else None,
                 "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled, "fp8_weights": args.fp8_weights,

@@ -4,12 +4,15 @@ Triton's interpreter (TRITON_INTERPRET=1, tests/kernels/test_adam_kernels.py) ru
 its compiler: a kernel it runs may still fail to compile (a name carried through a loop with two types did,
 on the GPU host only). Here the launchers run on CPU tensors with each kernel replaced by a recorder, and
 every distinct (kernel, signature, constants) they launched is compiled to a cubin for sm_90 by Triton's own
-compiler and ptxas, which need no GPU. Run as a script, it prints `compile_all()` as JSON.
+compiler and ptxas, which need no GPU. The launches cover every dtype, state and gradient form and both
+alignments; not the 64-bit-offset form (WIDE: a tensor of 2**31 elements), nor the pointer-divisibility
+specialisation Triton's launcher adds on a GPU. Run as a script, it prints `compile_all()` as JSON.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import torch
@@ -79,6 +82,14 @@ def record_adam(launches: dict) -> None:
                     opt.attach_fp8_grads([store])
                     params[1].grad = torch.randn_like(params[1])
                     opt.step()
+        # parameters that are views into one buffer at an odd offset: the kernels' unaligned form (ALIGNED=False)
+        flat = torch.randn(2 * 64 * 32 + 1)
+        views = [torch.nn.Parameter(flat[1 + i * 2048:1 + (i + 1) * 2048].view(64, 32)) for i in range(2)]
+        opt = LowBitAdamW(views, lr=1e-3, exp_avg_dtype="e4m3", exp_avg_sq_dtype="fp16", fused=True)
+        opt._use_fused = lambda p, grad, group: True
+        for view in views:
+            view.grad = torch.randn_like(view)
+        opt.step()
         adam.pow2_scale(torch.ones(4), torch.float8_e4m3fn, torch.ones(4))
     finally:
         adam._get_kernels = lambda: real
@@ -111,7 +122,7 @@ def compile_all() -> dict[str, dict]:
             compiled[key] = f"{type(e).__name__}: {str(e)[-1500:]}"
             continue
         compiled[key] = "ok"
-        fma[key] = kernel.asm["ptx"].count("fma.rn.f32")
+        fma[key] = len(re.findall(r"\bfma\.", kernel.asm["ptx"]))  # any rounding, ftz or not
     return {"compiled": compiled, "fma": fma}
 
 

@@ -51,7 +51,7 @@ def test_every_launched_specialisation_compiles_for_sm90(compiled, kernel):
 def test_the_adam_launches_cover_every_gradient_and_state_form(compiled):
     updates = [key for key in compiled if key.startswith("update_pass(")]
     for form in ("G_VALID=True", "G_VALID=False", "G_TY=fp8e4nv", "M_TY=fp8e4nv", "V_TY=fp8e5", "P_TY=bf16",
-                 "DECOUPLED=False", "MAXIMIZE=True"):
+                 "DECOUPLED=False", "MAXIMIZE=True", "ALIGNED=False", "ALIGNED=True"):
         assert any(form in key for key in updates), form
 
 

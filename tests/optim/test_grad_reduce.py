@@ -66,7 +66,7 @@ def test_the_mean_over_ranks_gives_the_definitions_bytes(fused_on_cpu, n):
     from lowprec.optim.grad_reduce import mean_over_ranks
 
     received = torch.stack([_e4m3(999, seed) for seed in range(n)]).view(torch.uint8)
-    got, want = mean_over_ranks(received, n), mean_over_ranks.eager(received, n)
+    got, want = mean_over_ranks(received, 1.0 / n), mean_over_ranks.eager(received, 1.0 / n)
     assert got.dtype == E4M3 and got.shape == (999,)
     assert _same_bytes(got, want)
     exact = received.view(E4M3).float().mean(0)
