@@ -54,6 +54,10 @@ class LayerExecution:
             return False, f"not measured under {self.context.engine}"
         return True, "eager model on an FP8 GPU"
 
+    def later_compiles(self) -> str:
+        """When, after the first steps, the compiled layers compile again (for the plan's note), or ''."""
+        return ""
+
     def compile_layers(self, model: nn.Module) -> int:
         """Compile each converted layer of `model` (nn.Module.compile) where `layer_compile` says so;
         layers of one shape share a compiled graph. Returns how many were compiled."""

@@ -115,8 +115,8 @@ def build_plan(
     if compiles and plan.converted:
         plan.notes.append(
             f"eager model: each of the {len(plan.converted)} FP8 layers is compiled by torch.compile (casts, amaxes "
-            "and transposes fused; the first steps take longer while it compiles); compile_fp8_layers=False "
-            "keeps them eager, dynamo_backend='inductor' compiles the whole model instead")
+            f"and transposes fused; the first steps take longer while it compiles{backend.later_compiles()}); "
+            "compile_fp8_layers=False keeps them eager, dynamo_backend='inductor' compiles the whole model instead")
     if backend.recipe.skip_slow_shapes and backend.speed_scaling is not None:
         note = unmeasured_note(context.device, backend.speed_scaling)
         if note is not None:

@@ -159,3 +159,19 @@ def test_compiled_msamp_layers_of_many_shapes_stay_compiled_past_warm_up(monkeyp
             update_delayed_scales(list(layers))
     assert not layers[0].in_time()
     assert not any("recompile limit" in reason.lower() for reason in counters["unimplemented"]), counters
+
+
+@pytest.mark.parametrize("backend, window, later", [
+    ("msamp", None, "once more at step 16"),  # the default window: its delayed-scale variants compile then
+    ("msamp", 4, "once more at step 4"),
+    ("msamp", 1, None),  # scales always from the tensor at hand: one variant
+    ("torchao", None, None),
+])
+def test_the_plan_says_when_compiled_layers_compile_again(backend, window, later):
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    recipe = FP8RecipeKwargs(backend=backend, skip_first_last=False, skip_slow_shapes=False,
+                             **({"amax_history_len": window} if window else {}))
+    plan = build_plan(model, recipe, context=RunContext(device=H100), backend=create_backend(
+        recipe, RunContext(device=H100), require_package=False))
+    note = next(note for note in plan.notes if "FP8 layers is compiled" in note)
+    assert (later in note) if later else ("once more" not in note), note
