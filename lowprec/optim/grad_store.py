@@ -15,11 +15,12 @@ non-persistent buffers of the layer, so they follow `model.to(device)` and stay 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import nn
 
-from ..kernels.fused import cuda_fused
+from ..kernels.fused import cuda_fused, reduction_rows
 from ..kernels.scaling import compute_scale, quantize, tensor_amax
 
 STORE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
@@ -165,9 +166,13 @@ def fp8_grad_norms(stores, norm_type: float) -> torch.Tensor | None:
 
 @cuda_fused
 def _stored_norm(data: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """The `norm_type` norm of a stored gradient's true values (0 without one): one reduction on CUDA."""
+    """The `norm_type` norm of a stored gradient's true values (0 without one); on CUDA, one pass over its rows
+    (`reduction_rows`) and one over their norms: the norm of the rows' norms is the norm, but for order 0 (a
+    count of non-zeros, summed). The padding is neutral: 0, or inf for a negative order (|inf|**p = 0)."""
     grad = data.float() / scale
-    return torch.linalg.vector_norm(torch.where(valid > 0, grad, torch.zeros_like(grad)), norm_type)
+    rows = reduction_rows(torch.where(valid > 0, grad, torch.zeros_like(grad)), math.inf if norm_type < 0 else 0.0)
+    per_row = torch.linalg.vector_norm(rows, norm_type, dim=1)
+    return per_row.sum() if norm_type == 0 else torch.linalg.vector_norm(per_row, norm_type)
 
 
 @torch.no_grad()

@@ -100,3 +100,19 @@ def test_the_fp8_gradient_reducers_two_passes_equal_the_definition(valid):
         received = torch.stack([_values((4097,), torch.float32, seed).clamp(-448, 448) for seed in range(n)])
         received = received.to(torch.float8_e4m3fn).view(torch.uint8)
         assert _same(mean_over_ranks(received, 1.0 / n), mean_over_ranks.eager(received, 1.0 / n)), n
+
+
+def test_whole_tensor_reductions_keep_the_definition_from_a_short_first_length():
+    # compiled once for every length, split or not from the first: a short first call, then weight-sized ones
+    from lowprec.backends.msamp.fsdp import _scaled_cast
+    from lowprec.optim.grad_store import _stored_norm
+
+    for shape in [(3, 5), (4096 * 3 + 5,), (4096, 1408), (1408, 4096)]:
+        value = _values(shape, torch.float32, seed=len(shape)).nan_to_num(nan=1.0, posinf=2.0, neginf=-2.0)
+        data, scale, one = value.clamp(-448, 448).to(torch.float8_e4m3fn), torch.tensor(8.0, device="cuda"), \
+            torch.ones((), device="cuda")
+        for norm_type in (2.0, float("inf")):
+            torch.testing.assert_close(_stored_norm(data, scale, one, norm_type),
+                                       _stored_norm.eager(data, scale, one, norm_type), rtol=1e-6, atol=0)
+        (s1, d1), (s2, d2) = _scaled_cast(value, scale, 0), _scaled_cast.eager(value, scale, 0)
+        assert torch.equal(s1, s2) and _same(d1, d2)

@@ -1,0 +1,77 @@
+"""The whole-tensor reductions lowprec runs outside compiled graphs, at the d4096 proxy's weight shapes.
+
+    python benchmarks/fused_reductions.py --out fused_reductions.json
+
+`cuda_fused` compiles each function once for every length (inductor, dynamic shapes). Each is first called
+on a 16x16 tensor, the case in which inductor's split of a whole-tensor reduction, decided at that first
+compile, left later weights to one program (results/gpu/2026-11-27-h200x2-profile-85a7575), then timed
+(median of --iters, CUDA events) on each weight shape, compiled and as its eager definition, with the bytes
+it reads and writes per second. Functions: the stored FP8 gradient's norm (clipping under DDP and ZeRO,
+`optim.grad_store._stored_norm`) and the O3 weight's requantisation under DeepSpeed
+(`backends.msamp.fsdp._scaled_cast`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from lowprec.backends.msamp.fsdp import _scaled_cast
+from lowprec.optim.grad_store import _stored_norm
+
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
+
+
+def _median_ms(call, fn, iters: int) -> float:
+    """Median time of `call(fn)` over `iters` runs."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call(fn)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _cases(shape):
+    """(name, call(fn), bytes moved) for each function on a tensor of `shape`."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grad = (torch.randn(shape, device="cuda", generator=g) * 8).to(torch.float8_e4m3fn)
+    master = torch.randn(shape, device="cuda", generator=g)
+    one, scale = torch.ones((), device="cuda"), torch.tensor(4.0, device="cuda")
+    numel = grad.numel()
+    return [
+        ("stored_norm", _stored_norm, lambda f: f(grad, scale, one, 2.0), numel),
+        ("scaled_cast", _scaled_cast, lambda f: f(master, scale, 0), numel * 4 * 2 + numel),  # amax read, cast
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    for _, fn, call, _ in _cases((16, 16)):
+        call(fn)  # the short first call: the compile a later length reuses
+    rows = []
+    for shape in SHAPES:
+        for name, fn, call, moved in _cases(shape):
+            for _ in range(3):
+                call(fn), call(fn.eager)
+            fused, eager = _median_ms(call, fn, args.iters), _median_ms(call, fn.eager, args.iters)
+            rows.append({"function": name, "shape": list(shape), "fused_ms": fused, "eager_ms": eager,
+                         "fused_gb_per_s": moved / fused / 1e6, "first_call_shape": [16, 16]})
+            print(f"{name:12s} {str(shape):14s} fused {fused:8.3f} ms ({moved / fused / 1e6:7.0f} GB/s)"
+                  f"  eager {eager:8.3f} ms")
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
