@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..kernels.fused import cuda_fused
+from ..kernels.fused import cuda_fused, sum_over_ranks
 from ..kernels.scaling import compute_scale, nan_to_inf, quantize
 
 E4M3 = torch.float8_e4m3fn
@@ -73,7 +73,7 @@ def _encode_blocks(flat: torch.Tensor, scale: torch.Tensor, n: int, block: int) 
 def _decode_sum(received: torch.Tensor, scale: torch.Tensor, divisor: float) -> torch.Tensor:
     """The FP32 sum over ranks of E4M3 `received` bytes ([n, blocks, block]) sent with `scale` ([blocks]),
     divided by `divisor`."""
-    return received.view(E4M3).float().sum(dim=0) / scale.unsqueeze(-1) / divisor
+    return sum_over_ranks(received.view(E4M3)) / scale.unsqueeze(-1) / divisor
 
 
 def _global_amax(flat: torch.Tensor, n: int, block: int, group) -> torch.Tensor:

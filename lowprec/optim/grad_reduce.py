@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels.fused import cuda_fused
+from ..kernels.fused import cuda_fused, sum_over_ranks
 from ..kernels.scaling import compute_scale, nan_to_inf, quantize
 from .comm_hooks import all_gather_flat
 
@@ -133,7 +133,7 @@ def mean_over_ranks(received: torch.Tensor, inverse: float) -> torch.Tensor:
     the FP32 sum times `inverse` (1/n). A product, not a quotient: inductor's CUDA code divides approximately
     (div.full.f32) where torch's eager kernel multiplies by the reciprocal, and the two forms would round a
     sum for n = 3 apart. Values bounded by 448 have a mean bounded by 448: no saturation; a NaN stays NaN."""
-    return received.view(E4M3).float().sum(0).mul(inverse).to(E4M3)
+    return sum_over_ranks(received.view(E4M3)).mul(inverse).to(E4M3)
 
 
 def all_to_all_mean(flat: torch.Tensor, world_size: int, group=None) -> torch.Tensor:

@@ -16,7 +16,9 @@ def table(folder: str) -> str:
     cells = {}
     for path in sorted(glob.glob(os.path.join(folder, "**", "*.json"), recursive=True)):
         with open(path) as fh:
-            cells[os.path.relpath(path, folder)[:-5]] = json.load(fh)
+            cell = json.load(fh)
+        if "engine" in cell or "refused" in cell:  # a cell of multi.sh, not another benchmark's JSON beside them
+            cells[os.path.relpath(path, folder)[:-5]] = cell
     bf16 = {c["engine"]: c for c in cells.values() if c.get("backend") == "bf16" and "refused" not in c}
     lines = ["| cell | FP8 in every forward | loss first → last 5 | step ms | vs BF16 | peak GiB/rank | vs BF16 "
              "| ranks' weights differ by |",

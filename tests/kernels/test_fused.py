@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from lowprec.kernels.fused import REDUCTION_ROW, amax_by_rows, reduction_rows
+from lowprec.kernels.fused import REDUCTION_ROW, amax_by_rows, reduction_rows, sum_over_ranks
 from lowprec.optim.grad_store import _stored_norm
 
 E4M3 = torch.float8_e4m3fn
@@ -62,6 +62,19 @@ def test_the_stored_norm_over_rows_is_the_fp32_norm(norm_type, n, special):
     # no gradient on this rank: 0 for every order, as the FP32 norm of zeros
     empty = _stored_norm(data, scale, torch.tensor(0.0), norm_type)
     torch.testing.assert_close(empty, torch.linalg.vector_norm(torch.zeros(n), norm_type))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_the_sum_over_ranks_is_the_fp32_sum_in_rank_order(n):
+    received = _stored(n * 777, seed=n, special=math.nan).view(n, 777)
+    total = sum_over_ranks(received)
+    assert total.dtype == torch.float32 and total.shape == (777,)
+    expected = received[0].float()
+    for row in received[1:]:
+        expected = expected + row.float()
+    assert torch.equal(total.isnan(), expected.isnan()) and int(total.isnan().sum()) == 1
+    assert torch.equal(total.nan_to_num(), expected.nan_to_num())
+    torch.testing.assert_close(total, received.float().sum(0), equal_nan=True, rtol=1e-6, atol=0)
 
 
 @pytest.fixture
