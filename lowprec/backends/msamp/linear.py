@@ -60,7 +60,8 @@ def cast_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, transp
     `torch.compile` the torch ops below are fused by Inductor instead. NaN in `x` gives a
     non-finite amax, which no scale is ever computed from.
     """
-    if x.is_cuda and x.numel() and triton_available() and not torch.compiler.is_compiling():
+    # is_compiling first: dynamo would otherwise trace the lru_cache of triton_available (and warn about it)
+    if not torch.compiler.is_compiling() and x.is_cuda and x.numel() and triton_available():
         from ...kernels.cast import cast_transpose
 
         amax = torch.zeros((), dtype=torch.float32, device=x.device)
