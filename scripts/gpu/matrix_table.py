@@ -42,6 +42,12 @@ def table(folder: str) -> str:
         for name, phases in phased.items():
             side = "device" if "device" in phases else "host"
             lines.append(f"| {name} | {side} | " + " | ".join(f"{phases[side].get(n, 0):.1f}" for n in names) + " |")
+    profiled = {name: c["profiled_step"] for name, c in cells.items() if c.get("profiled_step")}
+    if profiled:  # one profiled step per rank (gpu_profile.kernel_summary): busy << span means the GPU waited
+        lines += ["", "| cell | rank | kernels | kernel ms | NCCL ms | busy ms | span ms |", "|---" * 7 + "|"]
+        for name, ranks in profiled.items():
+            lines += [f"| {name} | {r} | {s['kernels']} | {s['kernel_ms']} | {s['nccl_ms']} | {s['busy_ms']} "
+                      f"| {s['span_ms']} |" for r, s in enumerate(ranks)]
     return "\n".join(lines)
 
 

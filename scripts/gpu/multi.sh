@@ -11,7 +11,10 @@
 # path (DDP's wrapper and hooks, FSDP2's all-gathers, DeepSpeed's ZeRO optimizer) with nothing on the wire.
 # A sixth field, 'compiled' or 'eager', sets compile_fp8_layers for that cell (and names its file):
 # msamp@O2::ddp:::compiled. It wins over COMPILE_FP8_LAYERS. PROFILE=1 writes each cell's CUDA kernels of one
-# step (torch.profiler, by self time) beside its JSON as NAME.prof.txt. A sixth field 'fp8w' (te) sets
+# step (torch.profiler, by self time) beside its JSON as NAME.prof.txt (rank 0; NAME.prof.rankR.txt for the
+# others), each rank's Chrome trace as NAME.prof[.rankR].trace.json.gz, and in the JSON `profiled_step`: per rank,
+# kernel, NCCL, busy and span ms (gpu_profile.py; NCCL far above busy's share = a rank waiting for the other).
+# Use PACK=1 with it. A sixth field 'fp8w' (te) sets
 # fp8_weights=True: te:current:fsdp2:::fp8w. A sixth field 'overlap' sets LOWPREC_FP8_GRAD_OVERLAP=1 (the stored FP8
 # weight gradients averaged block by block during the backward under DDP): msamp@O2::ddp:::overlap.
 # PACK=1 packs OUTDIR into OUTDIR.tgz at the end (the device tool brings back at most 8 files a call: a matrix

@@ -31,6 +31,7 @@ import time
 import warnings
 
 import torch
+from gpu_profile import device_kernels, kernel_summary, write_profile
 
 from lowprec import Accelerator, FP8RecipeKwargs
 from lowprec.backends.base import BackendUnavailableError
@@ -122,9 +123,10 @@ def median_phases(steps: list[dict[str, dict[str, float]]]) -> dict[str, dict[st
 
 
 @contextlib.contextmanager
-def profiled(path: str, record: dict[str, int]):
-    """torch.profiler over the block: its CUDA kernels by self time into `path` (rank 0), their count into
-    `record`."""
+def profiled(path: str, record: dict):
+    """torch.profiler over the block. Every rank writes its CUDA kernels by self time and its Chrome trace beside
+    `path` (gpu_profile.write_profile); `record` gets each rank's kernel summary (count, kernel, NCCL, busy and
+    span ms: gpu_profile.kernel_summary), gathered, rank 0's first."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -132,14 +134,15 @@ def profiled(path: str, record: dict[str, int]):
         yield
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    events = prof.key_averages()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    record["cuda_kernels_in_a_step"] = len(kernels)
-    record["cuda_kernel_ms_in_a_step"] = sum(e.device_time_total for e in kernels) / 1000
-    if os.environ.get("RANK", "0") == "0":
-        with open(path, "w") as fh:
-            key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-            fh.write(events.table(sort_by=key, row_limit=45, max_name_column_width=90))
+    summary = kernel_summary(device_kernels(prof))
+    rank = int(os.environ.get("RANK", "0"))
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    write_profile(prof, path, rank, summary, key)
+    ranks = [summary]
+    if torch.distributed.is_initialized():
+        ranks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, summary)
+    record["profiled_step"] = ranks
 
 
 def main() -> None:
@@ -155,7 +158,8 @@ def main() -> None:
     p.add_argument("--size", default="small")
     p.add_argument("--out", required=True)
     p.add_argument("--profile", default=None,
-                   help="write one step's CUDA kernels (torch.profiler, by self time) to this file (rank 0)")
+                   help="write one step's CUDA kernels (torch.profiler, by self time) to this file (rank 0; "
+                        "NAME.rankR.txt for the others) and each rank's Chrome trace beside it")
     args = p.parse_args()
     time_fp8_reductions()
 

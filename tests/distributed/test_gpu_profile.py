@@ -1,0 +1,40 @@
+"""The GPU harness's per-rank profile summary (gpu_profile.py), on hand-made timelines and a CPU profile."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # gpu_engines.py imports it as a script's neighbour
+from gpu_profile import kernel_summary, rank_path, write_profile  # noqa: E402
+
+
+def test_busy_time_is_the_union_of_overlapping_streams_and_nccl_is_counted_apart():
+    kernels = [("gemm", 0.0, 1000.0), ("ncclDevKernel_AllReduce", 500.0, 3000.0),  # overlaps the gemm
+               ("triton_poi", 5000.0, 5500.0), ("triton_red", 5100.0, 5200.0)]  # inside the previous one
+    summary = kernel_summary(kernels)
+    assert summary == {"kernels": 4, "kernel_ms": 4.1, "nccl_ms": 2.5, "busy_ms": 3.5, "span_ms": 5.5}
+
+
+def test_an_empty_profile_sums_to_zero():
+    assert kernel_summary([]) == {"kernels": 0, "kernel_ms": 0.0, "nccl_ms": 0.0, "busy_ms": 0.0, "span_ms": 0.0}
+
+
+def test_each_rank_writes_its_table_summary_and_trace(tmp_path):
+    from torch.profiler import ProfilerActivity, profile
+
+    path = str(tmp_path / "cell.prof.txt")
+    assert rank_path(path, 0) == path and rank_path(path, 1) == str(tmp_path / "cell.prof.rank1.txt")
+    for rank in (0, 1):  # each rank profiles its own step
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            torch.randn(64, 64) @ torch.randn(64, 64)
+        write_profile(prof, path, rank, kernel_summary([]), "self_cpu_time_total")
+    table = (tmp_path / "cell.prof.rank1.txt").read_text()
+    assert table.startswith("rank 1: {") and "aten::mm" in table
+    with gzip.open(tmp_path / "cell.prof.trace.json.gz") as fh:
+        assert "traceEvents" in json.load(fh)
+    assert (tmp_path / "cell.prof.rank1.trace.json.gz").exists()
