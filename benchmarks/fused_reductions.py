@@ -9,6 +9,12 @@ compile, left later weights to one program (results/gpu/2026-11-27-h200x2-profil
 it reads and writes per second. Functions: the stored FP8 gradient's norm (clipping under DDP and ZeRO,
 `optim.grad_store._stored_norm`) and the O3 weight's requantisation under DeepSpeed
 (`backends.msamp.fsdp._scaled_cast`).
+
+Then the same hazard inside a compiled layer: msamp's FP8Linear (4096x4096) compiled as `compile_fp8_layers`
+compiles it (dynamic shapes), its forward and backward timed at 8 x 2048 tokens after a first call of one
+16-token batch (an evaluation or a generation before training) and, after `torch._dynamo.reset()`, after a
+first call at the training size. Its amaxes of activations and gradients reduce over rows when traced
+(`kernels.scaling.tensor_amax`), so the two should match.
 """
 
 from __future__ import annotations
@@ -51,6 +57,29 @@ def _cases(shape):
     ]
 
 
+TOKENS = 8 * 2048
+
+
+def _layer_ms(first_tokens: int, iters: int) -> float:
+    """Forward and backward of a compiled msamp FP8Linear on TOKENS tokens, after a first call on `first_tokens`."""
+    from lowprec.backends.msamp import MSAMPBackend
+    from lowprec.backends.msamp.linear import FP8Linear
+
+    torch._dynamo.reset()
+    layer = FP8Linear(4096, 4096, bias=False, device="cuda")
+    torch.nn.init.normal_(layer.weight, std=0.02)
+    layer.compile(dynamic=MSAMPBackend.LAYER_COMPILE_DYNAMIC)
+
+    def step(tokens: int) -> None:
+        x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        layer(x).float().sum().backward()
+
+    step(first_tokens)
+    for _ in range(3):
+        step(TOKENS)
+    return _median_ms(lambda _: step(TOKENS), None, iters)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True)
@@ -68,7 +97,11 @@ def main() -> None:
                          "fused_gb_per_s": moved / fused / 1e6, "first_call_shape": [16, 16]})
             print(f"{name:12s} {str(shape):14s} fused {fused:8.3f} ms ({moved / fused / 1e6:7.0f} GB/s)"
                   f"  eager {eager:8.3f} ms")
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}
+    layers = {first: _layer_ms(first, args.iters) for first in (16, TOKENS)}
+    print(f"FP8Linear 4096x4096, {TOKENS} tokens, fwd+bwd: {layers[16]:.3f} ms after a 16-token first call, "
+          f"{layers[TOKENS]:.3f} ms after a {TOKENS}-token one")
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+              "fp8_linear_fwd_bwd_ms_by_first_tokens": layers}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -69,10 +69,10 @@ def reduction_rows(tensor: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
     reduction over all of `tensor` is this one over dim 1, then over the rows, when `fill` leaves it unchanged
     (0 for a sum or an amax of magnitudes). On CUDA the padding is a masked load, not a copy."""
     flat = tensor.reshape(-1)
-    pad = -flat.numel() % REDUCTION_ROW if flat.numel() else REDUCTION_ROW
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad), value=fill)
-    return flat.view(-1, REDUCTION_ROW)
+    # Padded always, by 0 where the length is a whole number of rows: a branch on that would be one more guard,
+    # and one more graph, of every compiled caller (a compiled layer's graphs count toward dynamo's limit).
+    pad = REDUCTION_ROW if flat.numel() == 0 else -flat.numel() % REDUCTION_ROW
+    return torch.nn.functional.pad(flat, (0, pad), value=fill).view(-1, REDUCTION_ROW)
 
 
 def amax_by_rows(tensor: torch.Tensor) -> torch.Tensor:

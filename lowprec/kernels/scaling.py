@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .fused import amax_by_rows
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _MAX = {
     torch.float8_e4m3fn: 448.0,
@@ -78,6 +80,10 @@ def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
     `compute_scale` treats as "keep the previous scale"."""
     if tensor.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=tensor.device)
+    if torch.compiler.is_compiling():
+        # In a graph (a compiled layer, dynamic shapes): over rows first, so that the reduction's parallelism
+        # does not depend on the length inductor first compiled for (kernels.fused.reduction_rows)
+        return amax_by_rows(tensor)
     return tensor.detach().abs().amax().float()
 
 
