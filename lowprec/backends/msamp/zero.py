@@ -14,7 +14,7 @@ it is and keeps the converted Linear weights out of it, partitioned the way MS-A
 
 After DeepSpeed's step the owners step their masters with the hyper-parameters (learning rate
 included, so schedulers apply) of the optimizer group each weight came from, requantise them and
-share the bytes and scales (one all-gather). Everything else (embeddings, norms, biases, BF16 layers) stays
+broadcast the bytes and scales. Everything else (embeddings, norms, biases, BF16 layers) stays
 DeepSpeed's. Gradient clipping: lowprec clips the FP8 weights by the norm over all gradients
 (DeepSpeed's pre-clip norm and theirs); DeepSpeed clips its own parameters by their own norm, as it
 has no public way to count gradients it does not hold.
@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...optim.comm_hooks import all_gather_flat
 from ...optim.grad_reduce import FP8GradReducer
 from ...optim.grad_store import fp8_grad_norms
 from ...optim.low_bit_adam import LowBitAdamW
@@ -191,7 +190,7 @@ class ZeroFP8Weights:
     @torch.no_grad()
     def step(self, max_norm: float | None = None, engine_norm: float | torch.Tensor | None = None) -> None:
         """Average the FP8 gradients, clip them by the norm over every gradient (with `engine_norm`,
-        DeepSpeed's pre-clip norm of the rest), step the masters, share the new FP8 weights."""
+        DeepSpeed's pre-clip norm of the rest), step the masters, broadcast the new FP8 weights."""
         if self.blockwise is None or not self.blockwise.finish():  # else the hooked backward averaged them
             self.reducer.reduce()
         if max_norm:
@@ -199,7 +198,7 @@ class ZeroFP8Weights:
         for group, source in zip(self.optimizer.param_groups, self._group_sources):
             group.update({k: source[k] for k in HYPER if k in source})
         self.optimizer.step()
-        self._requantize_and_share()
+        self._requantize_and_broadcast()
         for layer in self.layers:
             layer.fp8_grad_valid.zero_()
 
@@ -216,39 +215,27 @@ class ZeroFP8Weights:
         # value = data / scale: a larger scale is a smaller gradient
         torch._foreach_div_([layer.fp8_grad_scale for layer in self.layers], coef)
 
-    def _requantize_and_share(self) -> None:
-        """The owners requantise their masters; one all-gather then gives every rank every owner's bytes and
-        scales. Each rank's part (its layers' bytes, then their scales' bytes) is packed into its slot of
-        the gathered buffer, padded to the largest owner's: one collective in which every link carries
-        data both ways, where a broadcast per owner ran them one after another (2 x 5.6 ms a step on the
-        d4096 proxy on two H200s, results/gpu/2026-11-27-h200x2-matrix-187dca0)."""
+    def _requantize_and_broadcast(self) -> None:
         for i, master in self.masters.items():
             self.layers[i].weight.requantize_(master, self.layers[i].margin)
-        if self.world_size == 1:
-            return
-        owned = [[layer.weight for layer, owner in zip(self.layers, self.owners) if owner == rank]
-                 for rank in range(self.world_size)]
-        sizes = [sum(w._data.numel() + 4 for w in weights) for weights in owned]  # + a float32 scale each
-        slot = max(sizes)
-        device = self.layers[0].weight._data.device
-        gathered = torch.empty(self.world_size * slot, dtype=torch.uint8, device=device)
-        mine = gathered[self.rank * slot:(self.rank + 1) * slot]
-        if owned[self.rank]:
-            torch.cat([w._data.view(torch.uint8).flatten() for w in owned[self.rank]]
-                      + [torch.stack([w._scale.float() for w in owned[self.rank]]).view(torch.uint8)],
-                      out=mine[:sizes[self.rank]])
-        all_gather_flat(gathered, mine, group=self.group)  # in place: this rank's slot is its input
-        for rank, weights in enumerate(owned):
-            if rank == self.rank or not weights:
+        # One broadcast per owner: its layers' bytes, then their scales' bytes.
+        for rank in range(self.world_size):
+            owned = [self.layers[i].weight for i in range(len(self.layers)) if self.owners[i] == rank]
+            if not owned:
                 continue
-            part = gathered[rank * slot:rank * slot + sizes[rank]]
-            data, offset = [], 0
-            for w in weights:
-                data.append(part[offset:offset + w._data.numel()].view(w._data.shape))
-                offset += w._data.numel()
-            torch._foreach_copy_([w._data.view(torch.uint8) for w in weights], data)
-            scales = part[offset:].clone().view(torch.float32)  # a copy: the bytes' offset need not be 4-aligned
-            torch._foreach_copy_([w._scale for w in weights], list(scales.unbind(0)))
+            flat = torch.cat([w._data.view(torch.uint8).flatten() for w in owned]
+                             + [torch.stack([w._scale.float() for w in owned]).view(torch.uint8)])
+            dist.broadcast(flat, src=self._global(rank), group=self.group)
+            if rank == self.rank:
+                continue
+            offset = 0
+            for w in owned:
+                n = w._data.numel()
+                w._data.view(torch.uint8).copy_(flat[offset:offset + n].view(w._data.shape))
+                offset += n
+            scales = flat[offset:].view(torch.float32)
+            for w, s in zip(owned, scales.unbind(0)):
+                w._scale.copy_(s)
 
     # ----- what the model's weights are ----------------------------------------------------------------
     @torch.no_grad()
