@@ -65,19 +65,30 @@ REDUCTION_ROW = 4096
 
 
 def reduction_rows(tensor: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-    """`tensor` flattened and padded with `fill` to whole rows, at least one, as [rows, REDUCTION_ROW]: a
-    reduction over all of `tensor` is this one over dim 1, then over the rows, when `fill` leaves it unchanged
-    (0 for a sum or an amax of magnitudes). On CUDA the padding is a masked load, not a copy."""
+    """`tensor` as [rows, columns], so that a reduction over all of it is this one over dim 1, then over the
+    rows, when `fill` leaves the reduction unchanged (0 for a sum or an amax of magnitudes, inf for a min).
+    In a graph being traced, `padded_rows`; eager, one row, a view: aten's reductions split by the actual
+    length, and padding would only copy."""
+    if not torch.compiler.is_compiling():
+        return tensor.reshape(1, -1)
+    return padded_rows(tensor, fill)
+
+
+def padded_rows(tensor: torch.Tensor, fill: float) -> torch.Tensor:
+    """`tensor` flattened and padded with `fill` to whole rows of REDUCTION_ROW and one row more, as
+    [rows, REDUCTION_ROW]. The extra row keeps the pad above 0 and the rows above 1 whatever the length:
+    neither is then a case dynamo guards on, which would be one graph more of every compiled caller (a
+    compiled layer's graphs count toward dynamo's limit). On CUDA the padding is a masked load, not a copy."""
     flat = tensor.reshape(-1)
-    # Padded always, by 0 where the length is a whole number of rows: a branch on that would be one more guard,
-    # and one more graph, of every compiled caller (a compiled layer's graphs count toward dynamo's limit).
-    pad = REDUCTION_ROW if flat.numel() == 0 else -flat.numel() % REDUCTION_ROW
-    return torch.nn.functional.pad(flat, (0, pad), value=fill).view(-1, REDUCTION_ROW)
+    return torch.nn.functional.pad(flat, (0, -flat.numel() % REDUCTION_ROW + REDUCTION_ROW),
+                                   value=fill).view(-1, REDUCTION_ROW)
 
 
 def amax_by_rows(tensor: torch.Tensor) -> torch.Tensor:
     """`max(|tensor|)` as a float32 scalar, 0 for an empty tensor (as `scaling.tensor_amax`), NaN kept; reduced
     over `reduction_rows`."""
+    if tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=tensor.device)
     return reduction_rows(tensor.detach().abs()).amax(dim=1).amax().float()
 
 

@@ -166,8 +166,8 @@ def fp8_grad_norms(stores, norm_type: float) -> torch.Tensor | None:
 
 @cuda_fused
 def _stored_norm(data: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """The `norm_type` norm of a stored gradient's true values (0 without one); on CUDA, one pass over its rows
-    (`reduction_rows`) and one over their norms: the norm of the rows' norms is the norm, but for order 0 (a
+    """The `norm_type` norm of a stored gradient's true values (0 without one): the norm of its rows' norms
+    (`reduction_rows`: padded rows when compiled, on CUDA; one row eager), which is the norm, but for order 0 (a
     count of non-zeros, summed). The padding is neutral: 0, or inf for a negative order (|inf|**p = 0)."""
     grad = data.float() / scale
     rows = reduction_rows(torch.where(valid > 0, grad, torch.zeros_like(grad)), math.inf if norm_type < 0 else 0.0)

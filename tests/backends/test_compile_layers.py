@@ -175,3 +175,23 @@ def test_the_plan_says_when_compiled_layers_compile_again(backend, window, later
         recipe, RunContext(device=H100), require_package=False))
     note = next(note for note in plan.notes if "FP8 layers is compiled" in note)
     assert (later in note) if later else ("once more" not in note), note
+
+
+def test_a_compiled_msamp_layer_adds_no_graph_for_its_amaxes_rows():
+    # inductor, dynamic shapes: one graph for a single token (dynamo specialises 1), one for a token count that
+    # is not a multiple of 16 (the GEMM's padding) and one for one that is; the amaxes over rows
+    # (kernels.fused.padded_rows) must add none, e.g. for an input of a single row
+    from torch._dynamo.utils import counters
+
+    from lowprec.backends.msamp.linear import FP8Linear
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer = FP8Linear(768, 768, bias=False, emulate=True)
+    nn.init.normal_(layer.weight, std=0.02)
+    layer.compile(dynamic=True)
+    for tokens in (1, 2, 16, 48, 5):  # 2 and 5 x 768 elements: one row of 4096 without the extra row
+        x = torch.randn(tokens, 768, requires_grad=True)
+        layer(x).float().sum().backward()
+    assert counters["stats"]["unique_graphs"] == 3, counters["stats"]
+    torch._dynamo.reset()

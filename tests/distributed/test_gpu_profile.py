@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # gpu_engines.py imports it as a script's neighbour
-from gpu_profile import kernel_summary, rank_path, write_profile  # noqa: E402
+from gpu_profile import device_kernels, kernel_summary, rank_path, write_profile  # noqa: E402
 
 
 def test_busy_time_is_the_union_of_overlapping_streams_and_nccl_is_counted_apart():
@@ -38,3 +38,20 @@ def test_each_rank_writes_its_table_summary_and_trace(tmp_path):
     with gzip.open(tmp_path / "cell.prof.trace.json.gz") as fh:
         assert "traceEvents" in json.load(fh)
     assert (tmp_path / "cell.prof.rank1.trace.json.gz").exists()
+
+
+def test_device_kernels_are_the_cuda_events_but_user_annotations():
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def event(name, start, end, device, annotation=False):
+        return FunctionEvent(id=0, name=name, thread=0, start_us=start, end_us=end, device_type=device,
+                             is_user_annotation=annotation)
+
+    class Profile:
+        def events(self):
+            return [event("aten::mm", 0, 50, DeviceType.CPU), event("nvjet_gemm", 10, 40, DeviceType.CUDA),
+                    event("DistributedDataParallel.forward", 5, 45, DeviceType.CUDA, annotation=True),
+                    event("ncclDevKernel_AllGather", 40, 60, DeviceType.CUDA)]
+
+    assert device_kernels(Profile()) == [("nvjet_gemm", 10, 40), ("ncclDevKernel_AllGather", 40, 60)]
