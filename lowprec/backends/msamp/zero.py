@@ -223,19 +223,21 @@ class ZeroFP8Weights:
             owned = [self.layers[i].weight for i in range(len(self.layers)) if self.owners[i] == rank]
             if not owned:
                 continue
-            flat = torch.cat([w._data.view(torch.uint8).flatten() for w in owned]
-                             + [torch.stack([w._scale.float() for w in owned]).view(torch.uint8)])
+            sizes = [w._data.numel() for w in owned]
+            if rank == self.rank:
+                flat = torch.cat([w._data.view(torch.uint8).flatten() for w in owned]
+                                 + [torch.stack([w._scale.float() for w in owned]).view(torch.uint8)])
+            else:  # only received into: no need to pack this rank's stale copies first
+                flat = torch.empty(sum(sizes) + 4 * len(owned), dtype=torch.uint8, device=owned[0]._data.device)
             dist.broadcast(flat, src=self._global(rank), group=self.group)
             if rank == self.rank:
                 continue
-            offset = 0
-            for w in owned:
-                n = w._data.numel()
-                w._data.view(torch.uint8).copy_(flat[offset:offset + n].view(w._data.shape))
-                offset += n
-            scales = flat[offset:].view(torch.float32)
-            for w, s in zip(owned, scales.unbind(0)):
-                w._scale.copy_(s)
+            parts = flat.split(sizes + [4 * len(owned)])
+            torch._foreach_copy_([w._data.view(torch.uint8) for w in owned],
+                                 [part.view(w._data.shape) for part, w in zip(parts, owned)])
+            # a copy: the scales' offset is the weights' byte count, which need not be a multiple of 4
+            scales = parts[-1].clone().view(torch.float32)
+            torch._foreach_copy_([w._scale for w in owned], list(scales.unbind(0)))
 
     # ----- what the model's weights are ----------------------------------------------------------------
     @torch.no_grad()
