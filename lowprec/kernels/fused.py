@@ -56,11 +56,12 @@ def cuda_fused(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-# A whole-tensor reduction in a `cuda_fused` function goes over rows of REDUCTION_ROW elements first. Inductor
-# compiles such a function once for every length (dynamic shapes) and decides whether to split a reduction over
-# a whole tensor from the length it first saw: on the d4096 proxy every FP8 gradient norm (7 ms) and every O3
-# weight requantisation under ZeRO (14 ms) then ran as one program, 200 ms a step each on an H200
-# (results/gpu/2026-11-27-h200x2-profile-85a7575). Over rows, the tensor's shape holds the parallelism.
+# A whole-tensor reduction that inductor compiles (in a `cuda_fused` function, or an amax in a compiled FP8 layer)
+# goes over rows of REDUCTION_ROW elements first. Inductor compiles such code once for every length (dynamic
+# shapes) and decides whether to split a reduction over a whole tensor from the length it first saw: on the d4096
+# proxy every FP8 gradient norm (7 ms) and every O3 weight requantisation under ZeRO (14 ms) then ran as one
+# program, 200 ms a step each on an H200 (results/gpu/2026-11-27-h200x2-profile-85a7575). Over rows, the
+# tensor's shape holds the parallelism.
 REDUCTION_ROW = 4096
 
 
