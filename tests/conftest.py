@@ -1,4 +1,5 @@
-"""Shared fixtures: a clean ACCELERATE_* environment, a CPU host without TE, and a fresh Accelerate state per test."""
+"""Shared fixtures: a clean ACCELERATE_* environment, a CPU host without TE, and a fresh Accelerate state per test;
+`fused_on_cpu` and `same_bytes` for the tests of `cuda_fused` passes compiled by inductor on CPU."""
 
 from __future__ import annotations
 
@@ -125,3 +126,23 @@ def scenario_ranks(run: dict, name: str) -> list:
     scenario = run["scenarios"][name]
     assert "error" not in scenario, scenario.get("traceback") or scenario.get("error")
     return scenario["ranks"]
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """`cuda_fused` functions compiled on CPU too (inductor's CPU code stands in for the CUDA kernels), from
+    empty dynamo caches."""
+    import lowprec.kernels.fused as fused
+
+    monkeypatch.setattr(fused, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bytes, but for the sign bit of a NaN (inductor's CPU code gives NaN's other sign)."""
+    if a.dtype == torch.float8_e4m3fn:
+        nan = a.isnan()
+        return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0))

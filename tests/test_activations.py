@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import same_bytes
 
 from lowprec.kernels.activations import GROUP, pack_fp8, unpack_fp8
 
@@ -136,14 +137,6 @@ def test_what_cannot_be_packed_is_refused(bad):
         pack_fp8(bad)
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same bytes, but for the sign bit of a NaN (inductor's CPU code gives NaN's other sign)."""
-    if a.dtype == torch.float8_e4m3fn:
-        nan = a.isnan()
-        return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
-    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0))
-
-
 def test_the_fused_form_gives_the_definitions_bytes(monkeypatch):
     # On CUDA the encode and decode run compiled (one kernel each); inductor's CPU code stands in for it here,
     # inside a forward's saved-tensor hooks as in training, for every dtype and both group layouts.
@@ -168,9 +161,9 @@ def test_the_fused_form_gives_the_definitions_bytes(monkeypatch):
             size = min(GROUP, shape[-1])
             data, exponent = _encode(rows, size)
             want_data, want_exponent = _encode.eager(rows, size)
-            assert _same_bytes(data, want_data) and torch.equal(exponent, want_exponent), (shape, dtype)
+            assert same_bytes(data, want_data) and torch.equal(exponent, want_exponent), (shape, dtype)
             decoded = _decode(data, exponent, shape[-1], dtype)
-            assert _same_bytes(decoded, _decode.eager(data, exponent, shape[-1], dtype)), (shape, dtype)
+            assert same_bytes(decoded, _decode.eager(data, exponent, shape[-1], dtype)), (shape, dtype)
             assert decoded.dtype == dtype and torch.isnan(decoded[1, 3]) and torch.isnan(decoded[2, 5])
     assert counters["stats"]["unique_graphs"] > graphs  # the compiled form ran, not the definition again
 

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from conftest import same_bytes
 
 from lowprec.kernels.fused import REDUCTION_ROW, amax_by_rows, padded_rows, reduction_rows, sum_over_ranks
 from lowprec.optim.grad_store import _stored_norm
@@ -85,22 +86,6 @@ def test_the_sum_over_ranks_is_sum_0s_bytes(n):
     assert torch.equal(total.isnan(), expected.isnan()) and torch.equal(total.nan_to_num(), expected.nan_to_num())
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # inductor's CPU code may give NaN the other sign: compare NaN positions, then every other byte
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
-
-
-@pytest.fixture
-def fused_on_cpu(monkeypatch):
-    import lowprec.kernels.fused as fused
-
-    monkeypatch.setattr(fused, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def test_compiled_norms_and_requantisation_hold_over_padded_rows_with_one_graph_for_every_length(fused_on_cpu):
     # compiled, the reductions run over padded rows (inductor's CPU code here): the FP32 norm for every order and
     # the definition's bytes, NaN included, from a short first length on, one graph per function and order
@@ -120,5 +105,5 @@ def test_compiled_norms_and_requantisation_hold_over_padded_rows_with_one_graph_
         value = _values(n, seed=n + 1).view(1, -1)
         value[0, n // 2] = math.nan if n > 10_000 else value[0, n // 2]
         (s1, d1), (s2, d2) = _scaled_cast(value, torch.tensor(2.0), 0), _scaled_cast.eager(value, torch.tensor(2.0), 0)
-        assert torch.equal(s1, s2) and _same_bytes(d1, d2)
+        assert torch.equal(s1, s2) and same_bytes(d1, d2)
     assert counters["stats"]["unique_graphs"] - graphs == len(orders) + 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import same_bytes
 
 E4M3 = torch.float8_e4m3fn
 
@@ -22,22 +23,6 @@ def _e4m3(n: int, seed: int) -> torch.Tensor:
         q[11] = 448.0
         q[13] = -448.0
     return q
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    # inductor's CPU code may give NaN the other sign: compare NaN positions, then every other byte
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
-
-
-@pytest.fixture
-def fused_on_cpu(monkeypatch):
-    import lowprec.kernels.fused as fused
-
-    monkeypatch.setattr(fused, "FUSED_DEVICE_TYPES", ("cuda", "cpu"))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def test_requantize_gives_the_definitions_bytes_for_every_layer_length_with_one_graph(fused_on_cpu):
@@ -54,7 +39,7 @@ def test_requantize_gives_the_definitions_bytes_for_every_layer_length_with_one_
                 args = (data, ratios[k], torch.tensor(valid))  # views of one tensor, as the reducer passes them
                 got, want = requantize(*args), requantize.eager(*args)
                 assert got.dtype == E4M3 and got.shape == (n,)
-                assert _same_bytes(got, want), (n, k, valid)
+                assert same_bytes(got, want), (n, k, valid)
                 if valid == 0.0:
                     assert not got.float().any()  # an absent gradient sends zeros, not stale bytes
     # compiled, and not once per length (dynamo specialises the lengths 0 and 1)
@@ -68,7 +53,7 @@ def test_the_mean_over_ranks_gives_the_definitions_bytes(fused_on_cpu, n):
     received = torch.stack([_e4m3(999, seed) for seed in range(n)]).view(torch.uint8)
     got, want = mean_over_ranks(received, 1.0 / n), mean_over_ranks.eager(received, 1.0 / n)
     assert got.dtype == E4M3 and got.shape == (999,)
-    assert _same_bytes(got, want)
+    assert same_bytes(got, want)
     exact = received.view(E4M3).float().mean(0)
     finite = exact.isfinite()
     assert got.isnan()[7] and torch.equal(finite, ~got.isnan())  # a NaN from any rank stays NaN
