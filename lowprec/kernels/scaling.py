@@ -78,12 +78,12 @@ def compute_scale(
 def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
     """`max(|tensor|)` as a float32 scalar; 0 for an empty tensor (an MoE expert with no tokens), which
     `compute_scale` treats as "keep the previous scale"."""
+    if torch.compiler.is_compiling():
+        # In a graph (a compiled layer, a fused pass; dynamic shapes): over rows first, so that the reduction's
+        # parallelism does not depend on the length inductor first compiled for (kernels.fused.reduction_rows)
+        return amax_by_rows(tensor)
     if tensor.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=tensor.device)
-    if torch.compiler.is_compiling():
-        # In a graph (a compiled layer, dynamic shapes): over rows first, so that the reduction's parallelism
-        # does not depend on the length inductor first compiled for (kernels.fused.reduction_rows)
-        return amax_by_rows(tensor)
     return tensor.detach().abs().amax().float()
 
 

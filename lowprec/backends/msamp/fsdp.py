@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ...kernels.fused import amax_by_rows, cuda_fused
+from ...kernels.fused import cuda_fused
 from ...kernels.scaling import compute_scale, nan_to_inf, quantize, tensor_amax
 
 E4M3 = torch.float8_e4m3fn
@@ -144,7 +144,7 @@ def _shard_amaxes(shards: list[torch.Tensor]) -> torch.Tensor:
 def _scaled_cast(value: torch.Tensor, previous: torch.Tensor | None, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(power-of-2 scale from `value`'s amax, or `previous` when that is zero or not finite (1 without one),
     `value` in E4M3 with it): on CUDA a reduction over `value`'s rows, one over theirs, one cast."""
-    scale = compute_scale(amax_by_rows(value), E4M3, margin, previous=previous)
+    scale = compute_scale(tensor_amax(value), E4M3, margin, previous=previous)
     return scale, quantize(value, scale, E4M3)
 
 
