@@ -119,7 +119,7 @@ class MSAMPCommunication(GradientCommunication):
         elif plan.converted and self.owner.zero_o3:
             comm = TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (Linear), {comm.dtype} (rest)",
                                    "weight grads averaged by lowprec once per step (amax all-reduced, FP8 all_to_all, "
-                                   f"FP32 sum, FP8 all_gather), {reduction_timing()}; the rest by DeepSpeed")
+                                   f"FP32 sum, FP8 all_gather), {reduction_timing('deepspeed')}; the rest by DeepSpeed")
         return [comm, *rest]
 
     def update_delayed_scales(self) -> None:
@@ -222,7 +222,7 @@ class MSAMPCommunication(GradientCommunication):
             from ...optim.grad_overlap import overlap_requested
 
             # a model compiled whole would run the blocks' hooks inside its graph: one reduction at the step
-            self.zero.install(engine=model, overlap=overlap_requested() and not self.owner.context.compiled)
+            self.zero.install(engine=model, overlap=overlap_requested("deepspeed") and not self.owner.context.compiled)
         super().install(model)
 
     def after_backward(self, sync_gradients: bool) -> None:
