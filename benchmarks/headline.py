@@ -24,8 +24,12 @@ down Linear; final RMSNorm and an untied head over a 32000-token vocabulary; bat
 cross-entropy on the next token. Optimizer torch AdamW(fused=True) handed to prepare().
 
 Per run: median step after `--warmup` steps (the loss read each step synchronises), tokens/s, peak CUDA
-memory from right after prepare(), CUDA memory held after prepare() and after the first optimizer step
-(model state), CUDA memory the first forward leaves held for backward, FP8 Linears in the plan.
+memory from right after prepare(), and where in the step it came (`peak_by_phase_gib`: the highest peak of the
+forwards, the backwards and the optimizer steps), CUDA memory held after prepare() and after the first optimizer
+step (model state), CUDA memory the first forward leaves held for backward, FP8 Linears in the plan.
+`--profile-dir DIR` adds, for `--profile-configs` (default: every one), `--profile-steps` extra steps under
+torch.profiler after the timed ones: DIR/WIDTH_LABEL.prof.txt (top kernels by device time) and the JSON's
+`profile` (kernel time per step by category, widths.py's `profile_steps`).
 `--summarize OUT.json` prints the table again. "... act8" configurations add activation_dtype="fp8".
 """
 
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -151,7 +156,8 @@ def _auto_reasons(recipe, context) -> list[str]:
     return passed_over + ([f"{chosen.name}: chosen"] if chosen is not None else [])
 
 
-def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int) -> dict:
+def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profile_path: str | None = None,
+            profile_n: int = 2) -> dict:
     from accelerate import Accelerator as PlainAccelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import TorchDynamoPlugin
@@ -196,6 +202,14 @@ def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int) -> di
         memory["after_prepare_gib"] = torch.cuda.memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
 
+    phase_peaks = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+
+    def phase_end(phase: str) -> None:
+        # the peak since the last phase ended (reading it does not synchronise: the allocator's own count)
+        if cuda:
+            phase_peaks[phase] = max(phase_peaks[phase], torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+
     def step(ids: torch.Tensor, first: bool = False) -> float:
         ids = ids.to(accelerator.device, non_blocking=True)
         held = torch.cuda.memory_allocated() if first and cuda else None
@@ -206,9 +220,12 @@ def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int) -> di
             loss = model(ids)
         if held is not None:  # what the forward keeps for backward (saved activations, logits, loss)
             memory["held_by_forward_gib"] = (torch.cuda.memory_allocated() - held) / 2**30
+        phase_end("forward")
         accelerator.backward(loss)
+        phase_end("backward")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        phase_end("optimizer")
         return loss.item()  # synchronises
 
     times, losses = [], []
@@ -226,9 +243,14 @@ def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int) -> di
         "tokens_per_s": data[0].numel() / median,
         "first_loss": losses[0],
         "last_loss": losses[-1],
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "peak_gib": max(phase_peaks.values()) if cuda else None,
+        "peak_by_phase_gib": dict(phase_peaks) if cuda else None,
         **memory,
     }
+    if profile_path is not None:  # after the timed steps and the peaks: neither includes the profiler's cost
+        from widths import profile_steps
+
+        result["profile"] = profile_steps(step, data[:profile_n], cuda, profile_path)
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
     linears = [m for m in inner.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Linear"]
     result["linears"] = len(linears)
@@ -310,11 +332,21 @@ def main(argv: list[str] | None = None) -> dict:
                    help="run the configurations this many times, in ABBA order (as given, reversed, ...); step times "
                         "and ratios from the median over rounds (a first run in the process can pay one-off costs)")
     p.add_argument("--out", required=True)
+    p.add_argument("--profile-dir", help="write a torch.profiler kernel table per profiled configuration here")
+    p.add_argument("--profile-configs", nargs="+", choices=list(CONFIGS),
+                   help="the configurations to profile (default: every one run)")
+    p.add_argument("--profile-steps", type=int, default=2, help="profiled steps after the timed ones")
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.profile_steps < 1:
+        p.error("--profile-steps must be at least 1")
+    if args.profile_configs and not args.profile_dir:
+        p.error("--profile-configs needs --profile-dir")
+    if args.profile_dir:
+        os.makedirs(args.profile_dir, exist_ok=True)
     cuda = torch.cuda.is_available()
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -337,8 +369,11 @@ def main(argv: list[str] | None = None) -> dict:
             for label in order:
                 if round_ and "step_ms_median" not in runs[label]:
                     continue  # failed once: more rounds would not change that
+                profile_path = None
+                if args.profile_dir and round_ == 0 and label in (args.profile_configs or args.configs):
+                    profile_path = os.path.join(args.profile_dir, f"{width}_{label.replace(' ', '_')}.prof.txt")
                 try:
-                    r = run_one(label, width, data, args.warmup)
+                    r = run_one(label, width, data, args.warmup, profile_path, args.profile_steps)
                 except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others
                     r = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
                 _cleanup()

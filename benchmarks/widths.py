@@ -195,7 +195,9 @@ def _plan_summary(plan) -> dict:
     }
 
 
-def _profile(step, data, cuda: bool, path: str | None) -> dict:
+def profile_steps(step, data, cuda: bool, path: str | None) -> dict:
+    """`step` over `data` under torch.profiler: the top kernels per step, kernel time by `category`, and the
+    table written to `path` (also used by headline.py's `--profile-dir`)."""
     from torch.profiler import ProfilerActivity, profile
 
     activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
@@ -314,7 +316,7 @@ def run_one(label: str, width: str, data: list[torch.Tensor], args, profile_path
         result["plan"] = {"linears": sum(isinstance(m, torch.nn.Linear) for m in inner.modules()),
                           "converted": sum(isinstance(m, Float8Linear) for m in inner.modules())}
     if profile_path is not None:
-        result["profile"] = _profile(step, data[: args.profile_steps], cuda, profile_path)
+        result["profile"] = profile_steps(step, data[: args.profile_steps], cuda, profile_path)
     return result
 
 

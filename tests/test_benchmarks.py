@@ -120,6 +120,7 @@ def test_headline_benchmark_on_cpu(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "headline.py"), "--widths", "tiny",
                            "--configs", "bf16 eager", "auto", "te", "--steps", "2", "--warmup", "1", "--rounds", "2",
+                           "--profile-dir", str(tmp_path / "prof"), "--profile-configs", "auto", "--profile-steps", "1",
                            "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())["widths"]["tiny"]
@@ -133,6 +134,11 @@ def test_headline_benchmark_on_cpu(tmp_path):
     assert auto["speedup_vs_bf16"] == pytest.approx(runs["bf16 eager"]["step_ms_median"] / auto["step_ms_median"])
     assert auto["fp8_linears"] == auto["linears"] == 9
     assert "| tiny | auto | torchao (tensorwise) |" in proc.stdout
+    # the profile of the one configuration asked for, in round 0 only; no CUDA memory to split by phase on a CPU
+    assert "profile" not in runs["bf16 eager"] and auto["profile"]["steps"] == 1
+    assert auto["profile"]["kernel_ms_per_step"] > 0 and auto["profile"]["top"]
+    assert sorted(os.listdir(tmp_path / "prof")) == ["tiny_auto.prof.txt"]
+    assert auto["peak_by_phase_gib"] is None and auto["peak_gib"] is None
 
 
 def _largest_model():
