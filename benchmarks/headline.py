@@ -30,7 +30,8 @@ step (model state), CUDA memory the first forward leaves held for backward, FP8 
 `--profile-dir DIR` adds, for `--profile-configs` (default: every one), `--profile-steps` extra steps under
 torch.profiler after the timed ones: DIR/WIDTH_LABEL.prof.txt (top kernels by device time) and the JSON's
 `profile` (kernel time per step by category, widths.py's `profile_steps`).
-`--summarize OUT.json` prints the table again. "... act8" configurations add activation_dtype="fp8".
+`--summarize OUT.json` prints the table again. "... act8" configurations add activation_dtype="fp8"; "... act8
+graph" ones encode inside the compiled graphs (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1 while they run).
 """
 
 from __future__ import annotations
@@ -87,6 +88,14 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     "te act8": ("eager", dict(backend="te", activation_dtype="fp8")),
     "torchao act8": ("compiled", dict(backend="torchao", activation_dtype="fp8")),
     "msamp O2 act8": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
+    # the same, encoded inside the compiled graphs (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1, ENVIRONMENT)
+    "torchao act8 graph": ("compiled", dict(backend="torchao", activation_dtype="fp8")),
+    "msamp O2 act8 graph": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
+}
+# label -> environment variables set while that configuration runs
+ENVIRONMENT: dict[str, dict[str, str]] = {
+    "torchao act8 graph": {"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "1"},
+    "msamp O2 act8 graph": {"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "1"},
 }
 DEFAULT_CONFIGS = ["bf16 eager", "te", "auto", "raw te", "bf16 compiled", "torchao", "msamp O2", "auto compiled"]
 
@@ -158,6 +167,20 @@ def _auto_reasons(recipe, context) -> list[str]:
 
 def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profile_path: str | None = None,
             profile_n: int = 2) -> dict:
+    saved = {name: os.environ.get(name) for name in ENVIRONMENT.get(label, {})}
+    os.environ.update(ENVIRONMENT.get(label, {}))
+    try:
+        return _run_one(label, width, data, warmup, profile_path, profile_n)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profile_path: str | None,
+             profile_n: int) -> dict:
     from accelerate import Accelerator as PlainAccelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import TorchDynamoPlugin

@@ -141,6 +141,20 @@ def test_headline_benchmark_on_cpu(tmp_path):
     assert auto["peak_by_phase_gib"] is None and auto["peak_gib"] is None
 
 
+def test_headline_sets_a_configurations_environment_only_while_it_runs(monkeypatch):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import headline
+
+    assert set(headline.ENVIRONMENT) <= set(headline.CONFIGS)
+    name = "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH"
+    monkeypatch.delenv(name, raising=False)
+    seen = []
+    monkeypatch.setattr(headline, "_run_one", lambda *a: seen.append(os.environ.get(name)))
+    headline.run_one("msamp O2 act8 graph", "tiny", [], 0)
+    headline.run_one("msamp O2 act8", "tiny", [], 0)
+    assert seen == ["1", None] and name not in os.environ
+
+
 def _largest_model():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import largest_model

@@ -111,6 +111,32 @@ def unpack_fp8(packed: PackedFP8) -> torch.Tensor:
     return out.copy_(values)
 
 
+def memory_order(tensor: torch.Tensor) -> list[int]:
+    """The dimensions of `tensor` from the outermost in memory to the innermost (by stride, then by position):
+    `tensor.permute(memory_order(tensor))` is laid out row-major (with gaps where the tensor is a slice)."""
+    return sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
+
+
+def pack_traced_fp8(tensor: torch.Tensor) -> tuple:
+    """`pack_fp8` for a graph being compiled (the saved-tensor hooks torch inlines into a compiled forward): the
+    groups run along the innermost dimension in memory, so that a transposed view (attention's q, k, v) is read
+    as it lies. Returns tensors and constants only: (data, exponent, shape in memory order, the permutation back,
+    dtype), for `unpack_traced_fp8`. The definitions are `pack_fp8`'s, traced into the graph."""
+    order = memory_order(tensor)
+    rows = tensor.permute(order)
+    last = rows.shape[-1]
+    data, exponent = _encode.eager(rows.reshape(-1, last), group_size(last))
+    inverse = [order.index(d) for d in range(len(order))]
+    return data, exponent, tuple(rows.shape), tuple(inverse), tensor.dtype
+
+
+def unpack_traced_fp8(packed: tuple) -> torch.Tensor:
+    """The tensor `pack_traced_fp8` stored, in its dtype and shape: dense, in the memory order it had (a slice
+    comes back without its gaps: a compiled backward takes the strides its graph computes)."""
+    data, exponent, shape, inverse, dtype = packed
+    return _decode.eager(data, exponent, shape[-1], dtype).reshape(shape).permute(inverse)
+
+
 def overlapping(tensor: torch.Tensor) -> bool:
     """Whether two elements of `tensor` may share memory (an expanded or otherwise overlapping view):
     sorted by stride, each dimension of more than one element must step past the whole of the ones

@@ -65,10 +65,12 @@ def _size(n: float) -> str:
 
 
 def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, activation_dtype: str | None,
-                      blocks: tuple[str, int, str] | None, compiled: bool = False) -> SavedActivations:
+                      blocks: tuple[str, int, str] | None, compiled: bool = False,
+                      in_graph: bool = False) -> SavedActivations:
     """The section for a plan whose Linear decisions are `modules`, whose backend keeps an FP8 layer's input
     as `fp8_input`; `blocks` is (block list name, count, block class) or None; `compiled`: the model is
-    compiled whole (its graph decides what is saved)."""
+    compiled whole (its graph decides what is saved); `in_graph`: compiled graphs encode what they save
+    themselves (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1)."""
     hooks = activation_dtype == "fp8"
     fp8 = fp8_input
     if hooks and fp8.packable:
@@ -91,6 +93,9 @@ def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, 
                   f"under {MIN_ELEMENTS} elements kept as saved")
         if compiled:
             others += "; compiled model: the tensors its graph saves for backward"
+        if in_graph:
+            others += ("; compiled graphs encode and decode theirs inside the graph "
+                       "(LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1)")
     else:
         others = ("as autograd saves them (BF16 under autocast, FP32 in norms computed in FP32); "
                   "activation_dtype='fp8' stores them in FP8")

@@ -21,8 +21,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.activations import PackedFP8, SpanKey, overlapping, pack_fp8, unpack_fp8
+from ..kernels.activations import PackedFP8, SpanKey, overlapping, pack_fp8, pack_traced_fp8, unpack_fp8
 from ..planning.activations import MIN_ELEMENTS
+from .activations_in_graph import (
+    graph_hooks_context,
+    graph_input_of,
+    in_graph_requested,
+    inlining_supported,
+    is_attention_statistic,
+    traced_node,
+)
 from .wrapping import wrap_forward
 
 ACTIVATIONS_ATTR = "_lowprec_activation_storage"
@@ -47,18 +55,23 @@ class ActivationCounts:
     weight_shaped_kept: int = 0  # of parameters_kept, kept for the shape and dtype of a kept layer's weight copy
     logsumexp_kept: int = 0  # attention's softmax log-sum-exp, kept in FP32 (FP8 would spoil the probabilities)
     backend_kept: int = 0  # saved inside a module whose saved tensors are the backend's (`leave_alone`)
+    # in-graph storage (activations_in_graph): a compiled graph's saved tensors, counted as the graph compiles
+    traced_packed: int = 0
+    traced_kept: int = 0
 
 
 class FP8ActivationStorage:
     """The pack and unpack hooks of one prepared model; `counts` says what they did."""
 
-    def __init__(self, model: nn.Module, min_elements: int = MIN_ELEMENTS, converted=None):
+    def __init__(self, model: nn.Module, min_elements: int = MIN_ELEMENTS, converted=None, in_graph: bool = False):
         # Weights are saved by reference (their memory is held anyway): packing them would add a copy and
         # an error. One set of storage pointers, built once, catches the parameters and every view of them
         # (a transpose, a slice) at the cost of one lookup per saved tensor.
         self._parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()
                                     if type(p) in (torch.Tensor, nn.Parameter)}
         self._parameter_ids = {id(p) for p in model.parameters()}
+        # a compiled graph's input of one of these shapes is never packed (activations_in_graph.filtering_mode)
+        self._parameter_shapes = {shape for p in model.parameters() for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
         # Autocast saves its low-precision copy of a weight, not the weight: a layer kept in high precision
         # would then run its backward on an FP8 weight. A copy made with autograd names its parameter
         # (below); one of a frozen weight, or one a compiled graph saves, has no autograd history, so its
@@ -82,6 +95,9 @@ class FP8ActivationStorage:
         self._row_shapes: set[tuple[int, ...]] = set()  # shape[:-1] of the 4-D tensors saved in this forward
         self._storage_spans: dict[int, tuple[weakref.ref, SpanKey]] = {}  # storage address -> (first view, key)
         self._inside = 0  # forwards under way of modules whose saved tensors are left alone (`leave_alone`)
+        # compiled graphs encode what they save inside the graph (activations_in_graph), where torch can
+        self.in_graph = in_graph and inlining_supported()
+        self._traced: set[tuple[int, str]] = set()  # (forward graph, node) already counted: torch traces each twice
 
     def leave_alone(self, module: nn.Module) -> None:
         """Keep as they are the tensors saved while `module`'s forward runs."""
@@ -129,6 +145,41 @@ class FP8ActivationStorage:
         self.counts.bytes_before += tensor.numel() * tensor.element_size()
         self.counts.bytes_after += packed.nbytes()
         return packed
+
+    def pack_traced(self, tensor: torch.Tensor):
+        """`pack` for a tensor a graph being compiled saves (a fake tensor: its metadata only), the same rules as
+        far as metadata tells them: parameters and buffers never come here (torch filters them out) and a graph
+        input of a parameter's shape is kept, a copy of a kept layer's weight is told by its shape and dtype, an
+        attention kernel's statistics by their node."""
+        from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+        node = traced_node()
+        if (not tensor.is_floating_point() or tensor.element_size() < 2 or tensor.dim() == 0
+                or guard_or_false(tensor.numel() < self.min_elements) or overlapping(tensor)
+                or (tuple(tensor.shape), tensor.dtype) in self._weight_copy_keys
+                or is_attention_statistic(node) or (node is None and self._is_attention_logsumexp(tensor))
+                or self._is_parameter_shaped_input(node)):
+            self._count_traced(node, packed=False)
+            return tensor
+        if tensor.dim() == 4:
+            self._row_shapes.add(tuple(tensor.shape[:-1]))
+        self._count_traced(node, packed=True)
+        return pack_traced_fp8(tensor)
+
+    def _is_parameter_shaped_input(self, node) -> bool:
+        base = graph_input_of(node)
+        return base is not None and tuple(base.meta["val"].shape) in self._parameter_shapes
+
+    def _count_traced(self, node, packed: bool) -> None:
+        key = (id(node.graph), node.name) if node is not None else None
+        if key is not None and key in self._traced:
+            return
+        if key is not None:
+            self._traced.add(key)
+        if packed:
+            self.counts.traced_packed += 1
+        else:
+            self.counts.traced_kept += 1
 
     def _span_key(self, tensor: torch.Tensor) -> SpanKey | None:
         """The key shared by the strided views of one tensor's memory saved in this forward (q, k, v of a fused
@@ -189,8 +240,12 @@ class FP8ActivationStorage:
         """The hooks, around one forward; what was packed is forgotten after it (autograd's graph holds it)."""
         self._forget_forward()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
-                yield
+            if self.in_graph:
+                with graph_hooks_context(self):
+                    yield
+            else:
+                with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+                    yield
         finally:
             self._forget_forward()
 
@@ -257,7 +312,7 @@ def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=
     """Run `prepared`'s forward inside the FP8 saved-tensor hooks; the storage is kept on `inner` (the
     unwrapped model) as `_lowprec_activation_storage`, for `activation_storage(model)`. What the modules
     `keep_saved_by(module)` names save in their forward is left as it is (`Backend.keeps_saved_tensors`)."""
-    storage = FP8ActivationStorage(inner, converted=converted)
+    storage = FP8ActivationStorage(inner, converted=converted, in_graph=in_graph_requested())
     for module in inner.modules():
         if keep_saved_by is not None and keep_saved_by(module):
             storage.leave_alone(module)

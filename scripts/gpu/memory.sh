@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Issue 32's measurements on one GPU (saved activations in FP8), each part sized for one device call:
 #
-#   bash scripts/gpu/memory.sh OUT headline      # ~5 min: d4096 proxy, BF16 eager/compiled and te, torchao,
+#   bash scripts/gpu/memory.sh OUT headline      # ~6 min: d4096 proxy, BF16 eager/compiled and te, torchao,
 #                                                #   msamp O2 with and without activation_dtype='fp8': speed,
 #                                                #   peak (and in which phase), the memory a forward holds for
-#                                                #   backward; msamp O2's kernels with and without (.prof.txt)
+#                                                #   backward; FP8 activations through Python hooks and inside
+#                                                #   the compiled graphs (act8 graph); msamp O2's kernels (.prof.txt)
 #   bash scripts/gpu/memory.sh OUT convergence   # ~7 min: lowprec bench --convergence (300 steps, proxy):
 #                                                #   held-out loss of each FP8-activation configuration vs BF16
 #   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
@@ -28,8 +29,9 @@ for part in "$@"; do
   case "$part" in
     headline)
       python3 benchmarks/headline.py --widths d4096 --out "$dir/headline.json" --configs \
-        "bf16 eager" te "te act8" "bf16 compiled" torchao "torchao act8" "msamp O2" "msamp O2 act8" \
-        --profile-dir "$dir" --profile-configs "msamp O2" "msamp O2 act8" \
+        "bf16 eager" te "te act8" "bf16 compiled" torchao "torchao act8" "torchao act8 graph" "msamp O2" \
+        "msamp O2 act8" "msamp O2 act8 graph" \
+        --profile-dir "$dir" --profile-configs "msamp O2" "msamp O2 act8" "msamp O2 act8 graph" \
         > "$dir/headline.log" 2>&1 || status=1
       python3 benchmarks/headline.py --summarize "$dir/headline.json" > "$dir/headline.md" 2>&1 ;;
     convergence)

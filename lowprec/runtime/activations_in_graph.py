@@ -1,0 +1,146 @@
+"""FP8 saved activations inside compiled graphs: saved-tensor hooks that torch inlines into a compiled forward.
+
+With Python hooks (`FP8ActivationStorage.pack`), a compiled block hands every tensor it saves to the hook at the
+end of its forward, in high precision, and each is encoded by a kernel of its own (and decoded by another at
+the start of the backward): one more read and write of every saved tensor each way, and a Python call each.
+On one H200 that cost 22 ms a step on the d4096 proxy (results/gpu/2026-11-27-h200-memory-7ec8725).
+
+When the hooks on top of autograd's stack are `torch.fx.GraphModule`s, AOTAutograd traces them into the graph
+it compiles: the pack hook into the forward's epilogue, the unpack hook into the backward's prologue, so that
+inductor can fuse the FP8 encode into the kernel that produced the tensor and the decode into the one that
+reads it (`torch._functorch._aot_autograd.graph_compile.maybe_inline_graph_saved_tensors_hooks`, torch 2.8 and
+later). The hooks here are such GraphModules: each calls one function that torch.fx does not trace into
+(`torch.fx.wrap`). Called on a tensor being traced (a fake tensor), it applies the storage's rules to the
+tensor's metadata and returns the graph form (`kernels.activations.pack_traced_fp8`); called on a real tensor
+(an op outside a compiled graph), it is the storage's own `pack`/`unpack`. What the graph saves of its inputs
+is packed too, except parameters and buffers and any input of a parameter's shape
+(`saved_tensors_hooks_filtering_mode="no_static"` while the forward compiles, `filtering_mode`): a block's input
+is its caller's to free.
+
+Opt-in for now (`LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1`): its speed on a GPU is not measured yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import operator
+import os
+from collections.abc import Iterator
+
+import torch
+
+from ..kernels.activations import PackedFP8, unpack_fp8, unpack_traced_fp8
+
+ENV = "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH"
+# the storages whose forward is under way, innermost last: the hooks are module-level functions
+_ACTIVE: list = []
+
+
+def in_graph_requested() -> bool:
+    """`LOWPREC_FP8_ACTIVATIONS_IN_GRAPH`: 1 stores compiled graphs' saved tensors in FP8 inside the graphs, 0 or
+    unset through Python hooks around them."""
+    value = os.environ.get(ENV, "").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r} is not one of '0', '1' (1: encode the tensors a compiled graph saves "
+                         "inside the graph; 0 or unset: through Python hooks after it)")
+    return value == "1"
+
+
+def inlining_supported() -> bool:
+    """Whether this torch inlines GraphModule saved-tensor hooks into compiled graphs."""
+    try:
+        from torch._functorch._aot_autograd import utils
+    except ImportError:
+        return False
+    return hasattr(utils, "saved_tensors_hooks_are_inlineable")
+
+
+def _hook_context():
+    try:
+        from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
+    except ImportError:
+        return None
+    return _get_saved_tensor_hook_context
+
+
+def traced_node():
+    """The forward graph's node whose value the pack hook is tracing, where torch says (an API it marks as
+    unstable: None if absent)."""
+    get = _hook_context()
+    state = get() if get is not None else None
+    return state.get("_node") if state else None
+
+
+def graph_input_of(node):
+    """The graph input `node` is, or is a view of (a transpose, a reshape): None if it is computed in the graph."""
+    while node is not None and node.op == "call_function" and getattr(node.target, "is_view", False) and node.args:
+        node = node.args[0] if hasattr(node.args[0], "op") else None
+    return node if node is not None and node.op == "placeholder" else None
+
+
+def filtering_mode() -> str:
+    """Which saved tensors torch hands the hooks: the graph's inputs too, but for parameters and buffers
+    ("no_static"), where the hooks can see each one's node (a graph input of a parameter's shape is then kept:
+    one that dynamo did not mark static, FSDP2's unsharded weight, must not be copied); only the graph's own
+    intermediates ("donated", torch's default) otherwise."""
+    return "no_static" if _hook_context() is not None else "donated"
+
+
+def is_attention_statistic(node) -> bool:
+    """Whether `node` is an output of an attention kernel other than its first (the softmax log-sum-exp, RNG
+    state): never packed (see `FP8ActivationStorage._is_attention_logsumexp`)."""
+    if node is None or node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    source, index = node.args[0], node.args[1]
+    return index != 0 and "attention" in str(getattr(source, "target", ""))
+
+
+def _is_traced(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
+
+
+@torch.fx.wrap
+def _pack(tensor: torch.Tensor):
+    if not _ACTIVE:  # the hooks outlived their forward (autograd holds no reference to them)
+        return tensor
+    storage = _ACTIVE[-1]
+    return storage.pack_traced(tensor) if _is_traced(tensor) else storage.pack(tensor)
+
+
+@torch.fx.wrap
+def _unpack(saved):
+    if isinstance(saved, torch.Tensor):
+        return saved
+    if isinstance(saved, PackedFP8):
+        return unpack_fp8(saved)
+    return unpack_traced_fp8(saved)
+
+
+def _pack_hook(tensor):
+    return _pack(tensor)
+
+
+def _unpack_hook(saved):
+    return _unpack(saved)
+
+
+@functools.cache
+def graph_hooks() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """The pack and unpack hooks as GraphModules (built once: torch compares hooks by their graphs)."""
+    return torch.fx.symbolic_trace(_pack_hook), torch.fx.symbolic_trace(_unpack_hook)
+
+
+@contextlib.contextmanager
+def graph_hooks_context(storage) -> Iterator[None]:
+    """`storage`'s rules as GraphModule hooks, around one forward."""
+    pack, unpack = graph_hooks()
+    _ACTIVE.append(storage)
+    try:
+        with torch._functorch.config.patch(saved_tensors_hooks_filtering_mode=filtering_mode()), \
+                torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        _ACTIVE.pop()

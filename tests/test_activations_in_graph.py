@@ -1,0 +1,190 @@
+"""`LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1`: what a compiled graph saves for backward is encoded in FP8 inside the
+graph (GraphModule saved-tensor hooks that AOTAutograd inlines), on CPU with inductor.
+
+The encode and decode are `pack_fp8`'s definitions traced into the graph, so the gradients must be those of the
+Python hooks bit for bit, and the compiled backward must hold FP8 where the Python hooks would have packed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec.kernels.activations import memory_order, pack_fp8, pack_traced_fp8, unpack_fp8, unpack_traced_fp8
+from lowprec.runtime.activations import FP8ActivationStorage
+from lowprec.runtime.activations_in_graph import ENV, in_graph_requested, inlining_supported
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from headline import Block  # noqa: E402 - the proxy's block: fused QKV, SDPA, RMSNorm, fused gate/up
+
+pytestmark = pytest.mark.skipif(not inlining_supported(), reason="this torch does not inline GraphModule hooks")
+GRAD_BOUND = 0.10  # as tests/test_activation_storage.py
+
+
+@pytest.mark.parametrize("view", ["contiguous", "transposed slice", "transpose", "rows of 200"])
+def test_the_graph_form_stores_what_pack_fp8_stores(view):
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 64, 3, 2, 128, dtype=torch.bfloat16)
+    tensor = {"contiguous": qkv[:, :, 0].contiguous(), "transposed slice": qkv[:, :, 1].transpose(1, 2),
+              "transpose": torch.randn(256, 384).t(), "rows of 200": torch.randn(300, 200) * 1e3}[view]
+    packed = pack_traced_fp8(tensor)
+    # what a graph can return from its forward: tensors (FP8 data, int8 exponents), sizes and a dtype
+    data, exponent, shape, inverse, dtype = packed
+    assert data.dtype == torch.float8_e4m3fn and exponent.dtype == torch.int8 and dtype == tensor.dtype
+    assert all(isinstance(n, int) for n in (*shape, *inverse))
+    back = unpack_traced_fp8(packed)
+    assert back.shape == tensor.shape and back.dtype == tensor.dtype
+    # dense in the order the tensor lay in memory: the same dimension innermost
+    assert memory_order(back) == memory_order(tensor) and back.permute(memory_order(back)).is_contiguous()
+    if memory_order(tensor)[-1] == tensor.dim() - 1:  # groups along the last dimension, as pack_fp8's
+        assert torch.equal(back, unpack_fp8(pack_fp8(tensor)))
+    # kernels/activations.py's bound, with the whole tensor's amax for each group's (looser)
+    bound = 2**-4 * tensor.float().abs() + tensor.float().abs().amax() * 2**-10 / 224
+    assert ((back.float() - tensor.float()).abs() <= bound).all()
+
+
+def test_non_finite_values_stay_non_finite():
+    tensor = torch.randn(4, 256)
+    tensor[0, 3], tensor[1, 200], tensor[2, 7] = float("nan"), float("inf"), -float("inf")
+    back = unpack_traced_fp8(pack_traced_fp8(tensor))
+    assert torch.isnan(back[0, 3]) and not torch.isfinite(back[1, 200]) and not torch.isfinite(back[2, 7])
+    assert torch.isfinite(back[3]).all()
+
+
+def _compiled_blocks(mode: str, storage_kwargs=None):
+    """Two proxy blocks, each compiled, under autocast: x's gradient, the parameters' gradients, the storage, and
+    (dtype, shape) of what the compiled graphs hold for backward."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(256, 512), Block(256, 512))
+    x = torch.randn(2, 64, 256, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    storage, hooks = None, contextlib.nullcontext()
+    if mode != "none":
+        storage = FP8ActivationStorage(model, in_graph=mode == "graph", **(storage_kwargs or dict(min_elements=0)))
+        hooks = storage.context()
+    blocks = [torch.compile(b, backend="inductor") for b in model]
+    with torch.autocast("cpu", dtype=torch.bfloat16), hooks:
+        y = x
+        for block in blocks:
+            y = block(y)
+    held, stack, seen = [], [y.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if type(fn).__name__.startswith("CompiledFunction"):
+            held += [(t.dtype, tuple(t.shape)) for t in fn.saved_tensors]
+        stack += [next_fn for next_fn, _ in fn.next_functions]
+    y.float().square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return x.grad.clone(), grads, storage, held, model
+
+
+def test_compiled_blocks_encode_inside_the_graph_exactly_as_the_python_hooks_do():
+    reference_x, reference, _, held_plain, model = _compiled_blocks("none")
+    python_x, python, python_storage, _, _ = _compiled_blocks("python")
+    graph_x, graph, storage, held, _ = _compiled_blocks("graph")
+    # the same definitions, traced into the graph: the same bits
+    assert torch.equal(graph_x, python_x) and all(torch.equal(graph[n], python[n]) for n in python)
+    assert (graph_x - reference_x).norm() / reference_x.norm() <= GRAD_BOUND
+    for name, ref in reference.items():
+        assert (graph[name].float() - ref.float()).norm() / ref.float().norm() <= GRAD_BOUND, name
+    # nothing went through the Python hook: the graphs encoded what they saved
+    assert storage.counts.packed == 0 and storage.counts.traced_packed >= 6 and python_storage.counts.packed >= 12
+    fp8 = [shape for dtype, shape in held if dtype == torch.float8_e4m3fn]
+    assert len(fp8) >= 12
+    # what stays in high precision: parameters (the norms' weights), autocast's copies of the weights, and the
+    # attention's log-sum-exp (FP32, one per query row); no activation of the block's shape
+    params = {(p.dtype, tuple(p.shape)) for p in model.parameters()}
+    weight_copies = {(torch.bfloat16, tuple(p.shape)) for p in model.parameters() if p.dim() == 2}
+    kept = {entry for entry in held if entry[0] not in (torch.float8_e4m3fn, torch.int8)}
+    assert kept <= params | weight_copies | {(torch.float32, (2, 2, 64))}
+    assert (torch.float32, (2, 2, 64)) in kept  # the log-sum-exp, as held without the hooks
+    assert any(shape == (2, 64, 256) for _, shape in held_plain) and not any(s == (2, 64, 256) for _, s in held)
+
+
+def test_the_size_threshold_applies_inside_the_graph():
+    # at the default threshold (2**14 elements) the per-row norm statistics (2 x 64) stay as they are
+    _, _, storage, held, _ = _compiled_blocks("graph", dict(min_elements=2**14))
+    assert (torch.float32, (2, 64, 1)) in held and storage.counts.traced_kept > 0
+
+
+def test_eager_ops_outside_the_graph_still_go_through_the_python_hook():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), Block(256, 512))
+    storage = FP8ActivationStorage(model, min_elements=0, in_graph=True)
+    compiled_block = torch.compile(model[2], backend="inductor")
+    x = torch.randn(2, 64, 256, requires_grad=True)
+    with storage.context():
+        y = compiled_block(model[1](model[0](x)))
+    y.sum().backward()
+    assert storage.counts.packed >= 1 and storage.counts.traced_packed >= 1
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_a_graph_input_of_a_parameters_shape_is_kept():
+    # FSDP2's unsharded weights reach a compiled block as inputs: one of a parameter's shape is never copied to FP8
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU())
+    storage = FP8ActivationStorage(model, min_elements=0, in_graph=True)
+    compiled = torch.compile(lambda w, x: torch.nn.functional.gelu(x @ w), backend="inductor")
+    weight_like = torch.randn(256, 256, requires_grad=True)
+    other = torch.randn(128, 256, requires_grad=True)
+    with storage.context():
+        y = compiled(weight_like, other)
+    held = [(t.dtype, tuple(t.shape)) for t in y.grad_fn.saved_tensors]
+    y.sum().backward()
+    assert (torch.float32, (256, 256)) in held  # kept as it was
+    assert not any(shape == (128, 256) and dtype == torch.float32 for dtype, shape in held)  # the other input packed
+    assert storage.counts.traced_kept >= 1 and storage.counts.traced_packed >= 1
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, False), ("", False), ("0", False), ("1", True)])
+def test_the_switch(monkeypatch, value, expected):
+    if value is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, value)
+    assert in_graph_requested() is expected
+
+
+def test_a_bad_switch_names_the_variable_and_its_values(monkeypatch):
+    monkeypatch.setenv(ENV, "yes")
+    with pytest.raises(ValueError, match=rf"{ENV}='yes' is not one of '0', '1'"):
+        in_graph_requested()
+
+
+def test_a_torch_that_cannot_inline_keeps_the_python_hooks(monkeypatch):
+    import lowprec.runtime.activations as activations
+
+    monkeypatch.setattr(activations, "inlining_supported", lambda: False)
+    assert FP8ActivationStorage(nn.Linear(2, 2), in_graph=True).in_graph is False
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("backend", ["torchao", "msamp"])
+def test_through_the_accelerator_with_a_compiled_model(backend, monkeypatch):
+    pytest.importorskip("torchao")
+    from test_activation_storage import _compiled, batches
+
+    from lowprec.runtime.activations import activation_storage
+
+    monkeypatch.setenv(ENV, "1")
+    x, y = batches(1)[0]
+    reference, _, _ = _compiled(backend, None, x, y)
+    fp8, model, accelerator = _compiled(backend, "fp8", x, y)
+    storage = activation_storage(model)
+    assert storage.in_graph and storage.counts.traced_packed >= 2
+    assert len(reference) >= 6 and reference.keys() == fp8.keys()
+    for name, ref in reference.items():
+        assert (fp8[name] - ref).norm() / ref.norm() <= GRAD_BOUND, name
+    assert any(not torch.equal(fp8[n], reference[n]) for n in reference)
+    assert ENV in accelerator.precision_plan.activations.other_tensors
