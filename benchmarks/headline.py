@@ -29,7 +29,8 @@ forwards, the backwards and the optimizer steps), CUDA memory held after prepare
 step (model state), CUDA memory the first forward leaves held for backward, FP8 Linears in the plan.
 `--profile-dir DIR` adds, for `--profile-configs` (default: every one), `--profile-steps` extra steps under
 torch.profiler after the timed ones: DIR/WIDTH_LABEL.prof.txt (top kernels by device time) and the JSON's
-`profile` (kernel time per step by category, widths.py's `profile_steps`).
+`profile` (kernel time per step by category, widths.py's `profile_steps`). `--peak-configs` traces one more step's
+allocations: DIR/WIDTH_LABEL.peak.txt lists what is live at that step's peak by allocating line (peak_memory.py).
 `--summarize OUT.json` prints the table again. "... act8" configurations add activation_dtype="fp8"; "... act8
 graph" ones encode inside the compiled graphs (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1 while they run).
 """
@@ -166,11 +167,11 @@ def _auto_reasons(recipe, context) -> list[str]:
 
 
 def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profile_path: str | None = None,
-            profile_n: int = 2) -> dict:
+            profile_n: int = 2, peak_path: str | None = None) -> dict:
     saved = {name: os.environ.get(name) for name in ENVIRONMENT.get(label, {})}
     os.environ.update(ENVIRONMENT.get(label, {}))
     try:
-        return _run_one(label, width, data, warmup, profile_path, profile_n)
+        return _run_one(label, width, data, warmup, profile_path, profile_n, peak_path)
     finally:
         for name, value in saved.items():
             if value is None:
@@ -180,7 +181,7 @@ def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profi
 
 
 def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profile_path: str | None,
-             profile_n: int) -> dict:
+             profile_n: int, peak_path: str | None) -> dict:
     from accelerate import Accelerator as PlainAccelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import TorchDynamoPlugin
@@ -274,6 +275,10 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
         from widths import profile_steps
 
         result["profile"] = profile_steps(step, data[:profile_n], cuda, profile_path)
+    if peak_path is not None:  # one more step, its allocations traced: what is live at its peak, and from where
+        from peak_memory import record_step
+
+        result["peak_report"] = record_step(lambda: step(data[0]), peak_path)
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
     linears = [m for m in inner.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Linear"]
     result["linears"] = len(linears)
@@ -359,6 +364,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--profile-configs", nargs="+", choices=list(CONFIGS),
                    help="the configurations to profile (default: every one run)")
     p.add_argument("--profile-steps", type=int, default=2, help="profiled steps after the timed ones")
+    p.add_argument("--peak-configs", nargs="+", choices=list(CONFIGS),
+                   help="trace one more step's allocations of these configurations: what is live at the step's peak, "
+                        "by allocating line (peak_memory.py), in --profile-dir as WIDTH_LABEL.peak.txt")
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
@@ -366,8 +374,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--rounds must be at least 1")
     if args.profile_steps < 1:
         p.error("--profile-steps must be at least 1")
-    if args.profile_configs and not args.profile_dir:
-        p.error("--profile-configs needs --profile-dir")
+    if (args.profile_configs or args.peak_configs) and not args.profile_dir:
+        p.error("--profile-configs and --peak-configs need --profile-dir")
     if args.profile_dir:
         os.makedirs(args.profile_dir, exist_ok=True)
     cuda = torch.cuda.is_available()
@@ -392,11 +400,14 @@ def main(argv: list[str] | None = None) -> dict:
             for label in order:
                 if round_ and "step_ms_median" not in runs[label]:
                     continue  # failed once: more rounds would not change that
-                profile_path = None
+                profile_path = peak_path = None
+                stem = os.path.join(args.profile_dir or "", f"{width}_{label.replace(' ', '_')}")
                 if args.profile_dir and round_ == 0 and label in (args.profile_configs or args.configs):
-                    profile_path = os.path.join(args.profile_dir, f"{width}_{label.replace(' ', '_')}.prof.txt")
+                    profile_path = stem + ".prof.txt"
+                if round_ == 0 and label in (args.peak_configs or ()):
+                    peak_path = stem + ".peak.txt"
                 try:
-                    r = run_one(label, width, data, args.warmup, profile_path, args.profile_steps)
+                    r = run_one(label, width, data, args.warmup, profile_path, args.profile_steps, peak_path)
                 except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others
                     r = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
                 _cleanup()

@@ -121,6 +121,7 @@ def test_headline_benchmark_on_cpu(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "headline.py"), "--widths", "tiny",
                            "--configs", "bf16 eager", "auto", "te", "--steps", "2", "--warmup", "1", "--rounds", "2",
                            "--profile-dir", str(tmp_path / "prof"), "--profile-configs", "auto", "--profile-steps", "1",
+                           "--peak-configs", "auto",
                            "--out", str(out)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())["widths"]["tiny"]
@@ -139,6 +140,7 @@ def test_headline_benchmark_on_cpu(tmp_path):
     assert auto["profile"]["kernel_ms_per_step"] > 0 and auto["profile"]["top"]
     assert sorted(os.listdir(tmp_path / "prof")) == ["tiny_auto.prof.txt"]
     assert auto["peak_by_phase_gib"] is None and auto["peak_gib"] is None
+    assert auto["peak_report"] is None and "peak_report" not in runs["bf16 eager"]  # no allocator trace on a CPU
 
 
 def test_headline_sets_a_configurations_environment_only_while_it_runs(monkeypatch):
@@ -153,6 +155,33 @@ def test_headline_sets_a_configurations_environment_only_while_it_runs(monkeypat
     headline.run_one("msamp O2 act8 graph", "tiny", [], 0)
     headline.run_one("msamp O2 act8", "tiny", [], 0)
     assert seen == ["1", None] and name not in os.environ
+
+
+def test_peak_memory_replays_the_allocator_trace_to_its_highest_point():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from peak_memory import format_report, live_at_peak, site
+
+    def frame(path, line, name):
+        return {"filename": path, "line": line, "name": name}
+
+    model = [frame("/x/site-packages/torch/nn/functional.py", 10, "linear"), frame("/w/model.py", 5, "forward")]
+    hooks = [frame("/w/lowprec/kernels/activations.py", 90, "unpack_fp8"), frame("/w/model.py", 9, "step")]
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": model},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": hooks},
+        {"action": "free_requested", "addr": 1, "size": 100, "frames": []},  # counted until free_completed
+        {"action": "alloc", "addr": 3, "size": 30, "frames": model},        # the peak: 1000 + 180
+        {"action": "free_completed", "addr": 1, "size": 100, "frames": []},
+        {"action": "alloc", "addr": 4, "size": 120, "frames": hooks},       # 1000 + 200: a higher peak
+        {"action": "free_completed", "addr": 4, "size": 120, "frames": []},
+        {"action": "free_completed", "addr": 2, "size": 50, "frames": []},
+    ]
+    report = live_at_peak(events, baseline=1000)
+    assert report["peak_bytes"] == 1200 and report["peak_event"] == 5
+    # the innermost frame outside torch names the model's line; lowprec's own lines name themselves
+    assert report["live_by_site"] == {"kernels/activations.py:90 unpack_fp8": [170, 2], "w/model.py:5 forward": [30, 1]}
+    assert site(model) == "w/model.py:5 forward" and site([]) == "(no Python frame)"
+    assert "peak 0.000 GiB" in format_report(report) and "unpack_fp8" in format_report(report)
 
 
 def _largest_model():

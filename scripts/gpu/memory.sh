@@ -5,7 +5,8 @@
 #                                                #   msamp O2 with and without activation_dtype='fp8': speed,
 #                                                #   peak (and in which phase), the memory a forward holds for
 #                                                #   backward; FP8 activations through Python hooks and inside
-#                                                #   the compiled graphs (act8 graph); msamp O2's kernels (.prof.txt)
+#                                                #   the compiled graphs (act8 graph); kernels.tgz: msamp O2's
+#                                                #   kernel tables and what is live at the peak (.peak.txt)
 #   bash scripts/gpu/memory.sh OUT convergence   # ~7 min: lowprec bench --convergence (300 steps, proxy):
 #                                                #   held-out loss of each FP8-activation configuration vs BF16
 #   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
@@ -31,9 +32,12 @@ for part in "$@"; do
       python3 benchmarks/headline.py --widths d4096 --out "$dir/headline.json" --configs \
         "bf16 eager" te "te act8" "bf16 compiled" torchao "torchao act8" "torchao act8 graph" "msamp O2" \
         "msamp O2 act8" "msamp O2 act8 graph" \
-        --profile-dir "$dir" --profile-configs "msamp O2" "msamp O2 act8" "msamp O2 act8 graph" \
+        --profile-dir "$dir/kernels" --profile-configs "msamp O2" "msamp O2 act8" "msamp O2 act8 graph" \
+        --peak-configs "bf16 compiled" "msamp O2" "msamp O2 act8" "msamp O2 act8 graph" \
         > "$dir/headline.log" 2>&1 || status=1
-      python3 benchmarks/headline.py --summarize "$dir/headline.json" > "$dir/headline.md" 2>&1 ;;
+      python3 benchmarks/headline.py --summarize "$dir/headline.json" > "$dir/headline.md" 2>&1
+      # one file for the kernel tables and peak reports: the device tool brings back at most 8 files a call
+      tar czf "$dir/kernels.tgz" -C "$dir" kernels && rm -rf "$dir/kernels" ;;
     convergence)
       python3 -m lowprec.cli bench --convergence --steps 300 --size proxy --no-raw --no-progress --out "$dir/convergence" \
         --configs bf16 msamp:delayed:O2 msamp:delayed:O2,activation_dtype=fp8 torchao:tensorwise,activation_dtype=fp8 \

@@ -1,0 +1,90 @@
+"""What is allocated at a step's peak, and where it was allocated: the CUDA caching allocator's trace of one step
+(`torch.cuda.memory._record_memory_history`, the memory-snapshot API), replayed to the moment the allocated
+total was highest, its live blocks grouped by the Python line that allocated them.
+
+    from peak_memory import record_step
+    report = record_step(step, "peak.txt")   # one call of step() under the recorder; None without CUDA
+
+Used by headline.py's `--peak-configs`. The replay counts a block from its `alloc` to its `free_completed` (a
+block freed on one stream while another may still read it stays allocated until then, as the allocator counts
+it); blocks allocated before the recording started are `baseline` (torch.cuda.memory_allocated() then).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+# frames from these parts of a path say how torch did something, not what asked for it
+_MACHINERY = (f"{os.sep}torch{os.sep}", f"{os.sep}accelerate{os.sep}", f"{os.sep}site-packages{os.sep}", "<frozen",
+              f"{os.sep}contextlib.py")
+
+
+def site(frames: list[dict]) -> str:
+    """The innermost frame outside torch and Accelerate ("file:line function"), else the innermost frame; frames
+    are the allocator's, innermost first."""
+    if not frames:
+        return "(no Python frame)"
+    chosen = next((f for f in frames if not any(m in f["filename"] for m in _MACHINERY)), frames[0])
+    parts = chosen["filename"].split(os.sep)
+    return f"{os.sep.join(parts[-2:])}:{chosen['line']} {chosen['name']}"
+
+
+def live_at_peak(events: list[dict], baseline: int = 0) -> dict:
+    """Replay `events` (one device's allocator trace): the peak total (baseline included), the event index where it
+    was reached, and the blocks live then as {site: [bytes, blocks]}, largest first."""
+    current, peak, at = baseline, baseline, -1
+    for i, event in enumerate(events):
+        if event["action"] == "alloc":
+            current += event["size"]
+        elif event["action"] == "free_completed":
+            current -= event["size"]
+        if current > peak:
+            peak, at = current, i
+    live: dict[int, dict] = {}
+    for event in events[: at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for event in live.values():
+        entry = sites[site(event.get("frames") or [])]
+        entry[0] += event["size"]
+        entry[1] += 1
+    ordered = dict(sorted(sites.items(), key=lambda kv: -kv[1][0]))
+    return {"peak_bytes": peak, "baseline_bytes": baseline, "peak_event": at, "events": len(events),
+            "live_by_site": ordered}
+
+
+def format_report(report: dict, top: int = 25) -> str:
+    gib = 2**30
+    lines = [f"peak {report['peak_bytes'] / gib:.3f} GiB = {report['baseline_bytes'] / gib:.3f} GiB allocated before "
+             f"the step + the blocks below (at event {report['peak_event']} of {report['events']})"]
+    for name, (size, blocks) in list(report["live_by_site"].items())[:top]:
+        lines.append(f"{size / gib:9.3f} GiB  {blocks:5d} blocks  {name}")
+    return "\n".join(lines) + "\n"
+
+
+def record_step(step, path: str | None, max_entries: int = 500_000) -> dict | None:
+    """Run `step()` once with the allocator's history recorded; write `format_report` to `path`. Returns the
+    report with its 25 largest sites (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    report = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], baseline)
+    if path:
+        with open(path, "w") as fh:
+            fh.write(format_report(report))
+    report["live_by_site"] = dict(list(report["live_by_site"].items())[:25])
+    return report
