@@ -109,6 +109,30 @@ def test_compiled_blocks_encode_inside_the_graph_exactly_as_the_python_hooks_do(
     assert any(shape == (2, 64, 256) for _, shape in held_plain) and not any(s == (2, 64, 256) for _, s in held)
 
 
+def test_dynamic_shapes_compile_once_and_stay_within_the_bound():
+    # symbolic sizes: no shape is hashed or compared with a parameter's as an int; one graph serves every length
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Block(256, 512)
+    storage = FP8ActivationStorage(model, min_elements=0, in_graph=True)
+    compiled = torch.compile(model, backend="inductor", dynamic=True)
+    graphs = counters["stats"]["unique_graphs"]
+    for tokens in (64, 96, 128):
+        x = torch.randn(2, tokens, 256, generator=torch.Generator().manual_seed(tokens)).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16), storage.context():
+            y = compiled(x)
+        y.float().sum().backward()
+        fp8_grad = x.grad.clone()
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().sum().backward()
+        assert (fp8_grad - x.grad).norm() / x.grad.norm() <= GRAD_BOUND, tokens
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert storage.counts.packed == 0 and storage.counts.traced_packed >= 6
+
+
 def test_the_size_threshold_applies_inside_the_graph():
     # at the default threshold (2**14 elements) the per-row norm statistics (2 x 64) stay as they are
     _, _, storage, held, _ = _compiled_blocks("graph", dict(min_elements=2**14))

@@ -29,6 +29,7 @@ from .activations_in_graph import (
     in_graph_requested,
     inlining_supported,
     is_attention_statistic,
+    static_shape,
     traced_node,
 )
 from .wrapping import wrap_forward
@@ -156,19 +157,20 @@ class FP8ActivationStorage:
         node = traced_node()
         if (not tensor.is_floating_point() or tensor.element_size() < 2 or tensor.dim() == 0
                 or guard_or_false(tensor.numel() < self.min_elements) or overlapping(tensor)
-                or (tuple(tensor.shape), tensor.dtype) in self._weight_copy_keys
-                or is_attention_statistic(node) or (node is None and self._is_attention_logsumexp(tensor))
+                or (static_shape(tensor), tensor.dtype) in self._weight_copy_keys
+                or is_attention_statistic(node)
+                or (node is None and static_shape(tensor) is not None and self._is_attention_logsumexp(tensor))
                 or self._is_parameter_shaped_input(node)):
             self._count_traced(node, packed=False)
             return tensor
-        if tensor.dim() == 4:
-            self._row_shapes.add(tuple(tensor.shape[:-1]))
+        if tensor.dim() == 4 and static_shape(tensor) is not None:
+            self._row_shapes.add(static_shape(tensor)[:-1])
         self._count_traced(node, packed=True)
         return pack_traced_fp8(tensor)
 
     def _is_parameter_shaped_input(self, node) -> bool:
         base = graph_input_of(node)
-        return base is not None and tuple(base.meta["val"].shape) in self._parameter_shapes
+        return base is not None and static_shape(base.meta["val"]) in self._parameter_shapes
 
     def _count_traced(self, node, packed: bool) -> None:
         key = (id(node.graph), node.name) if node is not None else None

@@ -72,6 +72,13 @@ def traced_node():
     return state.get("_node") if state else None
 
 
+def static_shape(tensor: torch.Tensor) -> tuple[int, ...] | None:
+    """`tensor`'s shape as ints, or None where a size is symbolic (dynamic shapes): parameters, and so their
+    copies and the statistics compared with them, have static shapes."""
+    shape = tuple(tensor.shape)
+    return shape if all(type(size) is int for size in shape) else None
+
+
 def graph_input_of(node):
     """The graph input `node` is, or is a view of (a transpose, a reshape): None if it is computed in the graph."""
     while node is not None and node.op == "call_function" and getattr(node.target, "is_view", False) and node.args:
