@@ -72,15 +72,7 @@ def _compiled_blocks(mode: str, storage_kwargs=None):
         y = x
         for block in blocks:
             y = block(y)
-    held, stack, seen = [], [y.grad_fn], set()
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen.add(id(fn))
-        if type(fn).__name__.startswith("CompiledFunction"):
-            held += [(t.dtype, tuple(t.shape)) for t in fn.saved_tensors]
-        stack += [next_fn for next_fn, _ in fn.next_functions]
+    held = _held(y)
     y.float().square().sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return x.grad.clone(), grads, storage, held, model
@@ -131,6 +123,73 @@ def test_dynamic_shapes_compile_once_and_stay_within_the_bound():
         assert (fp8_grad - x.grad).norm() / x.grad.norm() <= GRAD_BOUND, tokens
     assert counters["stats"]["unique_graphs"] - graphs == 1
     assert storage.counts.packed == 0 and storage.counts.traced_packed >= 6
+
+
+def _held(y) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+    """(dtype, shape) of what the compiled graphs behind `y` hold for backward."""
+    held, stack, seen = [], [y.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        if type(fn).__name__.startswith("CompiledFunction"):
+            held += [(t.dtype, tuple(t.shape)) for t in fn.saved_tensors]
+        stack += [next_fn for next_fn, _ in fn.next_functions]
+    return held
+
+
+def test_a_second_length_recompiles_with_dynamic_shapes_and_still_packs():
+    # a plain torch.compile turns a size dynamic when a second one comes (automatic dynamic shapes)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Block(256, 512)
+    storage = FP8ActivationStorage(model, min_elements=0, in_graph=True)
+    compiled = torch.compile(model, backend="inductor")
+    for tokens in (64, 96):
+        x = torch.randn(2, tokens, 256, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16), storage.context():
+            y = compiled(x)
+        assert any(dtype == torch.float8_e4m3fn for dtype, _ in _held(y)), tokens
+        y.float().sum().backward()
+        assert torch.isfinite(x.grad).all()
+
+
+def test_a_width_that_is_not_whole_groups_is_kept_as_it_is():
+    # 200 and 300 columns would need a padded group: inside a graph that is left alone (inductor's CPU decode of a
+    # padded row wrote 128 of its 200 columns), and the gradients are those without the hooks
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(200, 300), nn.GELU(), nn.Linear(300, 200))
+    x = torch.randn(64, 200, requires_grad=True)
+    model(x).sin().sum().backward()
+    reference = x.grad.clone()
+    x.grad = None
+    storage = FP8ActivationStorage(model, min_elements=0, in_graph=True)
+    compiled = torch.compile(lambda t: model(t).sin(), backend="inductor")
+    with storage.context():
+        y = compiled(x)
+    assert not any(dtype == torch.float8_e4m3fn for dtype, _ in _held(y))
+    y.sum().backward()
+    assert storage.counts.traced_packed == 0 and storage.counts.traced_kept > 0
+    torch.testing.assert_close(x.grad, reference)
+
+
+def test_each_storage_gets_graphs_with_its_own_rules():
+    # compiled code is shared between instances of a module: a graph carries the rules of the storage it was
+    # compiled under, so another storage's hooks (other ids) must get a graph of their own
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    first, second = Block(256, 512), Block(256, 512)
+    packs = FP8ActivationStorage(first, min_elements=0, in_graph=True)
+    keeps = FP8ActivationStorage(second, min_elements=10**9, in_graph=True)
+    x = torch.randn(2, 64, 256, requires_grad=True)
+    for model, storage, fp8 in [(first, packs, True), (second, keeps, False), (first, packs, True)]:
+        with torch.autocast("cpu", dtype=torch.bfloat16), storage.context():
+            y = torch.compile(model, backend="inductor")(x)
+        assert any(dtype == torch.float8_e4m3fn for dtype, _ in _held(y)) is fp8
+        y.float().sum().backward()
+    assert keeps.counts.traced_kept > 0 and keeps.counts.traced_packed == 0 and packs.counts.traced_packed > 0
 
 
 def test_the_size_threshold_applies_inside_the_graph():

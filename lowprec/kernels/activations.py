@@ -117,11 +117,20 @@ def memory_order(tensor: torch.Tensor) -> list[int]:
     return sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
 
 
+def groups_fit(tensor: torch.Tensor) -> bool:
+    """Whether the innermost dimension in memory splits into whole groups (a multiple of 128, or a single group of
+    at most 128): `pack_traced_fp8` takes no other. Padding a group inside a compiled graph gave wrong values on
+    CPU: inductor's code for the decode wrote only the first 128 columns of a row of 200 (torch 2.13)."""
+    last = tensor.shape[memory_order(tensor)[-1]]
+    return bool(last <= GROUP or last % GROUP == 0)
+
+
 def pack_traced_fp8(tensor: torch.Tensor) -> tuple:
     """`pack_fp8` for a graph being compiled (the saved-tensor hooks torch inlines into a compiled forward): the
     groups run along the innermost dimension in memory, so that a transposed view (attention's q, k, v) is read
     as it lies. Returns tensors and constants only: (data, exponent, shape in memory order, the permutation back,
-    dtype), for `unpack_traced_fp8`. The definitions are `pack_fp8`'s, traced into the graph."""
+    dtype), for `unpack_traced_fp8`. The definitions are `pack_fp8`'s, traced into the graph; the caller checks
+    `groups_fit` first."""
     order = memory_order(tensor)
     rows = tensor.permute(order)
     last = rows.shape[-1]

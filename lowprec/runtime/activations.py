@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.activations import PackedFP8, SpanKey, overlapping, pack_fp8, pack_traced_fp8, unpack_fp8
+from ..kernels.activations import PackedFP8, SpanKey, groups_fit, overlapping, pack_fp8, pack_traced_fp8, unpack_fp8
 from ..planning.activations import MIN_ELEMENTS
 from .activations_in_graph import (
     graph_hooks_context,
@@ -56,7 +56,8 @@ class ActivationCounts:
     weight_shaped_kept: int = 0  # of parameters_kept, kept for the shape and dtype of a kept layer's weight copy
     logsumexp_kept: int = 0  # attention's softmax log-sum-exp, kept in FP32 (FP8 would spoil the probabilities)
     backend_kept: int = 0  # saved inside a module whose saved tensors are the backend's (`leave_alone`)
-    # in-graph storage (activations_in_graph): a compiled graph's saved tensors, counted as the graph compiles
+    # in-graph storage (activations_in_graph): a compiled graph's saved tensors, counted once when the graph
+    # compiles (not once a forward: the graph packs them from then on, with no hook called)
     traced_packed: int = 0
     traced_kept: int = 0
 
@@ -152,11 +153,13 @@ class FP8ActivationStorage:
         far as metadata tells them: parameters and buffers never come here (torch filters them out) and a graph
         input of a parameter's shape is kept, a copy of a kept layer's weight is told by its shape and dtype, an
         attention kernel's statistics by their node."""
-        from torch.fx.experimental.symbolic_shapes import guard_or_false
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_or_false
 
         node = traced_node()
         if (not tensor.is_floating_point() or tensor.element_size() < 2 or tensor.dim() == 0
+                or free_unbacked_symbols(tensor)  # a data-dependent size (a mask's count): no guard may ask it
                 or guard_or_false(tensor.numel() < self.min_elements) or overlapping(tensor)
+                or not groups_fit(tensor)
                 or (static_shape(tensor), tensor.dtype) in self._weight_copy_keys
                 or is_attention_statistic(node)
                 or (node is None and static_shape(tensor) is not None and self._is_attention_logsumexp(tensor))

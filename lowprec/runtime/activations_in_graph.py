@@ -23,7 +23,6 @@ Opt-in for now (`LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1`): its speed on a GPU is not
 from __future__ import annotations
 
 import contextlib
-import functools
 import operator
 import os
 from collections.abc import Iterator
@@ -134,20 +133,27 @@ def _unpack_hook(saved):
     return _unpack(saved)
 
 
-@functools.cache
-def graph_hooks() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-    """The pack and unpack hooks as GraphModules (built once: torch compares hooks by their graphs)."""
-    return torch.fx.symbolic_trace(_pack_hook), torch.fx.symbolic_trace(_unpack_hook)
+def graph_hooks(storage) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """`storage`'s pack and unpack hooks as GraphModules, built once per storage. Dynamo guards a compiled graph
+    on the hooks it was compiled under (their identity): a graph compiled under one storage's hooks, whose rules
+    (size threshold, kept layers' weights, parameter shapes) it carries, is never reused under another's."""
+    hooks = getattr(storage, "_graph_hooks", None)
+    if hooks is None:
+        hooks = storage._graph_hooks = (torch.fx.symbolic_trace(_pack_hook), torch.fx.symbolic_trace(_unpack_hook))
+    return hooks
 
 
 @contextlib.contextmanager
 def graph_hooks_context(storage) -> Iterator[None]:
     """`storage`'s rules as GraphModule hooks, around one forward."""
-    pack, unpack = graph_hooks()
+    import torch._functorch.config as functorch_config  # not imported by `import torch` alone
+
+    pack, unpack = graph_hooks(storage)
     _ACTIVE.append(storage)
     try:
-        with torch._functorch.config.patch(saved_tensors_hooks_filtering_mode=filtering_mode()), \
+        with functorch_config.patch(saved_tensors_hooks_filtering_mode=filtering_mode()), \
                 torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
     finally:
-        _ACTIVE.pop()
+        # this storage's own entry (the last one that is it), whatever order other contexts end in
+        del _ACTIVE[len(_ACTIVE) - 1 - _ACTIVE[::-1].index(storage)]
