@@ -111,39 +111,29 @@ def unpack_fp8(packed: PackedFP8) -> torch.Tensor:
     return out.copy_(values)
 
 
-def memory_order(tensor: torch.Tensor) -> list[int]:
-    """The dimensions of `tensor` from the outermost in memory to the innermost (by stride, then by position):
-    `tensor.permute(memory_order(tensor))` is laid out row-major (with gaps where the tensor is a slice)."""
-    return sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
-
-
 def groups_fit(tensor: torch.Tensor) -> bool:
-    """Whether the innermost dimension in memory splits into whole groups (a multiple of 128, or a single group of
-    at most 128): `pack_traced_fp8` takes no other. Padding a group inside a compiled graph gave wrong values on
-    CPU: inductor's code for the decode wrote only the first 128 columns of a row of 200 (torch 2.13)."""
-    last = tensor.shape[memory_order(tensor)[-1]]
+    """Whether the last dimension splits into whole groups (a multiple of 128, or a single group of at most 128):
+    `pack_traced_fp8` takes no other. Padding a group inside a compiled graph gave wrong values on CPU: inductor's
+    code for the decode wrote only the first 128 columns of a row of 200 (torch 2.13)."""
+    last = tensor.shape[-1]
     return bool(last <= GROUP or last % GROUP == 0)
 
 
 def pack_traced_fp8(tensor: torch.Tensor) -> tuple:
-    """`pack_fp8` for a graph being compiled (the saved-tensor hooks torch inlines into a compiled forward): the
-    groups run along the innermost dimension in memory, so that a transposed view (attention's q, k, v) is read
-    as it lies. Returns tensors and constants only: (data, exponent, shape in memory order, the permutation back,
-    dtype), for `unpack_traced_fp8`. The definitions are `pack_fp8`'s, traced into the graph; the caller checks
-    `groups_fit` first."""
-    order = memory_order(tensor)
-    rows = tensor.permute(order)
-    last = rows.shape[-1]
-    data, exponent = _encode.eager(rows.reshape(-1, last), group_size(last))
-    inverse = [order.index(d) for d in range(len(order))]
-    return data, exponent, tuple(rows.shape), tuple(inverse), tensor.dtype
+    """`pack_fp8` for a graph being compiled (the saved-tensor hooks torch inlines into a compiled forward), the
+    same groups along the last dimension; a strided view is read as it lies (the gather fuses into the encode).
+    Returns tensors and constants only: (data, exponent, shape, dtype), for `unpack_traced_fp8`. The definitions
+    are `pack_fp8`'s, traced into the graph; the caller checks `groups_fit` first."""
+    last = tensor.shape[-1]
+    data, exponent = _encode.eager(tensor.reshape(-1, last), group_size(last))
+    return data, exponent, tuple(tensor.shape), tensor.dtype
 
 
 def unpack_traced_fp8(packed: tuple) -> torch.Tensor:
-    """The tensor `pack_traced_fp8` stored, in its dtype and shape: dense, in the memory order it had (a slice
-    comes back without its gaps: a compiled backward takes the strides its graph computes)."""
-    data, exponent, shape, inverse, dtype = packed
-    return _decode.eager(data, exponent, shape[-1], dtype).reshape(shape).permute(inverse)
+    """The tensor `pack_traced_fp8` stored, in its dtype and shape (not its strides: a compiled backward takes the
+    layout its graph computes)."""
+    data, exponent, shape, dtype = packed
+    return _decode.eager(data, exponent, shape[-1], dtype).reshape(shape)
 
 
 def overlapping(tensor: torch.Tensor) -> bool:
