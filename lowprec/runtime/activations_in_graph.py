@@ -14,8 +14,8 @@ later). The hooks here are such GraphModules: each calls one function that torch
 tensor's metadata and returns the graph form (`kernels.activations.pack_traced_fp8`); called on a real tensor
 (an op outside a compiled graph), it is the storage's own `pack`/`unpack`. What the graph saves of its inputs
 is packed too, except parameters and buffers and any input of a parameter's shape
-(`saved_tensors_hooks_filtering_mode="no_static"` while the forward compiles, `filtering_mode`): a block's input
-is its caller's to free.
+(`saved_tensors_hooks_filtering_mode="no_static"` while the forward compiles, `filtering_mode`): a block's input,
+which nothing else holds once the next block has run, is then kept in FP8 only, as with the Python hooks.
 
 Opt-in for now (`LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1`): its speed on a GPU is not measured yet.
 """
