@@ -280,6 +280,9 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
 
         result["peak_report"] = record_step(lambda: step(data[0]), peak_path)
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+    storage = getattr(inner, "_lowprec_activation_storage", None)
+    if storage is not None:  # FP8 activations: through Python hooks or inside the compiled graphs
+        result["activations_in_graph"] = storage.in_graph
     linears = [m for m in inner.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Linear"]
     result["linears"] = len(linears)
     plan = getattr(accelerator, "precision_plan", None)

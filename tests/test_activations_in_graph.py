@@ -272,3 +272,21 @@ def test_through_the_accelerator_with_a_compiled_model(backend, monkeypatch):
         assert (fp8[name] - ref).norm() / ref.norm() <= GRAD_BOUND, name
     assert any(not torch.equal(fp8[n], reference[n]) for n in reference)
     assert ENV in accelerator.precision_plan.activations.other_tensors
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_asking_for_it_on_a_torch_that_cannot_inline_says_so(monkeypatch):
+    import lowprec.runtime.activations as activations
+    import lowprec.runtime.planner as planner
+    from lowprec import Accelerator, FP8RecipeKwargs
+
+    pytest.importorskip("torchao")
+    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setattr(activations, "inlining_supported", lambda: False)
+    monkeypatch.setattr(planner, "inlining_supported", lambda: False)
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(
+        backend="torchao", skip_slow_shapes=False, activation_dtype="fp8")])
+    with pytest.warns(UserWarning, match="LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1 needs a torch that inlines"):
+        model = accelerator.prepare(nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)))
+    assert activations.activation_storage(model).in_graph is False
+    assert ENV not in accelerator.precision_plan.activations.other_tensors

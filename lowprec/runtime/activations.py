@@ -317,7 +317,13 @@ def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=
     """Run `prepared`'s forward inside the FP8 saved-tensor hooks; the storage is kept on `inner` (the
     unwrapped model) as `_lowprec_activation_storage`, for `activation_storage(model)`. What the modules
     `keep_saved_by(module)` names save in their forward is left as it is (`Backend.keeps_saved_tensors`)."""
-    storage = FP8ActivationStorage(inner, converted=converted, in_graph=in_graph_requested())
+    in_graph = in_graph_requested()
+    if in_graph and not inlining_supported():
+        warnings.warn("lowprec: LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1 needs a torch that inlines GraphModule "
+                      f"saved-tensor hooks into compiled graphs (2.8 or later; this is {torch.__version__}): the "
+                      "tensors compiled graphs save are stored in FP8 by the Python hooks after each graph instead",
+                      stacklevel=3)
+    storage = FP8ActivationStorage(inner, converted=converted, in_graph=in_graph)
     for module in inner.modules():
         if keep_saved_by is not None and keep_saved_by(module):
             storage.leave_alone(module)
