@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Issue 32's measurements on one GPU (saved activations in FP8), each part sized for one device call:
 #
-#   bash scripts/gpu/memory.sh OUT headline      # ~6 min: d4096 proxy, BF16 eager/compiled and te, torchao,
+#   bash scripts/gpu/memory.sh OUT headline      # ~6 min: d4096 proxy, compiled BF16, torchao and
 #                                                #   msamp O2 with and without activation_dtype='fp8': speed,
 #                                                #   peak (and in which phase), the memory a forward holds for
 #                                                #   backward; FP8 activations through Python hooks and inside
 #                                                #   the compiled graphs (act8 graph); kernels.tgz: msamp O2's
 #                                                #   kernel tables and what is live at the peak (.peak.txt)
+#   bash scripts/gpu/memory.sh OUT headline_te   # ~2 min: eager BF16, te, te with activation_dtype='fp8'
 #   bash scripts/gpu/memory.sh OUT convergence   # ~7 min: lowprec bench --convergence (300 steps, proxy):
 #                                                #   held-out loss of each FP8-activation configuration vs BF16
 #   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
@@ -16,8 +17,8 @@
 # the machine; TE's configurations need its compiled extension (they fail alone without it). Writes
 # OUT/<date>-<gpu>-memory/: one file per part plus commit.txt; commit that folder under results/gpu/.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|convergence|largest ...}; shift
-[ $# -gt 0 ] || { echo "name at least one part: headline convergence largest" >&2; exit 2; }
+out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|convergence|largest ...}; shift
+[ $# -gt 0 ] || { echo "name at least one part: headline headline_te convergence largest" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H100|H200|B200' || echo gpu)
 dir="$out/$(date -u +%Y-%m-%d)-${gpu,,}-memory"
@@ -29,15 +30,20 @@ for part in "$@"; do
   echo "== $part"
   case "$part" in
     headline)
+      # compiled: BF16, torchao and msamp O2 with FP8 activations through the Python hooks and inside the graphs
       python3 benchmarks/headline.py --widths d4096 --out "$dir/headline.json" --configs \
-        "bf16 eager" te "te act8" "bf16 compiled" torchao "torchao act8" "torchao act8 graph" "msamp O2" \
-        "msamp O2 act8" "msamp O2 act8 graph" \
+        "bf16 compiled" torchao "torchao act8" "torchao act8 graph" "msamp O2" "msamp O2 act8" "msamp O2 act8 graph" \
         --profile-dir "$dir/kernels" --profile-configs "msamp O2" "msamp O2 act8" "msamp O2 act8 graph" \
         --peak-configs "bf16 compiled" "msamp O2" "msamp O2 act8" "msamp O2 act8 graph" \
         > "$dir/headline.log" 2>&1 || status=1
       python3 benchmarks/headline.py --summarize "$dir/headline.json" > "$dir/headline.md" 2>&1
       # one file for the kernel tables and peak reports: the device tool brings back at most 8 files a call
       tar czf "$dir/kernels.tgz" -C "$dir" kernels && rm -rf "$dir/kernels" ;;
+    headline_te)
+      # eager: BF16 and te with and without FP8 activations (TE's compiled extension needed)
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/headline_te.json" --configs "bf16 eager" te "te act8" \
+        > "$dir/headline_te.log" 2>&1 || status=1
+      python3 benchmarks/headline.py --summarize "$dir/headline_te.json" > "$dir/headline_te.md" 2>&1 ;;
     convergence)
       python3 -m lowprec.cli bench --convergence --steps 300 --size proxy --no-raw --no-progress --out "$dir/convergence" \
         --configs bf16 msamp:delayed:O2 msamp:delayed:O2,activation_dtype=fp8 torchao:tensorwise,activation_dtype=fp8 \
@@ -45,7 +51,7 @@ for part in "$@"; do
     largest)
       python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
         --configs "bf16 compiled" torchao "torchao act8" "msamp O2" "msamp O2 act8" > "$dir/largest.log" 2>&1 || status=1 ;;
-    *) echo "unknown part '$part' (headline|convergence|largest)" >&2; exit 2 ;;
+    *) echo "unknown part '$part' (headline|headline_te|convergence|largest)" >&2; exit 2 ;;
   esac
   tail -15 "$dir/$part.log" 2>/dev/null
 done
