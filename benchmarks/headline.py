@@ -46,6 +46,7 @@ import subprocess
 import sys
 import time
 import traceback
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -168,16 +169,8 @@ def _auto_reasons(recipe, context) -> list[str]:
 
 def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profile_path: str | None = None,
             profile_n: int = 2, peak_path: str | None = None) -> dict:
-    saved = {name: os.environ.get(name) for name in ENVIRONMENT.get(label, {})}
-    os.environ.update(ENVIRONMENT.get(label, {}))
-    try:
+    with mock.patch.dict(os.environ, ENVIRONMENT.get(label, {})):
         return _run_one(label, width, data, warmup, profile_path, profile_n, peak_path)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profile_path: str | None,
@@ -187,6 +180,7 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
     from accelerate.utils import TorchDynamoPlugin
 
     from lowprec import Accelerator, FP8RecipeKwargs
+    from lowprec.runtime.activations import activation_storage
 
     mode, spec = CONFIGS[label]
     cuda = torch.cuda.is_available()
@@ -280,7 +274,7 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
 
         result["peak_report"] = record_step(lambda: step(data[0]), peak_path)
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
-    storage = getattr(inner, "_lowprec_activation_storage", None)
+    storage = activation_storage(inner)
     if storage is not None:  # FP8 activations: through Python hooks or inside the compiled graphs
         result["activations_in_graph"] = storage.in_graph
     linears = [m for m in inner.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Linear"]

@@ -24,6 +24,7 @@ from torch import nn
 from ..kernels.activations import PackedFP8, SpanKey, groups_fit, overlapping, pack_fp8, pack_traced_fp8, unpack_fp8
 from ..planning.activations import MIN_ELEMENTS
 from .activations_in_graph import (
+    graph_hooks,
     graph_hooks_context,
     graph_input_of,
     in_graph_requested,
@@ -99,6 +100,7 @@ class FP8ActivationStorage:
         self._inside = 0  # forwards under way of modules whose saved tensors are left alone (`leave_alone`)
         # compiled graphs encode what they save inside the graph (activations_in_graph), where torch can
         self.in_graph = in_graph and inlining_supported()
+        self._graph_hooks = graph_hooks() if self.in_graph else None  # its own: dynamo guards on their identity
         self._traced: set[tuple[int, str]] = set()  # (forward graph, node) already counted: torch traces each twice
 
     def leave_alone(self, module: nn.Module) -> None:
@@ -246,7 +248,7 @@ class FP8ActivationStorage:
         self._forget_forward()
         try:
             if self.in_graph:
-                with graph_hooks_context(self):
+                with graph_hooks_context(self, self._graph_hooks):
                     yield
             else:
                 with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):

@@ -133,26 +133,22 @@ def _unpack_hook(saved):
     return _unpack(saved)
 
 
-def graph_hooks(storage) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-    """`storage`'s pack and unpack hooks as GraphModules, built once per storage. Dynamo guards a compiled graph
-    on the hooks it was compiled under (their identity): a graph compiled under one storage's hooks, whose rules
-    (size threshold, kept layers' weights, parameter shapes) it carries, is never reused under another's."""
-    hooks = getattr(storage, "_graph_hooks", None)
-    if hooks is None:
-        hooks = storage._graph_hooks = (torch.fx.symbolic_trace(_pack_hook), torch.fx.symbolic_trace(_unpack_hook))
-    return hooks
+def graph_hooks() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """A new pair of pack and unpack hooks as GraphModules, for one storage. Dynamo guards a compiled graph on the
+    hooks it was compiled under (their identity): a graph compiled under one storage's hooks, whose rules (size
+    threshold, kept layers' weights, parameter shapes) it carries, is never reused under another's."""
+    return torch.fx.symbolic_trace(_pack_hook), torch.fx.symbolic_trace(_unpack_hook)
 
 
 @contextlib.contextmanager
-def graph_hooks_context(storage) -> Iterator[None]:
-    """`storage`'s rules as GraphModule hooks, around one forward."""
+def graph_hooks_context(storage, hooks: tuple[torch.fx.GraphModule, torch.fx.GraphModule]) -> Iterator[None]:
+    """`storage`'s rules as its GraphModule `hooks` (from `graph_hooks`), around one forward."""
     import torch._functorch.config as functorch_config  # not imported by `import torch` alone
 
-    pack, unpack = graph_hooks(storage)
     _ACTIVE.append(storage)
     try:
         with functorch_config.patch(saved_tensors_hooks_filtering_mode=filtering_mode()), \
-                torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                torch.autograd.graph.saved_tensors_hooks(*hooks):
             yield
     finally:
         # this storage's own entry (the last one that is it), whatever order other contexts end in
