@@ -6,8 +6,9 @@
 #
 # Writes OUT/<date>-<gpu>-verify/: commit.txt (the tree measured: COMMIT, or `git rev-parse HEAD` where
 # the tree is a checkout; the device's copy of the working tree has no .git), env.txt (packages),
-# pytest_msamp.txt + pytest_rest.txt + pytest_te.txt (the suite in three parts, -rA; TE's once its extension is
-# compiled),
+# pytest_msamp.txt + pytest_rest.txt + pytest_te.txt (the suite in three parts; TE's once its extension is
+# compiled; -rfEsxXp: a line per test, failures' output, but not every passing test's captured log, which made these
+# files 0.4-0.7 MB each and the device's 64 MiB carry overflow),
 # headline.json + headline.md + headline.log (benchmarks/headline.py). Commit that folder under results/gpu/. The set-up (.gpubundle, see ../shared/gpu/make_bundle.sh) runs once per machine.
 # HEADLINE_ARGS replaces the headline's default arguments (d4096, every default configuration);
 # PYTEST_ARGS adds pytest options (-k, -x, ...). VERIFY_BUDGET_S (default 570) bounds the whole script,
@@ -38,7 +39,7 @@ suite() {  # suite NAME TESTS...: one part of the GPU suite, bounded so that the
   # -v names each test as it starts; faulthandler dumps every thread's stack of a test past 150 s
   # shellcheck disable=SC2086
   timeout $(( ${VERIFY_BUDGET_S:-570} - ${HEADLINE_RESERVE_S:-150} - ($(date +%s) - start) )) \
-    python3 -m pytest -m gpu "$@" -v -rA -p no:cacheprovider --durations=10 -o faulthandler_timeout=150 \
+    python3 -m pytest -m gpu "$@" -v -rfEsxXp -p no:cacheprovider --durations=10 -o faulthandler_timeout=150 \
     ${PYTEST_ARGS:-} > "$dir/pytest_$name.txt" 2>&1
   local code=$?
   grep -E "^(=+ )?[0-9]+ (passed|failed)" "$dir/pytest_$name.txt" | tail -1
