@@ -21,8 +21,10 @@ _MACHINERY = (f"{os.sep}torch{os.sep}", f"{os.sep}accelerate{os.sep}", f"{os.sep
 
 
 def site(frames: list[dict]) -> str:
-    """The innermost frame outside torch and Accelerate ("file:line function"), else the innermost frame; frames
-    are the allocator's, innermost first."""
+    """The innermost Python frame outside torch and Accelerate ("file:line function"), else the innermost Python
+    frame; frames are the allocator's, innermost first. C++ frames (no `.py` file: `??:0 torch::unwind::unwind()`
+    where the allocator could not symbolise them) never name a site."""
+    frames = [f for f in frames if f["filename"].endswith(".py") or f["filename"].startswith("<")]
     if not frames:
         return "(no Python frame)"
     chosen = next((f for f in frames if not any(m in f["filename"] for m in _MACHINERY)), frames[0])
@@ -53,8 +55,11 @@ def live_at_peak(events: list[dict], baseline: int = 0) -> dict:
         entry[0] += event["size"]
         entry[1] += 1
     ordered = dict(sorted(sites.items(), key=lambda kv: -kv[1][0]))
+    # the largest blocks by size say which tensors they are where a site is shared (logits: batch x length x vocab)
+    largest = sorted(live.values(), key=lambda e: -e["size"])[:10]
     return {"peak_bytes": peak, "baseline_bytes": baseline, "peak_event": at, "events": len(events),
-            "live_by_site": ordered}
+            "live_by_site": ordered,
+            "largest_blocks": [[e["size"], site(e.get("frames") or [])] for e in largest]}
 
 
 def format_report(report: dict, top: int = 25) -> str:
@@ -63,6 +68,9 @@ def format_report(report: dict, top: int = 25) -> str:
              f"the step + the blocks below (at event {report['peak_event']} of {report['events']})"]
     for name, (size, blocks) in list(report["live_by_site"].items())[:top]:
         lines.append(f"{size / gib:9.3f} GiB  {blocks:5d} blocks  {name}")
+    if report.get("largest_blocks"):
+        lines.append("largest blocks live at the peak:")
+        lines += [f"{size / gib:9.3f} GiB  {name}" for size, name in report["largest_blocks"]]
     return "\n".join(lines) + "\n"
 
 
@@ -75,7 +83,9 @@ def record_step(step, path: str | None, max_entries: int = 500_000) -> dict | No
         return None
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    # Python frames only: with C++ frames the allocator's unwinder named every block `??:0 torch::unwind::unwind()`
+    # on the GPU host (results/gpu/2026-11-27-h200-memory-d8a48fa)
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
         step()
         torch.cuda.synchronize()

@@ -24,7 +24,9 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | 
 dir="$out/$(date -u +%Y-%m-%d)-${gpu,,}-memory"
 mkdir -p "$dir"
 export PYTHONUNBUFFERED=1
-git rev-parse HEAD > "$dir/commit.txt" 2>/dev/null || echo "${COMMIT:-unknown}" > "$dir/commit.txt"
+# COMMIT first: the device copy of the tree may carry a stale .git
+if [ -n "${COMMIT:-}" ]; then echo "$COMMIT" > "$dir/commit.txt"
+else git rev-parse HEAD > "$dir/commit.txt" 2>/dev/null || echo unknown > "$dir/commit.txt"; fi
 status=0
 for part in "$@"; do
   echo "== $part"
