@@ -1,5 +1,6 @@
-"""`LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1`: what a compiled graph saves for backward is encoded in FP8 inside the
-graph (GraphModule saved-tensor hooks that AOTAutograd inlines), on CPU with inductor.
+"""FP8 activations inside compiled graphs (the default for compiled models; `LOWPREC_FP8_ACTIVATIONS_IN_GRAPH`):
+what a compiled graph saves for backward is encoded in FP8 inside the graph (GraphModule saved-tensor hooks that
+AOTAutograd inlines), on CPU with inductor.
 
 The encode and decode are `pack_fp8`'s definitions traced into the graph, so the gradients must be those of the
 Python hooks bit for bit, and the compiled backward must hold FP8 where the Python hooks would have packed.
@@ -17,7 +18,7 @@ from torch import nn
 
 from lowprec.kernels.activations import groups_fit, pack_fp8, pack_traced_fp8, unpack_fp8, unpack_traced_fp8
 from lowprec.runtime.activations import FP8ActivationStorage
-from lowprec.runtime.activations_in_graph import ENV, in_graph_requested, inlining_supported
+from lowprec.runtime.activations_in_graph import ENV, in_graph_requested, in_graph_wanted, inlining_supported
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from headline import Block  # noqa: E402 - the proxy's block: fused QKV, SDPA, RMSNorm, fused gate/up
@@ -231,13 +232,15 @@ def test_a_graph_input_of_a_parameters_shape_is_kept():
     assert storage.counts.traced_kept >= 1 and storage.counts.traced_packed >= 1
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, False), ("", False), ("0", False), ("1", True)])
-def test_the_switch(monkeypatch, value, expected):
+@pytest.mark.parametrize(("value", "expected", "eager", "compiled"), [
+    (None, None, False, True), ("", None, False, True), ("0", False, False, False), ("1", True, True, True)])
+def test_the_switch_and_its_default_for_compiled_models(monkeypatch, value, expected, eager, compiled):
     if value is None:
         monkeypatch.delenv(ENV, raising=False)
     else:
         monkeypatch.setenv(ENV, value)
     assert in_graph_requested() is expected
+    assert in_graph_wanted(False) is eager and in_graph_wanted(True) is compiled
 
 
 def test_a_bad_switch_names_the_variable_and_its_values(monkeypatch):
@@ -254,14 +257,18 @@ def test_a_torch_that_cannot_inline_keeps_the_python_hooks(monkeypatch):
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("switch", [None, "1"])
 @pytest.mark.parametrize("backend", ["torchao", "msamp"])
-def test_through_the_accelerator_with_a_compiled_model(backend, monkeypatch):
+def test_through_the_accelerator_with_a_compiled_model(backend, switch, monkeypatch):
     pytest.importorskip("torchao")
     from test_activation_storage import _compiled, batches
 
     from lowprec.runtime.activations import activation_storage
 
-    monkeypatch.setenv(ENV, "1")
+    if switch is None:  # the default for a compiled model
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, switch)
     x, y = batches(1)[0]
     reference, _, _ = _compiled(backend, None, x, y)
     fp8, model, accelerator = _compiled(backend, "fp8", x, y)
@@ -290,3 +297,53 @@ def test_asking_for_it_on_a_torch_that_cannot_inline_says_so(monkeypatch):
         model = accelerator.prepare(nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)))
     assert activations.activation_storage(model).in_graph is False
     assert ENV not in accelerator.precision_plan.activations.other_tensors
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_zero_keeps_the_python_hooks_in_a_compiled_model(monkeypatch):
+    pytest.importorskip("torchao")
+    from test_activation_storage import _compiled, batches
+
+    from lowprec.runtime.activations import activation_storage
+
+    monkeypatch.setenv(ENV, "0")
+    x, y = batches(1)[0]
+    _, model, accelerator = _compiled("torchao", "fp8", x, y)
+    storage = activation_storage(model)
+    assert not storage.in_graph and storage.counts.traced_packed == 0 and storage.counts.packed >= 2
+    assert "inside the graph" not in accelerator.precision_plan.activations.other_tensors
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_an_eager_model_keeps_the_python_hooks_by_default(monkeypatch):
+    pytest.importorskip("torchao")
+    from lowprec import Accelerator, FP8RecipeKwargs
+    from lowprec.runtime.activations import activation_storage
+
+    monkeypatch.delenv(ENV, raising=False)
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(
+        backend="torchao", skip_slow_shapes=False, activation_dtype="fp8")])
+    model = accelerator.prepare(nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128)))
+    assert activation_storage(model).in_graph is False
+    assert "inside the graph" not in accelerator.precision_plan.activations.other_tensors
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_the_default_on_a_torch_that_cannot_inline_keeps_the_python_hooks_quietly(monkeypatch):
+    import warnings
+
+    import lowprec.runtime.activations as activations
+    import lowprec.runtime.planner as planner
+
+    pytest.importorskip("torchao")
+    from test_activation_storage import _compiled, batches
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(activations, "inlining_supported", lambda: False)
+    monkeypatch.setattr(planner, "inlining_supported", lambda: False)
+    x, y = batches(1)[0]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*LOWPREC_FP8_ACTIVATIONS_IN_GRAPH")
+        _, model, accelerator = _compiled("torchao", "fp8", x, y)
+    assert activations.activation_storage(model).in_graph is False
+    assert "inside the graph" not in accelerator.precision_plan.activations.other_tensors

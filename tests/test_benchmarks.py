@@ -152,9 +152,9 @@ def test_headline_sets_a_configurations_environment_only_while_it_runs(monkeypat
     monkeypatch.delenv(name, raising=False)
     seen = []
     monkeypatch.setattr(headline, "_run_one", lambda *a: seen.append(os.environ.get(name)))
-    headline.run_one("msamp O2 act8 graph", "tiny", [], 0)
+    headline.run_one("msamp O2 act8 hooks", "tiny", [], 0)
     headline.run_one("msamp O2 act8", "tiny", [], 0)
-    assert seen == ["1", None] and name not in os.environ
+    assert seen == ["0", None] and name not in os.environ
 
 
 def test_peak_memory_replays_the_allocator_trace_to_its_highest_point():

@@ -70,7 +70,7 @@ def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, 
     """The section for a plan whose Linear decisions are `modules`, whose backend keeps an FP8 layer's input
     as `fp8_input`; `blocks` is (block list name, count, block class) or None; `compiled`: the model is
     compiled whole (its graph decides what is saved); `in_graph`: compiled graphs encode what they save
-    themselves (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1)."""
+    themselves (by default for compiled models; LOWPREC_FP8_ACTIVATIONS_IN_GRAPH)."""
     hooks = activation_dtype == "fp8"
     fp8 = fp8_input
     if hooks and fp8.packable:
@@ -95,7 +95,7 @@ def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, 
             others += "; compiled model: the tensors its graph saves for backward"
         if in_graph:
             others += ("; compiled graphs encode and decode theirs inside the graph "
-                       "(LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1)")
+                       "(LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0: through Python hooks after each graph)")
     else:
         others = ("as autograd saves them (BF16 under autocast, FP32 in norms computed in FP32); "
                   "activation_dtype='fp8' stores them in FP8")

@@ -17,7 +17,7 @@ from ..planning.hardware import DeviceInfo, assumed_device, device_info
 from ..planning.plan import PrecisionPlan, short_dtype
 from ..planning.selection import find_blocks, select_modules
 from ..planning.speed import unmeasured_note
-from .activations_in_graph import in_graph_requested, inlining_supported
+from .activations_in_graph import in_graph_wanted, inlining_supported
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -109,10 +109,9 @@ def build_plan(
     plan.bytes_per_param = backend.model_state_bytes(plan, param_dtype)
     found = find_blocks(model)
     blocks = None if found is None else (found[0], len(found[1]), type(found[1][0]).__name__)
+    in_graph = recipe.activation_dtype == "fp8" and in_graph_wanted(context.compiled) and inlining_supported()
     plan.activations = saved_activations(plan.modules, backend.saved_linear_input(), recipe.activation_dtype, blocks,
-                                         compiled=context.compiled,
-                                         in_graph=recipe.activation_dtype == "fp8" and in_graph_requested()
-                                         and inlining_supported())
+                                         compiled=context.compiled, in_graph=in_graph)
     plan.notes = backend.notes(plan)
     compiles, _ = backend.layer_compile()
     if compiles and plan.converted:

@@ -4,8 +4,8 @@
 #   bash scripts/gpu/memory.sh OUT headline      # ~6 min: d4096 proxy, compiled BF16, torchao and
 #                                                #   msamp O2 with and without activation_dtype='fp8': speed,
 #                                                #   peak (and in which phase), the memory a forward holds for
-#                                                #   backward; FP8 activations through Python hooks and inside
-#                                                #   the compiled graphs (act8 graph); kernels.tgz: msamp O2's
+#                                                #   backward; FP8 activations inside the compiled graphs
+#                                                #   (act8) and through Python hooks (act8 hooks); kernels.tgz: msamp O2's
 #                                                #   kernel tables and what is live at the peak (.peak.txt)
 #   bash scripts/gpu/memory.sh OUT headline_te   # ~2 min: eager BF16, te, te with activation_dtype='fp8'
 #   bash scripts/gpu/memory.sh OUT convergence   # ~7 min: lowprec bench --convergence (300 steps, proxy):
@@ -32,11 +32,11 @@ for part in "$@"; do
   echo "== $part"
   case "$part" in
     headline)
-      # compiled: BF16, torchao and msamp O2 with FP8 activations through the Python hooks and inside the graphs
+      # compiled: BF16, torchao and msamp O2 with FP8 activations inside the graphs and through Python hooks
       python3 benchmarks/headline.py --widths d4096 --out "$dir/headline.json" --configs \
-        "bf16 compiled" torchao "torchao act8" "torchao act8 graph" "msamp O2" "msamp O2 act8" "msamp O2 act8 graph" \
-        --profile-dir "$dir/kernels" --profile-configs "msamp O2" "msamp O2 act8" "msamp O2 act8 graph" \
-        --peak-configs "bf16 compiled" "msamp O2" "msamp O2 act8" "msamp O2 act8 graph" \
+        "bf16 compiled" torchao "torchao act8" "torchao act8 hooks" "msamp O2" "msamp O2 act8" "msamp O2 act8 hooks" \
+        --profile-dir "$dir/kernels" --profile-configs "msamp O2" "msamp O2 act8" \
+        --peak-configs "bf16 compiled" "msamp O2" "msamp O2 act8" \
         > "$dir/headline.log" 2>&1 || status=1
       python3 benchmarks/headline.py --summarize "$dir/headline.json" > "$dir/headline.md" 2>&1
       # one file for the kernel tables and peak reports: the device tool brings back at most 8 files a call
