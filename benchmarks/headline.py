@@ -17,6 +17,8 @@ BF16 of the same mode (eager with eager, compiled with compiled) measured in the
   step under te.autocast(DelayedScaling(HYBRID)) inside plain accelerate.Accelerator(mixed_precision="bf16").
   lowprec's TE should match its speed and peak memory.
 - "te no norms": "te" with the norms excluded (exclude=("*norm*",)): what TE's norms cost or save.
+- "... whole": the model compiled as one graph (Accelerate's dynamo plugin without regional compilation), the
+  head and the loss included, against "bf16 whole".
 
 Model: a Llama-style decoder written here (no `transformers`): token embedding, per block RMSNorm, one
 fused QKV Linear, causal SDPA (heads of 128), output Linear, RMSNorm, fused gate+up Linear, SiLU-gated
@@ -94,6 +96,13 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     # the same through Python hooks after each compiled graph (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0, ENVIRONMENT)
     "torchao act8 hooks": ("compiled", dict(backend="torchao", activation_dtype="fp8")),
     "msamp O2 act8 hooks": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
+    # the whole model as one graph (the head and the loss compiled too: inductor fuses the FP32 log-softmax that
+    # regional compilation leaves to eager), against BF16 compiled the same way
+    "bf16 whole": ("whole", None),
+    "torchao whole": ("whole", dict(backend="torchao")),
+    "torchao act8 whole": ("whole", dict(backend="torchao", activation_dtype="fp8")),
+    "msamp O2 whole": ("whole", dict(backend="msamp", opt_level="O2")),
+    "msamp O2 act8 whole": ("whole", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
 }
 # label -> environment variables set while that configuration runs
 ENVIRONMENT: dict[str, dict[str, str]] = {
@@ -187,7 +196,8 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
     cuda = torch.cuda.is_available()
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True) if mode == "compiled" else None
+    dynamo = (TorchDynamoPlugin(backend="inductor", use_regional_compilation=mode == "compiled")
+              if mode in ("compiled", "whole") else None)
     extra = {"dynamo_plugin": dynamo} if dynamo is not None else {}
     recipe = None
     if spec is None:
@@ -359,8 +369,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "and ratios from the median over rounds (a first run in the process can pay one-off costs)")
     p.add_argument("--out", required=True)
     p.add_argument("--profile-dir", help="write a torch.profiler kernel table per profiled configuration here")
-    p.add_argument("--profile-configs", nargs="+", choices=list(CONFIGS),
-                   help="the configurations to profile (default: every one run)")
+    p.add_argument("--profile-configs", nargs="*", choices=list(CONFIGS),
+                   help="the configurations to profile (default: every one run; none given: none, for "
+                        "--peak-configs alone)")
     p.add_argument("--profile-steps", type=int, default=2, help="profiled steps after the timed ones")
     p.add_argument("--peak-configs", nargs="+", choices=list(CONFIGS),
                    help="trace one more step's allocations of these configurations: what is live at the step's peak, "
@@ -372,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--rounds must be at least 1")
     if args.profile_steps < 1:
         p.error("--profile-steps must be at least 1")
-    if (args.profile_configs or args.peak_configs) and not args.profile_dir:
+    if (args.profile_configs is not None or args.peak_configs) and not args.profile_dir:
         p.error("--profile-configs and --peak-configs need --profile-dir")
     if args.profile_dir:
         os.makedirs(args.profile_dir, exist_ok=True)
@@ -400,7 +411,8 @@ def main(argv: list[str] | None = None) -> dict:
                     continue  # failed once: more rounds would not change that
                 profile_path = peak_path = None
                 stem = os.path.join(args.profile_dir or "", f"{width}_{label.replace(' ', '_')}")
-                if args.profile_dir and round_ == 0 and label in (args.profile_configs or args.configs):
+                if args.profile_dir and round_ == 0 and label in (args.configs if args.profile_configs is None
+                                                                         else args.profile_configs):
                     profile_path = stem + ".prof.txt"
                 if round_ == 0 and label in (args.peak_configs or ()):
                     peak_path = stem + ".peak.txt"

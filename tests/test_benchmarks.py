@@ -143,6 +143,31 @@ def test_headline_benchmark_on_cpu(tmp_path):
     assert auto["peak_report"] is None and "peak_report" not in runs["bf16 eager"]  # no allocator trace on a CPU
 
 
+def test_headline_profiles_no_configuration_when_profile_configs_names_none(tmp_path):
+    out = tmp_path / "headline.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "headline.py"), "--widths", "tiny",
+                           "--configs", "bf16 eager", "--steps", "2", "--warmup", "1",
+                           "--profile-dir", str(tmp_path / "prof"), "--profile-configs", "--out", str(out)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.listdir(tmp_path / "prof") == []
+    assert "profile" not in json.loads(out.read_text())["widths"]["tiny"]["bf16 eager"]
+
+
+def test_headline_has_a_whole_model_mode_with_its_own_bf16():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import headline
+
+    whole = {label for label, (mode, _) in headline.CONFIGS.items() if mode == "whole"}
+    assert "bf16 whole" in whole and len(whole) >= 3
+    runs = {"bf16 whole": {"mode": "whole", "step_ms_median": 100.0, "peak_gib": 20.0},
+            "msamp O2 whole": {"mode": "whole", "step_ms_median": 80.0, "peak_gib": 10.0},
+            "bf16 compiled": {"mode": "compiled", "step_ms_median": 50.0, "peak_gib": 5.0}}
+    headline._ratios(runs)
+    assert runs["msamp O2 whole"]["speedup_vs_bf16"] == 1.25 and runs["msamp O2 whole"]["peak_vs_bf16"] == 0.5
+
+
 def test_headline_sets_a_configurations_environment_only_while_it_runs(monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import headline

@@ -8,6 +8,9 @@
 #                                                #   (act8) and through Python hooks (act8 hooks); kernels.tgz: msamp O2's
 #                                                #   kernel tables and what is live at the peak (.peak.txt)
 #   bash scripts/gpu/memory.sh OUT headline_te   # ~2 min: eager BF16, te, te with activation_dtype='fp8'
+#   bash scripts/gpu/memory.sh OUT whole         # ~6 min: the model compiled as one graph (head and loss too):
+#                                                #   BF16, torchao and msamp O2 with and without FP8 activations;
+#                                                #   whole.peak.tgz: what is live at the peak
 #   bash scripts/gpu/memory.sh OUT convergence   # ~7 min: lowprec bench --convergence (300 steps, proxy):
 #                                                #   held-out loss of each FP8-activation configuration vs BF16
 #   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
@@ -17,8 +20,8 @@
 # the machine; TE's configurations need its compiled extension (they fail alone without it). Writes
 # OUT/<date>-<gpu>-memory/: one file per part plus commit.txt; commit that folder under results/gpu/.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|convergence|largest ...}; shift
-[ $# -gt 0 ] || { echo "name at least one part: headline headline_te convergence largest" >&2; exit 2; }
+out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|whole|convergence|largest ...}; shift
+[ $# -gt 0 ] || { echo "name at least one part: headline headline_te whole convergence largest" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H100|H200|B200' || echo gpu)
 dir="$out/$(date -u +%Y-%m-%d)-${gpu,,}-memory"
@@ -46,6 +49,14 @@ for part in "$@"; do
       python3 benchmarks/headline.py --widths d4096 --out "$dir/headline_te.json" --configs "bf16 eager" te "te act8" \
         > "$dir/headline_te.log" 2>&1 || status=1
       python3 benchmarks/headline.py --summarize "$dir/headline_te.json" > "$dir/headline_te.md" 2>&1 ;;
+    whole)
+      # the loss's FP32 log-softmax, which regional compilation leaves to eager, fused by inductor
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/whole.json" --configs "bf16 whole" "torchao whole" \
+        "msamp O2 act8 whole" "msamp O2 whole" "torchao act8 whole" \
+        --profile-dir "$dir/whole_peaks" --profile-configs --peak-configs "bf16 whole" "msamp O2 act8 whole" \
+        > "$dir/whole.log" 2>&1 || status=1
+      python3 benchmarks/headline.py --summarize "$dir/whole.json" > "$dir/whole.md" 2>&1
+      tar czf "$dir/whole.peak.tgz" -C "$dir" whole_peaks && rm -rf "$dir/whole_peaks" ;;
     convergence)
       python3 -m lowprec.cli bench --convergence --steps 300 --size proxy --no-raw --no-progress --out "$dir/convergence" \
         --configs bf16 msamp:delayed:O2 msamp:delayed:O2,activation_dtype=fp8 torchao:tensorwise,activation_dtype=fp8 \
@@ -53,7 +64,7 @@ for part in "$@"; do
     largest)
       python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
         --configs "bf16 compiled" torchao "torchao act8" "msamp O2" "msamp O2 act8" > "$dir/largest.log" 2>&1 || status=1 ;;
-    *) echo "unknown part '$part' (headline|headline_te|convergence|largest)" >&2; exit 2 ;;
+    *) echo "unknown part '$part' (headline|headline_te|whole|convergence|largest)" >&2; exit 2 ;;
   esac
   tail -15 "$dir/$part.log" 2>/dev/null
 done
