@@ -10,6 +10,7 @@
 #   bash scripts/gpu/memory.sh OUT headline_te   # ~2 min: eager BF16, te, te with activation_dtype='fp8'
 #   bash scripts/gpu/memory.sh OUT whole         # ~6 min: the model compiled as one graph (head and loss too):
 #                                                #   BF16, torchao and msamp O2 with and without FP8 activations;
+#                                                #   (and block by block, for the peak report);
 #                                                #   whole.peak.tgz: what is live at the peak
 #   bash scripts/gpu/memory.sh OUT convergence   # ~7 min: lowprec bench --convergence (300 steps, proxy):
 #                                                #   held-out loss of each FP8-activation configuration vs BF16
@@ -51,9 +52,10 @@ for part in "$@"; do
       python3 benchmarks/headline.py --summarize "$dir/headline_te.json" > "$dir/headline_te.md" 2>&1 ;;
     whole)
       # the loss's FP32 log-softmax, which regional compilation leaves to eager, fused by inductor
-      python3 benchmarks/headline.py --widths d4096 --out "$dir/whole.json" --configs "bf16 whole" "torchao whole" \
-        "msamp O2 act8 whole" "msamp O2 whole" "torchao act8 whole" \
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/whole.json" --configs "bf16 whole" \
+        "msamp O2 act8 whole" "msamp O2 whole" "torchao act8 whole" "torchao whole" "msamp O2 act8" \
         --profile-dir "$dir/whole_peaks" --profile-configs --peak-configs "bf16 whole" "msamp O2 act8 whole" \
+        "msamp O2 act8" \
         > "$dir/whole.log" 2>&1 || status=1
       python3 benchmarks/headline.py --summarize "$dir/whole.json" > "$dir/whole.md" 2>&1
       tar czf "$dir/whole.peak.tgz" -C "$dir" whole_peaks && rm -rf "$dir/whole_peaks" ;;
