@@ -27,6 +27,13 @@ BATCH = 256  # BATCH * WIDTH = 2 * MIN_ELEMENTS: the block activations are large
 GRAD_BOUND = 0.10
 
 
+@pytest.fixture(autouse=True)
+def python_hooks(monkeypatch):
+    """These tests are about the Python hooks; a compiled model would otherwise encode inside its graphs by default
+    (tests/test_activations_in_graph.py)."""
+    monkeypatch.setenv("LOWPREC_FP8_ACTIVATIONS_IN_GRAPH", "0")
+
+
 class Block(nn.Module):
     def __init__(self, width: int):
         super().__init__()
