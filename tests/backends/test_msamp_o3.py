@@ -349,3 +349,33 @@ def test_o3_layers_without_blocks_are_groups_of_their_own():
     model = nn.Sequential(FP8Linear(16, 16, sharded_master=True), nn.GELU(), FP8Linear(16, 16, sharded_master=True),
                           FP8Linear(16, 16))  # the last is no O3 layer (no master weight): not grouped
     assert [[id(m) for m in g] for g in fp8_layer_groups(model)] == [[id(model[0])], [id(model[2])]]
+
+
+def test_precomputed_scales_are_each_weights_own_rule_batched_over_margins():
+    """`precompute_weight_scales` computes the scales of a mesh's weights as vectors (one per margin): each must be
+    what `compute_scale` gives that weight alone, a NaN weight keeps its scale, and a margin is its weight's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from lowprec.backends.msamp.fsdp import FP8MasterWeight, precompute_weight_scales
+    from lowprec.kernels.scaling import compute_scale
+
+    E4M3 = torch.float8_e4m3fn
+
+    torch.manual_seed(0)
+    values = [torch.randn(8, 4) * 10 ** k for k in (-3, 0, 2)] + [torch.full((8, 4), float("nan")), torch.zeros(8, 4)]
+    margins = [0, 2, 0, 1, 0]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        masters = [FP8MasterWeight(v.half(), margin=m, scale=torch.tensor(0.5)) for v, m in zip(values, margins)]
+        weights = [DTensor.from_local(m, mesh, [Replicate()], run_check=False) for m in masters]
+        masters = [w._local_tensor for w in weights]  # what FSDP2 holds (from_local may wrap a view)
+        assert precompute_weight_scales(weights) == len(values)
+    finally:
+        dist.destroy_process_group()
+    for master, value, margin in zip(masters, values, margins):
+        expected = compute_scale(value.half().float().abs().amax(), E4M3, margin, previous=torch.tensor(0.5))
+        assert master._precomputed and master._scale.shape == () and torch.equal(master._scale, expected)
+    assert float(masters[3]._scale) == 0.5 and float(masters[4]._scale) == 0.5  # NaN and zeros keep the last scale

@@ -229,8 +229,17 @@ def precompute_weight_scales(weights: list[torch.Tensor]) -> int:
             by_mesh.setdefault(id(w.device_mesh), (w.device_mesh, []))[1].append(w._local_tensor)
     for mesh, masters in by_mesh.values():
         amax = _global_amax([m._tensor for m in masters], mesh)
-        for master, a in zip(masters, amax.unbind(0)):
-            master._scale.copy_(compute_scale(a, E4M3, master._margin, previous=master._scale))
+        # one vector of scales per margin, not a compute_scale (~25 kernels) per weight: on two H200s this
+        # loop was a third of O3's kernels under FSDP2 (841 of ~2200 ops a step, host-bound)
+        by_margin: dict[int, list[int]] = {}
+        for i, master in enumerate(masters):
+            by_margin.setdefault(master._margin, []).append(i)
+        for margin, index in by_margin.items():
+            scales = [masters[i]._scale for i in index]
+            picked = amax if len(index) == len(masters) else amax[torch.tensor(index, device=amax.device)]
+            new = compute_scale(picked, E4M3, margin, previous=torch.stack(scales).reshape(-1))
+            torch._foreach_copy_(scales, [v.reshape(s.shape) for v, s in zip(new.unbind(0), scales)])
+        for master in masters:
             master._precomputed = True
     return sum(len(masters) for _, masters in by_mesh.values())
 

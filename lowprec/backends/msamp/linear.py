@@ -350,7 +350,8 @@ def update_delayed_scales(layers: list[FP8Linear]) -> None:
     for (_, _, algo, margin, _), group in groups.items():
         fwd, bwd = group[0].fp8_dtypes
         history = torch.stack([layer.amax_history for layer in group])  # (n, 2, window)
-        scales = torch.stack([layer.scales for layer in group])  # (n, 3): input, grad, weight
+        # (n, 3): input, grad, weight; one stack for the group, not one per layer
+        scales = torch.stack([b for layer in group for b in layer.scale_buffers()]).view(len(group), -1)
         current = history[..., 0]
         finite = torch.isfinite(current)
         history[..., 0] = torch.where(finite, current, torch.zeros_like(current))
@@ -363,6 +364,6 @@ def update_delayed_scales(layers: list[FP8Linear]) -> None:
         live = [layer.scale_buffers() for layer in group]
         torch._foreach_copy_([b[0] for b in live] + [b[1] for b in live],
                              list(new_input.unbind(0)) + list(new_grad.unbind(0)))
+        torch._foreach_add_([getattr(layer, META_PREFIX + "steps") for layer in group], 1)
         for layer in group:
-            getattr(layer, META_PREFIX + "steps").add_(1)
             layer._count_step(layer._steps + 1)
