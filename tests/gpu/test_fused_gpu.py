@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lowprec.backends.msamp.fsdp import _shard_bytes
-from lowprec.optim.comm_hooks import _block_amax, _decode_sum, _encode_blocks
+from lowprec.optim.comm_hooks import _block_amax, _block_scales, _decode_sum, _encode_blocks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,12 +46,11 @@ def test_the_all_gathers_shard_bytes_equal_the_definition(dtype, rows, padded):
 
 @pytest.mark.parametrize("numel, n, block", [(4096, 2, 1024), (5000, 2, 1024), (3 * 777, 3, 256)])
 def test_the_reduce_scatters_three_passes_equal_the_definition(numel, n, block):
-    from lowprec.kernels.scaling import compute_scale
-
     flat = _values((numel,), torch.float32)
     amax = _block_amax(flat, n, block)
     assert _same(amax, _block_amax.eager(flat, n, block))
-    scale = compute_scale(amax, torch.float8_e4m3fn)
+    (scale, bad), (eager_scale, eager_bad) = _block_scales(amax), _block_scales.eager(amax)
+    assert torch.equal(scale, eager_scale) and int(bad) == int(eager_bad)
     sent = _encode_blocks(flat, scale, n, block)
     assert _same(sent, _encode_blocks.eager(flat, scale, n, block))
     assert _same(_decode_sum(sent, scale[0], float(n)), _decode_sum.eager(sent, scale[0], float(n)))
