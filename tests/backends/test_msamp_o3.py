@@ -368,11 +368,17 @@ def test_precomputed_scales_are_each_weights_own_rule_batched_over_margins():
     margins = [0, 2, 0, 1, 0]
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mesh = init_device_mesh("cpu", (1,))
+        meshes = [init_device_mesh("cpu", (1,)), init_device_mesh("cpu", (1,))]  # equal meshes: one all-reduce
         masters = [FP8MasterWeight(v.half(), margin=m, scale=torch.tensor(0.5)) for v, m in zip(values, margins)]
-        weights = [DTensor.from_local(m, mesh, [Replicate()], run_check=False) for m in masters]
+        weights = [DTensor.from_local(m, meshes[i % 2], [Replicate()], run_check=False) for i, m in enumerate(masters)]
         masters = [w._local_tensor for w in weights]  # what FSDP2 holds (from_local may wrap a view)
-        assert precompute_weight_scales(weights) == len(values)
+        calls, all_reduce = [], dist.all_reduce
+        dist.all_reduce = lambda *a, **k: calls.append(1) or all_reduce(*a, **k)
+        try:
+            assert precompute_weight_scales(weights) == len(values)
+        finally:
+            dist.all_reduce = all_reduce
+        assert len(calls) == 1
     finally:
         dist.destroy_process_group()
     for master, value, margin in zip(masters, values, margins):

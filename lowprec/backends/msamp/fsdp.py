@@ -223,10 +223,12 @@ def precompute_weight_scales(weights: list[torch.Tensor]) -> int:
     of their own. Returns how many weights got a scale."""
     from torch.distributed.tensor import DTensor
 
-    by_mesh: dict[int, tuple[object, list[FP8MasterWeight]]] = {}
+    # keyed by the mesh itself (equal ranks and layout), not its id: FSDP2 groups sharded in separate calls may
+    # hold equal meshes of their own, and one all-reduce serves them all
+    by_mesh: dict[object, tuple[object, list[FP8MasterWeight]]] = {}
     for w in weights:
         if isinstance(w, DTensor) and isinstance(w._local_tensor, FP8MasterWeight):
-            by_mesh.setdefault(id(w.device_mesh), (w.device_mesh, []))[1].append(w._local_tensor)
+            by_mesh.setdefault(w.device_mesh, (w.device_mesh, []))[1].append(w._local_tensor)
     for mesh, masters in by_mesh.values():
         amax = _global_amax([m._tensor for m in masters], mesh)
         # one vector of scales per margin, not a compute_scale (~25 kernels) per weight: on two H200s this
