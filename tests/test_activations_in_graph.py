@@ -241,6 +241,9 @@ def test_the_switch_and_its_default_for_compiled_models(monkeypatch, value, expe
         monkeypatch.setenv(ENV, value)
     assert in_graph_requested() is expected
     assert in_graph_wanted(False) is eager and in_graph_wanted(True) is compiled
+    # under the other engines the default stays the Python hooks (not yet run there); asked for, it applies
+    for engine in ("ddp", "fsdp2", "deepspeed"):
+        assert in_graph_wanted(True, engine) is (value == "1")
 
 
 def test_a_bad_switch_names_the_variable_and_its_values(monkeypatch):

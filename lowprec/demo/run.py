@@ -29,6 +29,24 @@ from .memory import model_state_bytes
 from .model import ARCHS, PRESETS, build_model
 
 
+def activation_counts(storage, forwards: int) -> dict | None:
+    """What the FP8 activation storage did per forward. Its Python hooks count each tensor they pack and its
+    bytes; compiled graphs that encode inside themselves decide what to pack once, while compiling, and their
+    bytes are not counted (on CUDA `peak_split.held_by_forward_bytes` measures them): those report the tensors
+    each graph packs and keeps, and no bytes."""
+    if storage is None:
+        return None
+    counts = storage.counts
+    if storage.in_graph and counts.traced_packed:
+        return {"inside_compiled_graphs": True, "packed_tensors_per_graph": counts.traced_packed,
+                "kept_tensors_per_graph": counts.traced_kept,
+                "packed_tensors_per_forward_outside_graphs": counts.packed / forwards,
+                "packed_tensors_per_forward": None, "bytes_before_per_forward": None,
+                "bytes_after_per_forward": None}
+    return {"inside_compiled_graphs": False, "packed_tensors_per_forward": counts.packed / forwards,
+            "bytes_before_per_forward": counts.bytes_before / forwards,
+            "bytes_after_per_forward": counts.bytes_after / forwards}
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variant", choices=["bf16", "fp8"], required=True)
@@ -222,10 +240,7 @@ def run(args: argparse.Namespace) -> dict:
                        "rest_bytes": peak - state_bytes if cuda else None,
                        "held_by_forward_bytes": held_by_forward},
         "activation_dtype": args.activation_dtype,
-        "fp8_activations": None if storage is None else {
-            "packed_tensors_per_forward": storage.counts.packed / forwards,
-            "bytes_before_per_forward": storage.counts.bytes_before / forwards,
-            "bytes_after_per_forward": storage.counts.bytes_after / forwards},
+        "fp8_activations": activation_counts(storage, forwards),
         "corpus_files": corpus.files,
         "tokens": args.tokens,
         "vocab_size": TOKENIZATIONS[args.tokens],

@@ -90,17 +90,18 @@ def _checked_block(owner: str, block: int) -> int:
 
 
 @cuda_fused
-def _block_scales(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(every block's power-of-two scale from its global `amax`, 1 where that is inf, NaN or 0; how many blocks
-    held inf or NaN). One kernel on CUDA, where eager ran ~30 per reduce-scatter (two H200s, msamp O3 under
-    FSDP2: the step was bound by launching kernels)."""
-    return compute_scale(amax, E4M3), (~torch.isfinite(amax)).sum()
+def _block_scales(amax: torch.Tensor) -> torch.Tensor:
+    """Every block's power-of-two scale from its global `amax`, 1 where that is inf, NaN or 0. One elementwise
+    kernel on CUDA, where eager ran ~25 per reduce-scatter (two H200s, msamp O3 under FSDP2: the step was bound
+    by launching kernels). The count of non-finite blocks stays outside: a whole-vector reduction compiled for a
+    first short length would keep that length's one-program plan for every later one (kernels/fused.py)."""
+    return compute_scale(amax, E4M3)
 
 
 def _scales_counting_nonfinite(amax: torch.Tensor, total: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the blocks' scales, `total` plus how many of them held inf or NaN), on the device."""
-    scale, bad = _block_scales(amax)
-    return scale, (bad if total is None else total + bad)
+    bad = (~torch.isfinite(amax)).sum()
+    return _block_scales(amax), (bad if total is None else total + bad)
 
 
 def _cast(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -389,7 +389,8 @@ class Accelerator(_Accelerator):
             wrap_forward(prepared, context)
         if self.fp8_recipe.activation_dtype == "fp8":  # outermost: it sees every tensor the forward saves
             install_activation_storage(prepared, inner, converted=lambda m: backend.converted_kind(m) == "linear",
-                                       keep_saved_by=backend.keeps_saved_tensors, compiled=backend.context.compiled)
+                                       keep_saved_by=backend.keeps_saved_tensors, compiled=backend.context.compiled,
+                                       engine=backend.context.engine)
         object.__setattr__(prepared, _FINAL_ATTR, True)
         # old -> new Parameters, kept only while a model holds the new ones: FSDP2 shards them into others, O3
         # under ZeRO replaces its weights while being set up above

@@ -316,12 +316,14 @@ def warn_whole_model_compile(how: str) -> None:
 
 
 def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=None,
-                               keep_saved_by=None, compiled: bool = False) -> FP8ActivationStorage:
+                               keep_saved_by=None, compiled: bool = False,
+                               engine: str = "single") -> FP8ActivationStorage:
     """Run `prepared`'s forward inside the FP8 saved-tensor hooks; the storage is kept on `inner` (the
     unwrapped model) as `_lowprec_activation_storage`, for `activation_storage(model)`. What the modules
     `keep_saved_by(module)` names save in their forward is left as it is (`Backend.keeps_saved_tensors`).
-    `compiled`: the model is compiled (its graphs then encode what they save, `in_graph_wanted`)."""
-    in_graph = in_graph_wanted(compiled)
+    `compiled`: the model is compiled, under `engine` (whether its graphs then encode what they save:
+    `in_graph_wanted`)."""
+    in_graph = in_graph_wanted(compiled, engine)
     # only an explicit request is worth a warning: by default a torch that cannot inline keeps the Python hooks
     if in_graph and not inlining_supported() and in_graph_requested():
         warnings.warn("lowprec: LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1 needs a torch that inlines GraphModule "

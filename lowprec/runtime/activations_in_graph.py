@@ -17,8 +17,10 @@ is packed too, except parameters and buffers and any input of a parameter's shap
 (`saved_tensors_hooks_filtering_mode="no_static"` while the forward compiles, `filtering_mode`): a block's input,
 which nothing else holds once the next block has run, is then kept in FP8 only, as with the Python hooks.
 
-On by default for compiled models (`LOWPREC_FP8_ACTIVATIONS_IN_GRAPH` unset): on one H200 it took the cost of FP8
-activations from 26 to 9 ms a step at the same peak (results/gpu/2026-11-27-h200-memory-d8a48fa). `0` keeps the
+On by default for models compiled through Accelerate's dynamo plugin on one process
+(`LOWPREC_FP8_ACTIVATIONS_IN_GRAPH` unset, `DEFAULT_ENGINES`): on one H200 it took the cost of FP8 activations from
+26 to 9 ms a step at the same peak (results/gpu/2026-11-27-h200-memory-d8a48fa). A model the user compiled with
+`torch.compile` themselves is not seen as compiled and keeps the Python hooks unless `1` is set. `0` keeps the
 Python hooks; `1` asks for it in an eager model too, where only graphs compiled inside it (msamp's compiled FP8
 layers) are affected.
 """
@@ -49,11 +51,18 @@ def in_graph_requested() -> bool | None:
     return None if value == "" else value == "1"
 
 
-def in_graph_wanted(compiled: bool) -> bool:
-    """Whether a model (`compiled`: through Accelerate's dynamo plugin) stores its graphs' saved tensors in FP8
-    inside them: as `LOWPREC_FP8_ACTIVATIONS_IN_GRAPH` says, else for compiled models (measured faster)."""
+# Where a compiled model encodes inside its graphs by default: measured on one GPU only. Under DDP, FSDP2 and
+# DeepSpeed the graphs (DDP's split per bucket; FSDP2's and ZeRO-3's gathered weights, which the rules tell by
+# shape) have not run with these hooks yet, so the Python hooks stay their default until they have.
+DEFAULT_ENGINES = ("single",)
+
+
+def in_graph_wanted(compiled: bool, engine: str = "single") -> bool:
+    """Whether a model (`compiled`: through Accelerate's dynamo plugin; `engine`: RunContext.engine) stores its
+    graphs' saved tensors in FP8 inside them: as `LOWPREC_FP8_ACTIVATIONS_IN_GRAPH` says, else for compiled
+    models on one process (measured faster there)."""
     requested = in_graph_requested()
-    return compiled if requested is None else requested
+    return (compiled and engine in DEFAULT_ENGINES) if requested is None else requested
 
 
 def inlining_supported() -> bool:

@@ -109,7 +109,8 @@ def build_plan(
     plan.bytes_per_param = backend.model_state_bytes(plan, param_dtype)
     found = find_blocks(model)
     blocks = None if found is None else (found[0], len(found[1]), type(found[1][0]).__name__)
-    in_graph = recipe.activation_dtype == "fp8" and in_graph_wanted(context.compiled) and inlining_supported()
+    in_graph = (recipe.activation_dtype == "fp8" and in_graph_wanted(context.compiled, context.engine)
+                and inlining_supported())
     plan.activations = saved_activations(plan.modules, backend.saved_linear_input(), recipe.activation_dtype, blocks,
                                          compiled=context.compiled, in_graph=in_graph)
     plan.notes = backend.notes(plan)

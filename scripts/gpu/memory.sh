@@ -17,7 +17,8 @@
 #   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
 #                                                #   configuration trains at batch 4 x 2048
 #
-# Several parts may be named in one call. The set-up (.gpubundle/setup.sh, see verify.sh) must have run on
+# Several parts may be named in one call, within the device's 8 files a call: headline and whole together write
+# 9 with commit.txt (run whole in a call of its own, or with headline_te). The set-up (.gpubundle/setup.sh, see verify.sh) must have run on
 # the machine; TE's configurations need its compiled extension (they fail alone without it). Writes
 # OUT/<date>-<gpu>-memory/: one file per part plus commit.txt; commit that folder under results/gpu/.
 set -uo pipefail

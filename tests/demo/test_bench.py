@@ -140,3 +140,24 @@ def test_bench_runs_each_configuration_in_its_own_process(tmp_path):
     assert all(len(r["losses"]) == 4 for r in result["runs"])
     assert (tmp_path / "results.md").read_text().count("| llama |") == 4
     assert (tmp_path / "throughput.png").stat().st_size > 1000 and (tmp_path / "loss.png").stat().st_size > 1000
+
+
+def test_fp8_activation_counts_say_where_the_tensors_were_encoded():
+    """Python hooks count every packed tensor and its bytes; graphs that encode inside themselves count what they
+    pack once, at compile time, and no bytes: reported as such, never as zero bytes packed."""
+    from types import SimpleNamespace
+
+    from lowprec.demo.run import activation_counts
+    from lowprec.runtime.activations import ActivationCounts
+
+    hooks = SimpleNamespace(in_graph=False, counts=ActivationCounts(packed=8, bytes_before=800, bytes_after=404))
+    assert activation_counts(hooks, 4) == {"inside_compiled_graphs": False, "packed_tensors_per_forward": 2.0,
+                                           "bytes_before_per_forward": 200.0, "bytes_after_per_forward": 101.0}
+    graphs = SimpleNamespace(in_graph=True, counts=ActivationCounts(packed=0, traced_packed=10, traced_kept=3))
+    counted = activation_counts(graphs, 4)
+    assert counted["inside_compiled_graphs"] and counted["packed_tensors_per_graph"] == 10
+    assert counted["kept_tensors_per_graph"] == 3 and counted["bytes_after_per_forward"] is None
+    # in-graph asked for, but nothing was compiled (an eager model): the hooks' own counts
+    eager = SimpleNamespace(in_graph=True, counts=ActivationCounts(packed=8, bytes_before=800, bytes_after=404))
+    assert activation_counts(eager, 4)["packed_tensors_per_forward"] == 2.0
+    assert activation_counts(None, 4) is None
