@@ -47,6 +47,7 @@ def activation_counts(storage, forwards: int) -> dict | None:
             "bytes_before_per_forward": counts.bytes_before / forwards,
             "bytes_after_per_forward": counts.bytes_after / forwards}
 
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variant", choices=["bf16", "fp8"], required=True)

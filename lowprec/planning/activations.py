@@ -70,7 +70,7 @@ def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, 
     """The section for a plan whose Linear decisions are `modules`, whose backend keeps an FP8 layer's input
     as `fp8_input`; `blocks` is (block list name, count, block class) or None; `compiled`: the model is
     compiled whole (its graph decides what is saved); `in_graph`: compiled graphs encode what they save
-    themselves (by default for compiled models; LOWPREC_FP8_ACTIVATIONS_IN_GRAPH)."""
+    themselves (by default for a model compiled on one process; LOWPREC_FP8_ACTIVATIONS_IN_GRAPH)."""
     hooks = activation_dtype == "fp8"
     fp8 = fp8_input
     if hooks and fp8.packable:

@@ -47,7 +47,8 @@ def in_graph_requested() -> bool | None:
     value = os.environ.get(ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{ENV}={value!r} is not one of '0', '1' (1: encode the tensors a compiled graph saves "
-                         "inside the graph; 0: through Python hooks after it; unset: 1 for a compiled model)")
+                         "inside the graph; 0: through Python hooks after it; unset: 1 for a model compiled on one "
+                         "process)")
     return None if value == "" else value == "1"
 
 
