@@ -340,6 +340,17 @@ def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=
 
 
 def activation_storage(model: nn.Module) -> FP8ActivationStorage | None:
-    """The FP8 activation storage of a model prepared with activation_dtype='fp8', else None."""
-    inner = getattr(model, "module", model)
-    return getattr(inner, ACTIVATIONS_ATTR, None) or getattr(model, ACTIVATIONS_ATTR, None)
+    """The FP8 activation storage of a model prepared with activation_dtype='fp8', else None: on the model, or
+    on what it wraps. A wrapper (DDP, DeepSpeed) holds it as `.module`; Accelerate's regional compilation hands
+    back a copy of the model with compiled blocks and keeps the model itself as `_orig_mod`, where the storage is."""
+    seen, todo = set(), [model]
+    while todo:
+        candidate = todo.pop(0)
+        if candidate is None or id(candidate) in seen:
+            continue
+        seen.add(id(candidate))
+        storage = getattr(candidate, ACTIVATIONS_ATTR, None)
+        if storage is not None:
+            return storage
+        todo += [candidate.__dict__.get("_orig_mod"), getattr(candidate, "module", None)]
+    return None
