@@ -350,8 +350,8 @@ def update_delayed_scales(layers: list[FP8Linear]) -> None:
     for (_, _, algo, margin, _), group in groups.items():
         fwd, bwd = group[0].fp8_dtypes
         history = torch.stack([layer.amax_history for layer in group])  # (n, 2, window)
-        # (n, 3): input, grad, weight; one stack for the group, not one per layer
-        scales = torch.stack([b for layer in group for b in layer.scale_buffers()]).view(len(group), -1)
+        live = [layer.scale_buffers() for layer in group]  # (input, grad, weight) of each layer
+        scales = torch.stack([b for buffers in live for b in buffers]).view(len(group), -1)  # one stack: (n, 3)
         current = history[..., 0]
         finite = torch.isfinite(current)
         history[..., 0] = torch.where(finite, current, torch.zeros_like(current))
@@ -361,7 +361,6 @@ def update_delayed_scales(layers: list[FP8Linear]) -> None:
         history = torch.roll(history, 1, dims=-1)
         history[..., 0] = 0
         torch._foreach_copy_([layer.amax_history for layer in group], list(history.unbind(0)))
-        live = [layer.scale_buffers() for layer in group]
         torch._foreach_copy_([b[0] for b in live] + [b[1] for b in live],
                              list(new_input.unbind(0)) + list(new_grad.unbind(0)))
         torch._foreach_add_([getattr(layer, META_PREFIX + "steps") for layer in group], 1)
