@@ -13,6 +13,7 @@ from torch import nn
 
 from ..frontend.specs import backend_spec
 from ..utils.imports import require
+from ..utils.modules import own_class
 from .base import Backend
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class TorchAOBackend(Backend):
 
     def is_converted(self, module: nn.Module) -> bool:
         # By name, so planning works without importing torchao.
-        cls = type(module)
+        cls = own_class(module)
         return cls.__name__ == "Float8Linear" and cls.__module__.startswith("torchao.")
 
     def constraint(self, module: nn.Module) -> str | None:

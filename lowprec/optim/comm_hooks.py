@@ -29,7 +29,7 @@ as NaN (E4M3 has no inf), so the step sees a non-finite gradient, never a satura
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -167,8 +167,13 @@ def _is_average(op) -> bool:
     )
 
 
-def install_fp8_reduce_scatter(model: nn.Module, comm: FP8ReduceScatter | None = None) -> FP8ReduceScatter:
-    """Make every `fully_shard`-ed module of `model` reduce-scatter its gradients through `comm`."""
+def install_fp8_reduce_scatter(model: nn.Module, comm: FP8ReduceScatter | None = None,
+                               holds_fp8: Callable[[nn.Module], bool] | None = None) -> FP8ReduceScatter:
+    """Make the `fully_shard`-ed modules of `model` reduce-scatter their gradients through `comm`: every one, or
+    with `holds_fp8`, those whose FSDP2 group holds a module it accepts (an FP8 Linear). The others keep FSDP2's
+    own reduce-scatter in the policy's reduce_dtype: as MS-AMP sends FP8 only for FP8 weights' gradients. A group
+    of norms alone paid an amax all-reduce, an all_to_all and two fused passes for a few thousand elements, the
+    root group (embeddings, head) FP8 rounding on gradients no FP8 GEMM made."""
     from torch.distributed.fsdp import FSDPModule
 
     comm = comm or FP8ReduceScatter()
@@ -176,8 +181,20 @@ def install_fp8_reduce_scatter(model: nn.Module, comm: FP8ReduceScatter | None =
     if not sharded:
         raise RuntimeError("lowprec: grad_comm_dtype='fp8' under FSDP2 found no fully_shard-ed module to hook")
     for module in sharded:
-        module.set_custom_reduce_scatter(comm)
+        if holds_fp8 is None or any(holds_fp8(m) for m in _group_members(module, FSDPModule)):
+            module.set_custom_reduce_scatter(comm)
     return comm
+
+
+def _group_members(module: nn.Module, fsdp_type: type) -> list[nn.Module]:
+    """`module` and the submodules whose parameters its FSDP2 group manages: all but those under a nested
+    `fully_shard`-ed module (which is a group of its own, or a member of one)."""
+    members, stack = [], [module]
+    while stack:
+        m = stack.pop()
+        members.append(m)
+        stack.extend(c for c in m.children() if not isinstance(c, fsdp_type))
+    return members
 
 
 # ----- DDP -------------------------------------------------------------------------------------------

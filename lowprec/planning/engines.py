@@ -95,8 +95,9 @@ GRAD_COMM_MEANS = {
                     "inf/NaN in FP32",
     ("fsdp2", "fp32"): "the FSDP2 MixedPrecisionPolicy's reduce_dtype",
     ("fsdp2", "bf16"): "the FSDP2 MixedPrecisionPolicy's reduce_dtype",
-    ("fsdp2", "fp8"): "FSDP2 custom reduce-scatter; one power-of-2 scale per 1024-element block from the "
-                      "all-reduced amaxes, inf/NaN arrive as NaN",
+    ("fsdp2", "fp8"): "FSDP2 custom reduce-scatter for the groups holding FP8 Linears; one power-of-2 scale per "
+                      "1024-element block from the all-reduced amaxes, inf/NaN arrive as NaN; the other groups in "
+                      "the MixedPrecisionPolicy's reduce_dtype",
     ("fsdp1", "fp32"): "the FSDP MixedPrecision's reduce_dtype",
     ("fsdp1", "bf16"): "the FSDP MixedPrecision's reduce_dtype",
     ("deepspeed", "fp32"): "DeepSpeed's communication_data_type",
@@ -107,7 +108,7 @@ GRAD_COMM_MEANS = {
 def comm_dtype_name(choice: str, engine: str) -> str:
     """The plan's name for what `grad_comm_dtype=choice` sends under a multi-process `engine`."""
     if choice == "fp8":
-        return "FP8 E4M3, block scales" if engine == "fsdp2" else "FP8 E4M3, shared scale"
+        return "FP8 E4M3, block scales (groups with FP8 Linears)" if engine == "fsdp2" else "FP8 E4M3, shared scale"
     return dtype_name(choice)
 
 

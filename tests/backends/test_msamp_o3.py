@@ -106,8 +106,8 @@ def test_o3_keeps_masters_gradients_and_states_sharded(ranks):
         assert train["state_types"] == ["DTensor torch.float16", "DTensor torch.float8_e4m3fn"]
         assert train["grad_types"] == ["DTensor torch.float16", "DTensor torch.float32"]  # Linear / LayerNorm
         assert train["param_locals"] == ["FP8MasterWeight", "Tensor"]
-        # 3 Linear groups + the root, 13 backwards
-        assert train["comm"] == "FP8ReduceScatter" and train["comm_calls"] == 4 * 13
+        # the 3 Linear groups, 13 backwards; the root (norms, head) reduce-scatters in its reduce_dtype
+        assert train["comm"] == "FP8ReduceScatter" and train["comm_calls"] == 3 * 13
         linear = train["state_bytes"]["linear_weights"]
         # per rank, per parameter: FP16 master 2/2, FP16 gradient 2/2, E4M3 + FP16 states 3/2 (+ their scales)
         assert linear["weight"] == pytest.approx(1.0) and linear["grad"] == pytest.approx(1.0)
@@ -385,3 +385,66 @@ def test_precomputed_scales_are_each_weights_own_rule_batched_over_margins():
         expected = compute_scale(value.half().float().abs().amax(), E4M3, margin, previous=torch.tensor(0.5))
         assert master._precomputed and master._scale.shape == () and torch.equal(master._scale, expected)
     assert float(masters[3]._scale) == 0.5 and float(masters[4]._scale) == 0.5  # NaN and zeros keep the last scale
+
+
+def test_a_blocks_o3_weights_are_cast_for_the_all_gather_in_one_call_with_each_weights_own_bytes(monkeypatch):
+    # FSDP2 asks for each weight's E4M3 shard in turn; a block's weights are cast together at the first request
+    # (one compiled call on CUDA instead of one per weight), and each gathers the bytes and scale its own cast gives
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lowprec.backends.msamp import fsdp
+    from lowprec.backends.msamp.linear import FP8Linear
+
+    calls = []
+    real = fsdp._group_bytes
+    monkeypatch.setattr(fsdp, "_group_bytes", lambda *a: calls.append(len(a[1])) or real(*a))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = FP8Linear(16, 24, bias=False, sharded_master=True)
+            self.o = FP8Linear(24, 16, bias=False, sharded_master=True)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.layers = nn.ModuleList([Block(), Block()])
+        for m in model.modules():
+            if isinstance(m, FP8Linear):
+                m.weight._tensor.normal_(0, 0.3)  # FP8Linear's own weight is uninitialised
+        layers = fsdp.fully_shard_fp8_layers(model, mesh=init_device_mesh("cpu", (1,)))
+        assert len(layers) == 4 and all(hasattr(layer, fsdp.GROUP_CAST_ATTR) for layer in layers)
+        block = model.layers[0]
+
+        def gathered(precompute: bool):
+            if precompute:
+                fsdp.precompute_weight_scales([layer.weight for layer in layers])
+            block.q.unshard()
+            out = [(layer.weight._data.view(torch.uint8).clone(), float(layer.weight._scale))
+                   for layer in (block.q, block.o)]
+            block.q.reshard()
+            return out
+
+        for precompute in (False, True):
+            calls.clear()
+            grouped = gathered(precompute)
+            assert calls == [2]  # both weights of the block in one call
+            masters = [layer.weight._local_tensor for layer in (block.q, block.o)]
+            for (data, scale), master in zip(grouped, masters):
+                assert scale == float(master._scale)
+                expected = fsdp._shard_bytes.eager(master._tensor, master._scale, master._tensor.shape[0])
+                assert torch.equal(data, expected)
+        with torch.no_grad():
+            block.o.weight.mul_(2.0)  # a new master value: a new cast and scale, not the kept one
+        calls.clear()
+        after = gathered(precompute=True)
+        assert calls == [2] and after[1][1] == grouped[1][1] / 2 and torch.equal(after[0][0], grouped[0][0])
+        for layer in (block.q, block.o):
+            delattr(layer, fsdp.GROUP_CAST_ATTR)  # each weight on its own: the same bytes
+        calls.clear()
+        alone = gathered(precompute=True)
+        assert calls == [] and all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(alone, after))
+    finally:
+        dist.destroy_process_group()

@@ -48,8 +48,11 @@ def test_fp8_reduce_scatter_turns_inf_into_nan_not_a_saturated_value(ranks):
     assert owner["nonfinite_blocks"] == other["nonfinite_blocks"] == 1  # every rank counts it
 
 
+FP8_ROW = "FP8 E4M3, block scales (groups with FP8 Linears)"
+
+
 @pytest.mark.parametrize("choice, row, comm", [("None", "BF16", None), ("bf16", "BF16", None), ("fp32", "FP32", None),
-                                               ("fp8", "FP8 E4M3, block scales", "FP8ReduceScatter")])
+                                               ("fp8", FP8_ROW, "FP8ReduceScatter")])
 def test_fsdp2_trains_with_each_grad_comm_dtype(ranks, choice, row, comm):
     reference = [r["train"]["fp32"]["losses"] for r in ranks]
     for r, ref in zip(ranks, reference):
@@ -85,3 +88,33 @@ def test_fp8_optimizer_states_are_sharded_with_the_parameters(ranks):
         assert run["losses"][-1] < 0.9 * run["losses"][0]
         assert max(abs(a - b) for a, b in zip(run["losses"], ref)) < 0.02 * ref[0]
     assert ranks[0]["train"]["fp8_states"]["param_sums"] == ranks[1]["train"]["fp8_states"]["param_sums"]
+
+
+def test_fp8_reduce_scatter_goes_only_on_groups_holding_fp8_layers(monkeypatch):
+    # MS-AMP sends FP8 only for FP8 weights' gradients: a group of norms, or the root (embeddings, head), keeps
+    # FSDP2's reduce-scatter in its reduce_dtype; a group holding an FP8 Linear (itself, or inside it) gets the FP8 one
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from lowprec.optim.comm_hooks import FP8ReduceScatter, install_fp8_reduce_scatter
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        fp8 = nn.Linear(8, 8)
+        block = nn.Sequential(nn.LayerNorm(8), fp8)
+        norms = nn.Sequential(nn.LayerNorm(8))
+        model = nn.Sequential(block, norms, nn.Linear(8, 8))
+        for m in (fp8, block, norms, model):  # the block around its FP8 Linear's group holds only its norm
+            fully_shard(m, mesh=mesh)
+        hooked = []
+        monkeypatch.setattr(FSDPModule, "set_custom_reduce_scatter", lambda self, comm: hooked.append(self))
+        comm = install_fp8_reduce_scatter(model, holds_fp8=lambda m: m is fp8)
+        assert isinstance(comm, FP8ReduceScatter) and hooked == [fp8]
+        hooked.clear()
+        install_fp8_reduce_scatter(model)  # without a rule: every group, as before
+        assert {id(m) for m in hooked} == {id(fp8), id(block), id(norms), id(model)}
+    finally:
+        dist.destroy_process_group()

@@ -335,7 +335,7 @@ def test_grad_comm_dtype_in_the_ddp_plan(choice, row):
 
 
 @pytest.mark.parametrize("engine, choice, row, means", [
-    ("fsdp2", "fp8", "FP8 E4M3, block scales", "FSDP2 custom reduce-scatter"),
+    ("fsdp2", "fp8", "FP8 E4M3, block scales (groups with FP8 Linears)", "FSDP2 custom reduce-scatter"),
     ("fsdp2", "fp32", "FP32", "MixedPrecisionPolicy's reduce_dtype"),
     ("fsdp2", "bf16", "BF16", "MixedPrecisionPolicy's reduce_dtype"),
     ("deepspeed", "fp32", "FP32", "DeepSpeed's communication_data_type"),

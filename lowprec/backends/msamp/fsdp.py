@@ -104,7 +104,13 @@ class FP8MasterWeight(torch.Tensor):
 
     # ----- FSDP2's all-gather extension ------------------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        """E4M3 bytes of this shard (padded to FSDP2's shard length) scaled from the global amax."""
+        """E4M3 bytes of this shard (padded to FSDP2's shard length) scaled from the global amax: cast with the
+        rest of its FSDP2 group's weights where `fully_shard_fp8_layers` made the group (`_GroupCast`)."""
+        rows = -(-outer_size[0] // mesh.size(mesh.ndim - 1))
+        group = getattr(module, GROUP_CAST_ATTR, None)
+        cast = group.take(self, rows) if group is not None else None
+        if cast is not None:
+            return (cast[0],), (cast[1],)
         shard = self._tensor
         if self._precomputed:
             scale = self._scale
@@ -112,7 +118,6 @@ class FP8MasterWeight(torch.Tensor):
             amax = _global_amax([shard], mesh)[0]
             scale = compute_scale(amax, E4M3, self._margin, previous=self._scale)
             self._scale.copy_(scale)
-        rows = -(-outer_size[0] // mesh.size(mesh.ndim - 1))
         return (_shard_bytes(shard, scale, rows),), (scale.clone(),)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
@@ -132,6 +137,56 @@ def _shard_bytes(shard: torch.Tensor, scale: torch.Tensor, rows: int) -> torch.T
     if data.shape[0] < rows:
         data = torch.cat([data, data.new_zeros((rows - data.shape[0], *data.shape[1:]))])
     return data.view(torch.uint8)
+
+
+@cuda_fused
+def _group_bytes(scales: torch.Tensor, shards: list[torch.Tensor], rows: list[int]) -> list[torch.Tensor]:
+    """`_shard_bytes` of each shard with its scale (`scales[i]`): on CUDA one compiled call for a group's weights,
+    where each weight's own call cost a dynamo guard check, the call and a copy of its scale."""
+    return [_shard_bytes(shard, scales[i], r) for i, (shard, r) in enumerate(zip(shards, rows))]
+
+
+GROUP_CAST_ATTR = "_lowprec_group_cast"
+
+
+class _GroupCast:
+    """The E4M3 shards of one FSDP2 group's O3 weights, cast together when FSDP2 asks for the first of them.
+
+    FSDP2 calls `fsdp_pre_all_gather` weight by weight. One compiled call per weight was ~0.65 ms of host time
+    each on the d4096 proxy (seven per block, twice a step), and O3 under FSDP2 is bound by the host
+    (results/gpu/2026-11-27-h200x2-o3fsdp2-765a23c). A cast is kept only for the master values and scale it was
+    made from (their version counters): anything else casts again."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = layers
+        self.ready: dict[int, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def _version(master: FP8MasterWeight) -> tuple[int, int]:
+        return master._tensor._version, master._scale._version
+
+    def take(self, master: FP8MasterWeight, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(bytes, scale) of `master`'s shard, or None where its layer is not one of the group's."""
+        entry = self.ready.pop(id(master), None)
+        if entry is not None and entry[0] == self._version(master) and entry[1].shape[0] == rows:
+            return entry[1], entry[2]
+        from torch.distributed.tensor import DTensor
+
+        weights = [layer.weight for layer in self.layers]
+        if not all(isinstance(w, DTensor) and isinstance(w._local_tensor, FP8MasterWeight) for w in weights):
+            return None  # a layer gathered or swapped: each weight on its own
+        masters = [w._local_tensor for w in weights]
+        if not any(m is master for m in masters):
+            return None
+        if not all(m._precomputed for m in masters):
+            _set_scales(masters, weights[0].device_mesh)  # one all-reduce for the group, on every rank alike
+        mesh = weights[0].device_mesh
+        counts = [-(-w.shape[0] // mesh.size(mesh.ndim - 1)) for w in weights]
+        scales = torch.stack([m._scale.reshape(()) for m in masters])  # a copy: the next step's scales go elsewhere
+        data = _group_bytes(scales, [m._tensor for m in masters], counts)
+        self.ready = {id(m): (self._version(m), d, s) for m, d, s in zip(masters, data, scales.unbind(0))}
+        entry = self.ready.pop(id(master))
+        return (entry[1], entry[2]) if entry[1].shape[0] == rows else None
 
 
 def _shard_amaxes(shards: list[torch.Tensor]) -> torch.Tensor:
@@ -216,6 +271,22 @@ def _global_amax(shards: list[torch.Tensor], mesh) -> torch.Tensor:
     return amax
 
 
+def _set_scales(masters: list[FP8MasterWeight], mesh) -> None:
+    """Each master's all-gather scale from the global amax of its weight, with one all-reduce over `mesh`; marks
+    them precomputed (valid until the master changes)."""
+    amax = _global_amax([m._tensor for m in masters], mesh)
+    # One vector of scales, not a compute_scale (~25 kernels) per weight: weight by weight this was 841 of
+    # O3's ~2200 ops a step under FSDP2 (counted on two CPU ranks), whose step was host-bound on two H200s.
+    # Layers take the recipe's one margin; another margin costs another vector, not an index copied from the host.
+    previous = torch.stack([m._scale for m in masters]).reshape(-1)
+    for margin in dict.fromkeys(m._margin for m in masters):
+        new = compute_scale(amax, E4M3, margin, previous=previous).unbind(0)
+        mine = [(m._scale, v.reshape(m._scale.shape)) for m, v in zip(masters, new) if m._margin == margin]
+        torch._foreach_copy_([s for s, _ in mine], [v for _, v in mine])
+    for master in masters:
+        master._precomputed = True
+
+
 @torch.no_grad()
 def precompute_weight_scales(weights: list[torch.Tensor]) -> int:
     """Set the all-gather scale of every O3 master weight (DTensors of `FP8MasterWeight`) with one
@@ -230,17 +301,7 @@ def precompute_weight_scales(weights: list[torch.Tensor]) -> int:
         if isinstance(w, DTensor) and isinstance(w._local_tensor, FP8MasterWeight):
             by_mesh.setdefault(w.device_mesh, (w.device_mesh, []))[1].append(w._local_tensor)
     for mesh, masters in by_mesh.values():
-        amax = _global_amax([m._tensor for m in masters], mesh)
-        # One vector of scales, not a compute_scale (~25 kernels) per weight: weight by weight this was 841 of
-        # O3's ~2200 ops a step under FSDP2 (counted on two CPU ranks), whose step was host-bound on two H200s.
-        # Layers take the recipe's one margin; another margin costs another vector, not an index copied from the host.
-        previous = torch.stack([m._scale for m in masters]).reshape(-1)
-        for margin in dict.fromkeys(m._margin for m in masters):
-            new = compute_scale(amax, E4M3, margin, previous=previous).unbind(0)
-            mine = [(m._scale, v.reshape(m._scale.shape)) for m, v in zip(masters, new) if m._margin == margin]
-            torch._foreach_copy_([s for s, _ in mine], [v for _, v in mine])
-        for master in masters:
-            master._precomputed = True
+        _set_scales(masters, mesh)
     return sum(len(masters) for _, masters in by_mesh.values())
 
 
@@ -306,4 +367,8 @@ def fully_shard_fp8_layers(model: torch.nn.Module, block_classes: tuple[str, ...
     groups = fp8_layer_groups(model, block_classes)
     for group in groups:
         fully_shard(group if len(group) > 1 else group[0], **fsdp_kwargs)
+        if len(group) > 1:
+            cast = _GroupCast(group)
+            for layer in group:
+                setattr(layer, GROUP_CAST_ATTR, cast)
     return [layer for group in groups for layer in group]

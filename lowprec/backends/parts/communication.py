@@ -45,7 +45,8 @@ class GradientCommunication:
         if choice == "fp8" and engine == "fsdp2":
             from ...optim.comm_hooks import install_fp8_reduce_scatter
 
-            self.state = install_fp8_reduce_scatter(model)
+            owner = self.owner
+            self.state = install_fp8_reduce_scatter(model, holds_fp8=lambda m: owner.converted_kind(m) == "linear")
             return
         if choice is None or engine != "ddp":
             return

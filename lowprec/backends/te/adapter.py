@@ -15,6 +15,7 @@ from torch import nn
 
 from ...frontend.specs import backend_spec
 from ...utils.imports import require
+from ...utils.modules import own_class
 from ..base import Backend, BackendUnavailableError, RunContext
 from ..torchao import _is_mha_projection
 from .fsdp import FP8_WEIGHT_DTYPE, TECommunication, fp8_weights_problem
@@ -33,7 +34,7 @@ _ALIGN = {"delayed": 16, "current": 16, "block": 128, "mxfp8": 32}
 
 
 def _te_class_module(module: nn.Module) -> bool:
-    mod = type(module).__module__
+    mod = own_class(module).__module__
     return mod.startswith("transformer_engine") or mod == "lowprec.backends.te.modules"
 
 
@@ -102,10 +103,10 @@ class TEBackend(Backend):
         return None
 
     def is_converted(self, module: nn.Module) -> bool:
-        return _te_class_module(module) and type(module).__name__ in ("Linear", "LayerNorm", "RMSNorm")
+        return _te_class_module(module) and own_class(module).__name__ in ("Linear", "LayerNorm", "RMSNorm")
 
     def converted_kind(self, module: nn.Module) -> str | None:
-        return type(module).__name__.lower() if self.is_converted(module) else None
+        return own_class(module).__name__.lower() if self.is_converted(module) else None
 
     def keeps_saved_tensors(self, module: nn.Module) -> bool:
         # TE's Linear saves its quantized input and weight split into plain tensors (prepare_for_saving): the
