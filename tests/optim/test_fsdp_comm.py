@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchao")
@@ -118,3 +119,18 @@ def test_fp8_reduce_scatter_goes_only_on_groups_holding_fp8_layers(monkeypatch):
         assert {id(m) for m in hooked} == {id(fp8), id(block), id(norms), id(model)}
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel, n, block", [(4096, 2, 1024), (24, 3, 4), (5000, 2, 1024), (21, 3, 4)])
+def test_shards_split_into_blocks_with_a_zero_pad_only_where_they_need_one(dtype, numel, n, block):
+    # whole blocks are a view of the buffer (no padded copy); either way each shard's blocks start at its start
+    from lowprec.optim.comm_hooks import _blocks
+
+    flat = torch.randn(numel).to(dtype)
+    chunk = numel // n
+    blocks = -(-chunk // block)
+    expected = torch.zeros(n, blocks * block)
+    expected[:, :chunk] = flat.float().reshape(n, chunk)
+    got = _blocks(flat, n, block)
+    assert got.dtype == torch.float32 and torch.equal(got, expected.view(n, blocks, block))

@@ -124,9 +124,13 @@ class _FP8LinearFunction(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         s_x, xq, xqt, amax_x = _cast_with_scale(x2, scale_x, fwd_dtype, margin, in_time_input)
-        if isinstance(weight, FP8GatheredWeight):  # O3: FSDP2 all-gathered it in E4M3 already
+        gathered = isinstance(weight, FP8GatheredWeight)
+        if gathered:  # O3: FSDP2 all-gathered it in E4M3 already
+            # Saved as gathered, transposed in the backward: a transposed copy made here would keep every block's
+            # whole E4M3 weight alive from its forward to its backward, though FSDP2 frees the gathered one after
+            # the forward and gathers it again for the backward (1 byte per parameter on every rank).
             wq, s_w = weight._data, weight._scale
-            wqt = wq.t().contiguous()
+            wqt = wq
         else:
             amax_w = tensor_amax(weight)
             s_w = compute_scale(amax_w, fwd_dtype, margin, previous=scale_w)
@@ -140,14 +144,16 @@ class _FP8LinearFunction(torch.autograd.Function):
         # Mutable state goes on ctx, not through save_for_backward: it changes between forward and
         # backward (a layer used twice, activation recompute), which the saved-tensor version check forbids.
         ctx.state = (history, scale_g, grad_data, grad_scale, grad_amax, grad_valid)
-        ctx.cfg = (bwd_dtype, margin, in_time_grad, emulate, x.dtype, shape)
+        ctx.cfg = (bwd_dtype, margin, in_time_grad, emulate, x.dtype, shape, gathered)
         return out.reshape(*shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         xqt, wqt, s_x, s_w = ctx.saved_tensors
         history, scale_g, grad_data, grad_scale, grad_amax, grad_valid = ctx.state
-        bwd_dtype, margin, in_time, emulate, x_dtype, shape = ctx.cfg
+        bwd_dtype, margin, in_time, emulate, x_dtype, shape, gathered = ctx.cfg
+        if gathered:  # the weight as gathered (again, by FSDP2) for the backward
+            wqt = wqt.t().contiguous()
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         s_g, gq, gqt, amax_g = _cast_with_scale(g2, scale_g, bwd_dtype, margin, in_time)
         grad_x = None
