@@ -222,6 +222,10 @@ def test_o3_through_accelerates_fsdp2_preparation(ranks):
         assert acc["other_dtypes"] == ["torch.float32"]
         assert acc["optimizer_holds_the_sharded_params"]  # Accelerate's data_ptr remap found every one
         assert acc["fp8_groups"] == [1, 7, 7]  # one FSDP2 group per decoder layer's 7 Linears, lm_head alone
+        # a decoder layer's norms are all it holds beside its FP8 group: sharded with the root, no group of their own;
+        # the plugin's block classes are as the user set them once prepared
+        assert acc["blocks_sharded"] == [False, False] and acc["norms_sharded"]
+        assert acc["wrap_after"] == ["LlamaDecoderLayer"]
         assert acc["losses"][-1] < acc["losses"][0] - 0.5
 
 
@@ -448,3 +452,42 @@ def test_a_blocks_o3_weights_are_cast_for_the_all_gather_in_one_call_with_each_w
         assert calls == [] and all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(alone, after))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["norms", "big_rest", "checkpointing", "size_policy"])
+def test_o3_leaves_a_blocks_norms_to_the_root_only_where_they_are_all_it_holds(case):
+    # a group of a block's norms alone costs FSDP2's hooks and collectives for a few thousand elements; a block with
+    # more of its own (a BF16 Linear) keeps its group, and so does a block Accelerate will checkpoint
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
+
+    from lowprec.backends.msamp import fsdp
+    from lowprec.backends.msamp.communication import MSAMPCommunication
+    from lowprec.backends.msamp.linear import FP8Linear
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(256)  # 512 parameters: under 1% of the block's
+            self.q = FP8Linear(256, 256, bias=False, sharded_master=True)
+            self.extra = nn.Linear(256, 16) if case == "big_rest" else nn.Identity()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Module()
+        model.layers = nn.ModuleList([Block(), Block()])
+        fsdp.fully_shard_fp8_layers(model, ("Block",), mesh=init_device_mesh("cpu", (1,)))
+        policy = size_based_auto_wrap_policy if case == "size_policy" else transformer_auto_wrap_policy
+        plugin = SimpleNamespace(auto_wrap_policy=policy, activation_checkpointing=case == "checkpointing",
+                                 transformer_cls_names_to_wrap=["Block"])
+        comm = MSAMPCommunication.__new__(MSAMPCommunication)
+        comm.wrap_restore = None
+        comm._leave_blocks_to_the_root(model, plugin)
+    finally:
+        dist.destroy_process_group()
+    left = case == "norms"
+    assert plugin.transformer_cls_names_to_wrap == ([] if left else ["Block"])
+    assert comm.wrap_restore == ((plugin, ["Block"]) if left else None)

@@ -346,7 +346,12 @@ def through_accelerate_fsdp2() -> dict:
     groups = {}
     for m in layers:
         groups.setdefault(id(m._get_fsdp_state()._fsdp_param_group), []).append(m)
+    from torch.distributed.fsdp import FSDPModule
+
     return {
+        "blocks_sharded": [isinstance(block, FSDPModule) for block in model.model.layers],
+        "norms_sharded": all(isinstance(p, DTensor) for n, p in model.named_parameters() if "norm" in n),
+        "wrap_after": plugin.transformer_cls_names_to_wrap,
         "fp8_groups": sorted(len(g) for g in groups.values()),
         "frozen_while_preparing": frozen, "fp8_layers": len(layers),
         "trainable_after": all(p.requires_grad for p in model.parameters()),

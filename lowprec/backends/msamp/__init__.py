@@ -254,7 +254,9 @@ class MSAMPBackend(Backend):
             notes.append(f"O3 under FSDP2: model state {plan.model_state_bytes_per_param:.3g} bytes/param per rank "
                          "(MS-AMP's ZeRO-2 O3: 1 + 6/N, whose FP8 weight copy stays on every rank); the converted "
                          "Linears of each transformer block are one FSDP2 group, apart from the block's other "
-                         "parameters (FP16 masters cannot share a group with FP32 norms)")
+                         "parameters (FP16 masters cannot share a group with FP32 norms); where those are a few "
+                         "(norms) and activation checkpointing is off, Accelerate shards them with the root, not as "
+                         "a group per block")
         else:
             notes.append("FP8 weight gradients are not in .grad: clip with accelerator.clip_grad_norm_ (it includes "
                          "them)")

@@ -354,6 +354,23 @@ def fp8_layer_groups(model: torch.nn.Module, block_classes: tuple[str, ...] = ()
     return list(groups.values())
 
 
+def blocks_rest_is_small(model: nn.Module, block_classes: tuple[str, ...], share: float = 0.01) -> bool:
+    """Whether every block (a module of a class in `block_classes`) holds, outside its `fully_shard`-ed FP8 layers,
+    at most `share` of its parameters (a transformer block's norms), and there is a block at all."""
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
+    for block in blocks:
+        rest, stack = 0, [block]
+        while stack:
+            m = stack.pop()
+            rest += sum(p.numel() for p in m.parameters(recurse=False))
+            stack.extend(c for c in m.children() if not isinstance(c, FSDPModule))
+        if rest > share * sum(p.numel() for p in block.parameters()):
+            return False
+    return bool(blocks)
+
+
 def fully_shard_fp8_layers(model: torch.nn.Module, block_classes: tuple[str, ...] = (),
                            **fsdp_kwargs) -> list[torch.nn.Module]:
     """`fully_shard` the O3 `FP8Linear`s of `model` with `fsdp_kwargs` (mesh, mp_policy,
