@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowprec.backends.msamp.fsdp import _shard_bytes
+from lowprec.backends.msamp.fsdp import _group_bytes, _shard_bytes
 from lowprec.optim.comm_hooks import _block_amax, _block_scales, _decode_sum, _encode_blocks
 
 pytestmark = [
@@ -42,6 +42,21 @@ def test_the_all_gathers_shard_bytes_equal_the_definition(dtype, rows, padded):
     scale = torch.tensor(2.0**-3, device="cuda")
     fused, eager = _shard_bytes(shard, scale, padded), _shard_bytes.eager(shard, scale, padded)
     assert fused.shape == (padded, 96) and _same(fused, eager)
+
+
+def test_a_blocks_group_cast_gives_each_shard_its_own_bytes():
+    # one compiled call for the seven weights of a block (inductor may make it one kernel): each shard padded to its
+    # own length and cast with its own scale, as `_shard_bytes` eager gives it
+    shards = [_values((rows, cols), torch.float16, seed=i) for i, (rows, cols) in
+              enumerate([(64, 96), (33, 96), (16, 48), (1, 200)])]
+    rows = [64, 40, 16, 8]
+    scales = torch.tensor([2.0**-3, 1.0, 2.0**4, 2.0**-10], device="cuda")
+    fused = _group_bytes(scales, shards, rows)
+    for shard, scale, count, got in zip(shards, scales, rows, fused):
+        assert got.shape == (count, shard.shape[1])
+        assert _same(got, _shard_bytes(shard, scale, count))  # the bytes weight by weight gave
+        decoded = got.view(torch.float8_e4m3fn).float()  # a NaN's byte may differ from eager's: compare values
+        assert _same(decoded, _shard_bytes.eager(shard, scale, count).view(torch.float8_e4m3fn).float())
 
 
 @pytest.mark.parametrize("numel, n, block", [(4096, 2, 1024), (5000, 2, 1024), (3 * 777, 3, 256)])
