@@ -485,7 +485,16 @@ def test_o3_leaves_a_blocks_norms_to_the_root_only_where_they_are_all_it_holds(c
                                  transformer_cls_names_to_wrap=["Block"])
         comm = MSAMPCommunication.__new__(MSAMPCommunication)
         comm.wrap_restore = None
-        comm._leave_blocks_to_the_root(model, plugin)
+        comm._leave_blocks_to_the_root([model], plugin)
+        if case == "norms":  # a second model prepared with it whose blocks hold more: the list serves both
+            plugin.transformer_cls_names_to_wrap, comm.wrap_restore = ["Block"], None
+            other = nn.Module()
+            other.layers = nn.ModuleList([Block()])
+            other.layers[0].extra = nn.Linear(256, 16)
+            fsdp.fully_shard_fp8_layers(other, ("Block",), mesh=init_device_mesh("cpu", (1,)))
+            comm._leave_blocks_to_the_root([model, other], plugin)
+            assert plugin.transformer_cls_names_to_wrap == ["Block"] and comm.wrap_restore is None
+            comm._leave_blocks_to_the_root([model], plugin)
     finally:
         dist.destroy_process_group()
     left = case == "norms"

@@ -185,9 +185,10 @@ class MSAMPCommunication(GradientCommunication):
         layers = self.owner.layers
         before = {id(p): (layer, name) for layer in layers for name, p in layer.named_parameters(recurse=False)}
         blocks = tuple(plugin.transformer_cls_names_to_wrap or ())
-        for model in (o for o in objects if isinstance(o, nn.Module)):
+        models = [o for o in objects if isinstance(o, nn.Module)]
+        for model in models:
             fully_shard_fp8_layers(model, blocks, **kwargs)
-            self._leave_blocks_to_the_root(model, plugin)
+        self._leave_blocks_to_the_root(models, plugin)
         for opt in (o for o in objects if isinstance(o, torch.optim.Optimizer)):
             for group in opt.param_groups:
                 group["params"] = [getattr(*before[id(p)]) if id(p) in before else p for p in group["params"]]
@@ -195,25 +196,28 @@ class MSAMPCommunication(GradientCommunication):
         for p in self.frozen:
             p.requires_grad_(False)
 
-    def _leave_blocks_to_the_root(self, model: nn.Module, plugin) -> None:
+    def _leave_blocks_to_the_root(self, models: list[nn.Module], plugin) -> None:
         """Have Accelerate shard each block's parameters outside its FP8 group (its norms) with the root, not as a
-        group of their own, where that is all the block holds beside its FP8 layers. Such a group cost its block
-        an FSDP2 pre-forward, all-gather, pre-backward and reduce-scatter for a few thousand elements, which on two
-        H200s made up a third of O3's extra host time in the forward, where its step is bound by the host. Not
-        under activation checkpointing: Accelerate checkpoints the blocks its wrap policy names."""
+        group of their own, where that is all the blocks of every model prepared hold beside their FP8 layers (the
+        plugin's wrap list serves them all). Such a group cost its block an FSDP2 pre-forward, all-gather,
+        pre-backward and reduce-scatter for a few thousand elements: about a fifth of O3's host time per step on two
+        CPU ranks, where on two H200s the step is bound by the host. Not under activation checkpointing: Accelerate
+        checkpoints the blocks its wrap policy names."""
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
         from .fsdp import blocks_rest_is_small
 
         policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
-        names = plugin.transformer_cls_names_to_wrap
-        if names is None:
-            names = getattr(model, "_no_split_modules", None) or []
-        if (policy is not transformer_auto_wrap_policy or plugin.activation_checkpointing
-                or not blocks_rest_is_small(model, tuple(names))):
+        if policy is not transformer_auto_wrap_policy or getattr(plugin, "activation_checkpointing", False):
             return
-        if self.wrap_restore is None:
-            self.wrap_restore = (plugin, plugin.transformer_cls_names_to_wrap)
+        names = plugin.transformer_cls_names_to_wrap
+
+        def block_names(model: nn.Module) -> tuple[str, ...]:
+            return tuple(names if names is not None else getattr(model, "_no_split_modules", None) or ())
+
+        if not models or not all(blocks_rest_is_small(model, block_names(model)) for model in models):
+            return
+        self.wrap_restore = (plugin, names)
         plugin.transformer_cls_names_to_wrap = []  # no block matches: Accelerate wraps none
 
     def _detach_for_deepspeed(self, objects: list, accelerator) -> None:
