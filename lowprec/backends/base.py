@@ -297,6 +297,11 @@ class Backend(LayerExecution, ABC):
         `accelerator`: the lowprec Accelerator preparing them (its engine plugins)."""
         self.communication.before_engine_prepare(objects, accelerator)
 
+    def after_engine_prepare(self) -> None:
+        """Undo what `before_engine_prepare` changed outside the objects (an engine plugin's settings), once
+        Accelerate's `prepare()` returned or raised."""
+        self.communication.after_engine_prepare()
+
     def setup_communication(self, model: nn.Module, plan: PrecisionPlan) -> None:
         """Install gradient / weight communication hooks on the wrapped model (DDP hook etc.)."""
 

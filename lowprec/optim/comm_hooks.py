@@ -29,6 +29,7 @@ as NaN (E4M3 has no inf), so the step sees a non-finite gradient, never a satura
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -47,7 +48,8 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 
 
 def _blocks(flat: torch.Tensor, n: int, block: int) -> torch.Tensor:
-    """`flat` (n equal shards) as FP32 [n, blocks per shard, block], zero-padded at each shard's end."""
+    """`flat` (n equal shards) as FP32 [n, blocks per shard, block]: a view where the shards are whole blocks, else
+    a copy zero-padded at each shard's end."""
     chunk = flat.numel() // n
     if chunk % block == 0:
         # Whole blocks (a block of d4096 Linears always): a view. Padded, the fused cast of a block's 200 M gradients
@@ -185,9 +187,12 @@ def install_fp8_reduce_scatter(model: nn.Module, comm: FP8ReduceScatter | None =
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not sharded:
         raise RuntimeError("lowprec: grad_comm_dtype='fp8' under FSDP2 found no fully_shard-ed module to hook")
-    for module in sharded:
-        if holds_fp8 is None or any(holds_fp8(m) for m in _group_members(module, FSDPModule)):
-            module.set_custom_reduce_scatter(comm)
+    hooked = [m for m in sharded if holds_fp8 is None or any(holds_fp8(c) for c in _group_members(m, FSDPModule))]
+    if not hooked:
+        warnings.warn("lowprec: grad_comm_dtype='fp8' under FSDP2: no fully_shard-ed group holds an FP8 Linear, so "
+                      "every gradient is reduce-scattered in the MixedPrecisionPolicy's reduce_dtype", stacklevel=2)
+    for module in hooked:
+        module.set_custom_reduce_scatter(comm)
     return comm
 
 

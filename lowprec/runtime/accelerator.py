@@ -230,6 +230,8 @@ class Accelerator(_Accelerator):
             result = super().prepare(*args, device_placement=device_placement)
         finally:
             self._preparing = False
+            for _, backend, _ in self._lowprec:
+                backend.after_engine_prepare()
         # One prepared object comes back bare; several as a tuple (or a list on the FSDP2 path).
         results = tuple(result) if isinstance(result, (tuple, list)) and len(args) > 1 else (result,)
         for i in converted:

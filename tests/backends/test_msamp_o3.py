@@ -484,19 +484,24 @@ def test_o3_leaves_a_blocks_norms_to_the_root_only_where_they_are_all_it_holds(c
         plugin = SimpleNamespace(auto_wrap_policy=policy, activation_checkpointing=case == "checkpointing",
                                  transformer_cls_names_to_wrap=["Block"])
         comm = MSAMPCommunication.__new__(MSAMPCommunication)
-        comm.wrap_restore = None
+        comm.wrap_plugin = None
         comm._leave_blocks_to_the_root([model], plugin)
-        if case == "norms":  # a second model prepared with it whose blocks hold more: the list serves both
-            plugin.transformer_cls_names_to_wrap, comm.wrap_restore = ["Block"], None
+        left = case == "norms"
+        assert plugin.transformer_cls_names_to_wrap == ([] if left else ["Block"])
+        again = MSAMPCommunication.__new__(MSAMPCommunication)  # another backend's prepare meanwhile
+        again.wrap_plugin = None
+        again._leave_blocks_to_the_root([model], plugin)
+        again.after_engine_prepare()
+        assert plugin.transformer_cls_names_to_wrap == ["Block"]  # the user's list, not the emptied one
+        comm.after_engine_prepare()
+        assert plugin.transformer_cls_names_to_wrap == ["Block"]
+        assert not hasattr(plugin, "_lowprec_transformer_cls_names_to_wrap")
+        if left:  # a second model prepared with it whose blocks hold more: the list serves both, so it stays
             other = nn.Module()
             other.layers = nn.ModuleList([Block()])
             other.layers[0].extra = nn.Linear(256, 16)
             fsdp.fully_shard_fp8_layers(other, ("Block",), mesh=init_device_mesh("cpu", (1,)))
             comm._leave_blocks_to_the_root([model, other], plugin)
-            assert plugin.transformer_cls_names_to_wrap == ["Block"] and comm.wrap_restore is None
-            comm._leave_blocks_to_the_root([model], plugin)
+            assert plugin.transformer_cls_names_to_wrap == ["Block"] and comm.wrap_plugin is None
     finally:
         dist.destroy_process_group()
-    left = case == "norms"
-    assert plugin.transformer_cls_names_to_wrap == ([] if left else ["Block"])
-    assert comm.wrap_restore == ((plugin, ["Block"]) if left else None)

@@ -325,6 +325,7 @@ def through_accelerate_fsdp2() -> dict:
             group["params"][i] = torch.empty(1)
             group["params"][i].data_ptr = pointer(p)
     model = fsdp2_prepare_model(accelerator, model)
+    backend.after_engine_prepare()  # as lowprec's Accelerator.prepare does once Accelerate's returns
     new = fsdp2_canonicalize_names(dict(model.named_parameters()))
     fsdp2_switch_optimizer_parameters(optimizer, {old[n]: new[n] for n in old})
     backend.setup_communication(model, plan)

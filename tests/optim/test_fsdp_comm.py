@@ -117,6 +117,10 @@ def test_fp8_reduce_scatter_goes_only_on_groups_holding_fp8_layers(monkeypatch):
         hooked.clear()
         install_fp8_reduce_scatter(model)  # without a rule: every group, as before
         assert {id(m) for m in hooked} == {id(fp8), id(block), id(norms), id(model)}
+        hooked.clear()
+        with pytest.warns(UserWarning, match="no fully_shard-ed group holds an FP8 Linear"):
+            install_fp8_reduce_scatter(model, holds_fp8=lambda m: False)  # nothing FP8 to send: said, not silent
+        assert hooked == []
     finally:
         dist.destroy_process_group()
 

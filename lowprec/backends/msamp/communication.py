@@ -24,6 +24,8 @@ from torch import nn
 from ..parts import GradientCommunication
 from .linear import update_delayed_scales
 
+_WRAP_NAMES_ATTR = "_lowprec_transformer_cls_names_to_wrap"  # the user's list while lowprec has emptied it
+
 if TYPE_CHECKING:
     from ...planning.plan import PrecisionPlan, TensorPrecision
     from .linear import FP8Linear
@@ -98,7 +100,7 @@ class MSAMPCommunication(GradientCommunication):
         super().__init__(owner)
         self.zero = None  # zero.ZeroFP8Weights under DeepSpeed O3, from before_engine_prepare
         self.frozen: list[nn.Parameter] = []  # O3's layer parameters under FSDP2 while Accelerate prepares
-        self.wrap_restore: tuple | None = None  # (FSDP plugin, its block classes) while Accelerate prepares
+        self.wrap_plugin = None  # the FSDP plugin whose block classes lowprec emptied while Accelerate prepares
 
     @property
     def choice(self) -> str | None:
@@ -210,15 +212,25 @@ class MSAMPCommunication(GradientCommunication):
         policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
         if policy is not transformer_auto_wrap_policy or getattr(plugin, "activation_checkpointing", False):
             return
-        names = plugin.transformer_cls_names_to_wrap
+        names = getattr(plugin, _WRAP_NAMES_ATTR, plugin.transformer_cls_names_to_wrap)  # the user's, if emptied
 
         def block_names(model: nn.Module) -> tuple[str, ...]:
             return tuple(names if names is not None else getattr(model, "_no_split_modules", None) or ())
 
         if not models or not all(blocks_rest_is_small(model, block_names(model)) for model in models):
             return
-        self.wrap_restore = (plugin, names)
+        # kept on the plugin itself: another backend's prepare must not take the emptied list for the user's
+        if not hasattr(plugin, _WRAP_NAMES_ATTR):
+            setattr(plugin, _WRAP_NAMES_ATTR, names)
+        self.wrap_plugin = plugin
         plugin.transformer_cls_names_to_wrap = []  # no block matches: Accelerate wraps none
+
+    def after_engine_prepare(self) -> None:
+        """The plugin's block classes as the user set them, once Accelerate's prepare() returned or raised."""
+        plugin, self.wrap_plugin = self.wrap_plugin, None
+        if plugin is not None and hasattr(plugin, _WRAP_NAMES_ATTR):
+            plugin.transformer_cls_names_to_wrap = getattr(plugin, _WRAP_NAMES_ATTR)
+            delattr(plugin, _WRAP_NAMES_ATTR)
 
     def _detach_for_deepspeed(self, objects: list, accelerator) -> None:
         """O3 under DeepSpeed: check the ZeRO stage and precision, take the converted weights out of
@@ -245,9 +257,6 @@ class MSAMPCommunication(GradientCommunication):
         for p in self.frozen:
             p.requires_grad_(True)
         self.frozen = []
-        if self.wrap_restore is not None:
-            (plugin, names), self.wrap_restore = self.wrap_restore, None
-            plugin.transformer_cls_names_to_wrap = names  # as the user set it, for what else they prepare
         if self.zero is not None:
             from ...optim.grad_overlap import overlap_requested
 

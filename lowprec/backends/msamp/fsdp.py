@@ -155,15 +155,17 @@ class _GroupCast:
     FSDP2 calls `fsdp_pre_all_gather` weight by weight. One compiled call per weight was ~0.65 ms of host time
     each on the d4096 proxy (seven per block, twice a step), and O3 under FSDP2 is bound by the host
     (results/gpu/2026-11-27-h200x2-o3fsdp2-765a23c). A cast is kept only for the master values and scale it was
-    made from (their version counters): anything else casts again."""
+    made from: the master's and the scale's version counters and the scales' epoch, which every setting of the scales
+    moves (the fused LowBitAdamW writes the masters by pointer, which moves no version counter, and the scales are
+    set after every step). Anything else casts again."""
 
     def __init__(self, layers: list[nn.Module]):
         self.layers = layers
-        self.ready: dict[int, tuple[tuple[int, int], torch.Tensor, torch.Tensor]] = {}
+        self.ready: dict[int, tuple[tuple[int, int, int], torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
-    def _version(master: FP8MasterWeight) -> tuple[int, int]:
-        return master._tensor._version, master._scale._version
+    def _version(master: FP8MasterWeight) -> tuple[int, int, int]:
+        return master._tensor._version, master._scale._version, _SCALE_EPOCH[0]
 
     def take(self, master: FP8MasterWeight, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(bytes, scale) of `master`'s shard, or None where its layer is not one of the group's."""
@@ -271,9 +273,13 @@ def _global_amax(shards: list[torch.Tensor], mesh) -> torch.Tensor:
     return amax
 
 
+_SCALE_EPOCH = [0]  # how many times `_set_scales` ran: a `_GroupCast` keeps no cast across it
+
+
 def _set_scales(masters: list[FP8MasterWeight], mesh) -> None:
     """Each master's all-gather scale from the global amax of its weight, with one all-reduce over `mesh`; marks
     them precomputed (valid until the master changes)."""
+    _SCALE_EPOCH[0] += 1
     amax = _global_amax([m._tensor for m in masters], mesh)
     # One vector of scales, not a compute_scale (~25 kernels) per weight: weight by weight this was 841 of
     # O3's ~2200 ops a step under FSDP2 (counted on two CPU ranks), whose step was host-bound on two H200s.

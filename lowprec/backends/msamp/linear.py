@@ -152,12 +152,12 @@ class _FP8LinearFunction(torch.autograd.Function):
         xqt, wqt, s_x, s_w = ctx.saved_tensors
         history, scale_g, grad_data, grad_scale, grad_amax, grad_valid = ctx.state
         bwd_dtype, margin, in_time, emulate, x_dtype, shape, gathered = ctx.cfg
-        if gathered:  # the weight as gathered (again, by FSDP2) for the backward
-            wqt = wqt.t().contiguous()
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         s_g, gq, gqt, amax_g = _cast_with_scale(g2, scale_g, bwd_dtype, margin, in_time)
         grad_x = None
         if ctx.needs_input_grad[0]:
+            if gathered:  # the weight as gathered (again, by FSDP2) for the backward
+                wqt = wqt.t().contiguous()
             grad_x = scaled_gemm(gq, wqt.t(), s_g, s_w, grad_out.dtype, emulate=emulate, fast_accum=False)
             grad_x = grad_x.to(x_dtype).reshape(shape)
         with torch.no_grad():

@@ -74,6 +74,10 @@ class GradientCommunication:
     def before_engine_prepare(self, objects: list, accelerator=None) -> None:
         """Adjust, in place, what Accelerate's `prepare()` is about to wrap."""
 
+    def after_engine_prepare(self) -> None:
+        """Undo what `before_engine_prepare` changed outside the objects prepared; runs whether Accelerate's
+        `prepare()` returned or raised."""
+
     def after_backward(self, sync_gradients: bool) -> None:
         """Called by `Accelerator.backward` after the storage part's `after_backward`; `sync_gradients` is
         False inside accumulation windows."""
