@@ -38,6 +38,7 @@ from torch import nn
 
 from ..kernels.fused import cuda_fused, sum_over_ranks
 from ..kernels.scaling import compute_scale, nan_to_inf, quantize
+from ..utils.modules import group_members
 
 E4M3 = torch.float8_e4m3fn
 BLOCK = 1024
@@ -187,24 +188,13 @@ def install_fp8_reduce_scatter(model: nn.Module, comm: FP8ReduceScatter | None =
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not sharded:
         raise RuntimeError("lowprec: grad_comm_dtype='fp8' under FSDP2 found no fully_shard-ed module to hook")
-    hooked = [m for m in sharded if holds_fp8 is None or any(holds_fp8(c) for c in _group_members(m, FSDPModule))]
+    hooked = [m for m in sharded if holds_fp8 is None or any(holds_fp8(c) for c in group_members(m))]
     if not hooked:
         warnings.warn("lowprec: grad_comm_dtype='fp8' under FSDP2: no fully_shard-ed group holds an FP8 Linear, so "
                       "every gradient is reduce-scattered in the MixedPrecisionPolicy's reduce_dtype", stacklevel=2)
     for module in hooked:
         module.set_custom_reduce_scatter(comm)
     return comm
-
-
-def _group_members(module: nn.Module, fsdp_type: type) -> list[nn.Module]:
-    """`module` and the submodules whose parameters its FSDP2 group manages: all but those under a nested
-    `fully_shard`-ed module (which is a group of its own, or a member of one)."""
-    members, stack = [], [module]
-    while stack:
-        m = stack.pop()
-        members.append(m)
-        stack.extend(c for c in m.children() if not isinstance(c, fsdp_type))
-    return members
 
 
 # ----- DDP -------------------------------------------------------------------------------------------

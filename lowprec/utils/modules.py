@@ -15,3 +15,16 @@ def own_class(module: nn.Module) -> type:
         if fsdp.__name__ == "FSDPModule":
             return own
     return cls
+
+
+def group_members(module: nn.Module) -> list[nn.Module]:
+    """`module` and the submodules whose parameters its FSDP2 group manages: all but those under a nested
+    `fully_shard`-ed module (which is a group of its own, or a member of one)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    members, stack = [], [module]
+    while stack:
+        m = stack.pop()
+        members.append(m)
+        stack.extend(c for c in m.children() if not isinstance(c, FSDPModule))
+    return members

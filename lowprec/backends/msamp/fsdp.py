@@ -106,7 +106,7 @@ class FP8MasterWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """E4M3 bytes of this shard (padded to FSDP2's shard length) scaled from the global amax: cast with the
         rest of its FSDP2 group's weights where `fully_shard_fp8_layers` made the group (`_GroupCast`)."""
-        rows = -(-outer_size[0] // mesh.size(mesh.ndim - 1))
+        rows = _shard_rows(outer_size[0], mesh)
         group = getattr(module, GROUP_CAST_ATTR, None)
         cast = group.take(self, rows) if group is not None else None
         if cast is not None:
@@ -126,6 +126,12 @@ class FP8MasterWeight(torch.Tensor):
             out._scale = scale
             return None
         return FP8GatheredWeight(data.view(E4M3), scale, param_dtype), (data,)
+
+
+def _shard_rows(length: int, mesh) -> int:
+    """Rows of FSDP2's padded shard of a weight `length` rows long: its dim-0 split over the mesh's last (shard)
+    dimension."""
+    return -(-length // mesh.size(mesh.ndim - 1))
 
 
 @cuda_fused
@@ -183,7 +189,7 @@ class _GroupCast:
         if not all(m._precomputed for m in masters):
             _set_scales(masters, weights[0].device_mesh)  # one all-reduce for the group, on every rank alike
         mesh = weights[0].device_mesh
-        counts = [-(-w.shape[0] // mesh.size(mesh.ndim - 1)) for w in weights]
+        counts = [_shard_rows(w.shape[0], mesh) for w in weights]
         scales = torch.stack([m._scale.reshape(()) for m in masters])  # a copy: the next step's scales go elsewhere
         data = _group_bytes(scales, [m._tensor for m in masters], counts)
         self.ready = {id(m): (self._version(m), d, s) for m, d, s in zip(masters, data, scales.unbind(0))}
@@ -363,15 +369,11 @@ def fp8_layer_groups(model: torch.nn.Module, block_classes: tuple[str, ...] = ()
 def blocks_rest_is_small(model: nn.Module, block_classes: tuple[str, ...], share: float = 0.01) -> bool:
     """Whether every block (a module of a class in `block_classes`) holds, outside its `fully_shard`-ed FP8 layers,
     at most `share` of its parameters (a transformer block's norms), and there is a block at all."""
-    from torch.distributed.fsdp import FSDPModule
+    from ...utils.modules import group_members
 
     blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
     for block in blocks:
-        rest, stack = 0, [block]
-        while stack:
-            m = stack.pop()
-            rest += sum(p.numel() for p in m.parameters(recurse=False))
-            stack.extend(c for c in m.children() if not isinstance(c, FSDPModule))
+        rest = sum(p.numel() for m in group_members(block) for p in m.parameters(recurse=False))
         if rest > share * sum(p.numel() for p in block.parameters()):
             return False
     return bool(blocks)

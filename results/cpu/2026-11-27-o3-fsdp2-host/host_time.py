@@ -2,6 +2,8 @@
 
 Derived from count_ops.py beside it (same Accelerate patch and narrow proxy).
 torchrun --nproc_per_node 2 results/cpu/2026-11-27-o3-fsdp2-host/host_time.py --backend msamp|bf16 [--compile-layers true|false] --out X
+--modules adds each module's inclusive host time in the forward (`module_incl_ms`, its FSDP2 hooks included, per
+step) and calls (`module_calls`): forward hooks on every module, which add their own cost.
 """
 import argparse, cProfile, json, os, statistics, sys, time
 import torch
@@ -22,6 +24,7 @@ def main():
                    help="gpu-stub: LowBitAdamW takes its fused (GPU) path, all its Python runs, only the 3 Triton "
                         "launches per bucket are no-ops (no update); cpu-ref: the per-parameter reference path")
     p.add_argument("--out", required=True)
+    p.add_argument("--modules", action="store_true", help="time each module's forward (hooks on every module)")
     args = p.parse_args()
     torch.set_num_threads(1)
     from accelerate.utils import FullyShardedDataParallelPlugin, DistributedType
@@ -84,6 +87,23 @@ def main():
                 t = time.perf_counter(); r = _fn(*a, **k); hook_t.append(time.perf_counter() - t); return r
             inner._optimizer_step_post_hooks[key] = timed
 
+    import collections
+    incl = collections.defaultdict(float)
+    ncall = collections.Counter()
+    state = {"on": False}
+
+    def pre(m, *a, **k):
+        m._t0 = time.perf_counter()
+
+    def post(m, *a, **k):
+        if state["on"]:
+            incl[m._lp_name] += time.perf_counter() - m._t0
+            ncall[m._lp_name] += 1
+
+    for nm, mod in model.named_modules() if args.modules else ():
+        mod._lp_name = type(mod).__name__ + ":" + ".".join(p for p in nm.split(".") if not p.isdigit() or p == "1")
+        mod.register_forward_pre_hook(pre, prepend=True)
+        mod.register_forward_hook(post, always_call=True)
     g = torch.Generator().manual_seed(rank)
     phases = ["forward", "backward", "clip", "optimizer_step", "zero_grad"]
     times = {k: [] for k in phases + ["post_step_hook", "total"]}
@@ -99,7 +119,9 @@ def main():
         if profiling and prof:
             prof.enable()
         t = [time.perf_counter()]; c = [time.thread_time()]
+        state["on"] = measure
         loss = model(input_ids=ids, labels=ids).loss
+        state["on"] = False
         t.append(time.perf_counter()); c.append(time.thread_time())
         accelerator.backward(loss)
         t.append(time.perf_counter()); c.append(time.thread_time())
@@ -121,6 +143,9 @@ def main():
             print("step", step, float(loss), f"{(t[-1]-t[0])*1e3:.1f} ms", flush=True)
     if rank == 0:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items() if v}
+        if args.modules:
+            info["module_incl_ms"] = {k: round(v * 1e3 / args.steps, 3) for k, v in incl.items()}
+            info["module_calls"] = {k: v // args.steps for k, v in ncall.items()}
         info["median_ms"] = med
         info["median_thread_cpu_ms"] = {k: statistics.median(v) * 1e3 for k, v in cpu.items() if v}
         info["all_ms"] = {k: [round(x * 1e3, 2) for x in v] for k, v in times.items()}
