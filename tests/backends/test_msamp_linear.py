@@ -562,3 +562,39 @@ def test_all_reduce_amaxes_is_a_no_op_on_one_process():
     for a, b in zip(reduced, plain):
         assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scales, b.scales)
         assert torch.isfinite(a.scales).all()
+
+
+def test_a_delayed_scale_changed_between_forward_and_backward_leaves_the_backward_on_the_forwards_scale():
+    # after the warm-up the forward reads the stored delayed scale itself, not a copy (one launch less per call): the
+    # backward dequantises the saved input with the factor the forward derived from it, whatever happens to it after
+    def weight_grad(change: bool) -> torch.Tensor:
+        layer = fp8(reference_linear())
+        layer._count_step(layer.amax_history_len)
+        torch.manual_seed(1)
+        out = layer(torch.randn(8, 128))
+        if change:
+            with torch.no_grad():
+                layer.scale_buffers()[0].mul_(2.0)
+        out.sum().backward()
+        return layer.weight_grad()
+
+    assert torch.equal(weight_grad(change=True), weight_grad(change=False))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_fsdp2_gathered_weights_gradient_comes_out_in_its_dtype_at_fp8_accuracy(dtype):
+    # O3 under FSDP2 hands the weight gradient to autograd, which would cast an FP32 one to the weight's dtype in a
+    # launch of its own: the GEMM writes that dtype, the same value as FP32 rounded once
+    from lowprec.backends.msamp.fsdp import FP8GatheredWeight
+    from lowprec.kernels.scaling import compute_scale, quantize
+
+    linear = reference_linear(bias=False)
+    layer = FP8Linear(128, 64, bias=False, emulate=True, sharded_master=True)
+    w = linear.weight.detach()
+    scale = compute_scale(w.abs().amax(), E4M3)
+    layer.weight = nn.Parameter(FP8GatheredWeight(quantize(w, scale, E4M3), scale, dtype))  # as FSDP2 leaves it
+    x, g = torch.randn(32, 128), torch.randn(32, 64)
+    layer(x).backward(g)
+    reference = g.t() @ x
+    assert layer.weight.grad.dtype == dtype
+    assert 20 < sqnr(reference, layer.weight.grad) < 40

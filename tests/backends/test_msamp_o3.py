@@ -312,7 +312,7 @@ class _Stack(nn.Module):
 def test_o3_layers_of_one_block_form_one_fsdp2_group(block_classes):
     # One all-gather and one reduce-scatter per block, as FSDP2 does for a BF16 block, instead of one per
     # layer: the plugin's wrapped classes name the blocks, else the model's block list does.
-    from lowprec.backends.msamp.fsdp import fp8_layer_groups
+    from lowprec.backends.msamp.fsdp_groups import fp8_layer_groups
 
     model = _Stack()
     groups = fp8_layer_groups(model, block_classes)
@@ -334,7 +334,7 @@ class _MoEBlock(nn.Module):
 def test_experts_that_may_sit_out_a_forward_are_groups_of_their_own():
     # FSDP2 reshards a group only after every member ran: an expert given no token would keep its block's
     # gathered weights alive for the rest of the forward
-    from lowprec.backends.msamp.fsdp import fp8_layer_groups
+    from lowprec.backends.msamp.fsdp_groups import fp8_layer_groups
 
     model = nn.Module()
     model.layers = nn.ModuleList(_MoEBlock(16) for _ in range(2))
@@ -347,7 +347,7 @@ def test_experts_that_may_sit_out_a_forward_are_groups_of_their_own():
 
 
 def test_o3_layers_without_blocks_are_groups_of_their_own():
-    from lowprec.backends.msamp.fsdp import fp8_layer_groups
+    from lowprec.backends.msamp.fsdp_groups import fp8_layer_groups
     from lowprec.backends.msamp.linear import FP8Linear
 
     model = nn.Sequential(FP8Linear(16, 16, sharded_master=True), nn.GELU(), FP8Linear(16, 16, sharded_master=True),
@@ -397,7 +397,7 @@ def test_a_blocks_o3_weights_are_cast_for_the_all_gather_in_one_call_with_each_w
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lowprec.backends.msamp import fsdp
+    from lowprec.backends.msamp import fsdp, fsdp_groups
     from lowprec.backends.msamp.linear import FP8Linear
 
     calls = []
@@ -418,7 +418,7 @@ def test_a_blocks_o3_weights_are_cast_for_the_all_gather_in_one_call_with_each_w
         for m in model.modules():
             if isinstance(m, FP8Linear):
                 m.weight._tensor.normal_(0, 0.3)  # FP8Linear's own weight is uninitialised
-        layers = fsdp.fully_shard_fp8_layers(model, mesh=init_device_mesh("cpu", (1,)))
+        layers = fsdp_groups.fully_shard_fp8_layers(model, mesh=init_device_mesh("cpu", (1,)))
         assert len(layers) == 4 and all(hasattr(layer, fsdp.GROUP_CAST_ATTR) for layer in layers)
         block = model.layers[0]
 
@@ -428,6 +428,8 @@ def test_a_blocks_o3_weights_are_cast_for_the_all_gather_in_one_call_with_each_w
             block.q.unshard()
             out = [(layer.weight._data.view(torch.uint8).clone(), float(layer.weight._scale))
                    for layer in (block.q, block.o)]
+            # the weight scale the layers report (FP8Linear.scales) is their gather's, set by the cast, not the forward
+            assert [float(layer.scales[2]) for layer in (block.q, block.o)] == [scale for _, scale in out]
             block.q.reshard()
             return out
 
@@ -464,7 +466,7 @@ def test_o3_leaves_a_blocks_norms_to_the_root_only_where_they_are_all_it_holds(c
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy, transformer_auto_wrap_policy
 
-    from lowprec.backends.msamp import fsdp
+    from lowprec.backends.msamp import fsdp_groups
     from lowprec.backends.msamp.communication import MSAMPCommunication
     from lowprec.backends.msamp.linear import FP8Linear
 
@@ -479,7 +481,7 @@ def test_o3_leaves_a_blocks_norms_to_the_root_only_where_they_are_all_it_holds(c
     try:
         model = nn.Module()
         model.layers = nn.ModuleList([Block(), Block()])
-        fsdp.fully_shard_fp8_layers(model, ("Block",), mesh=init_device_mesh("cpu", (1,)))
+        fsdp_groups.fully_shard_fp8_layers(model, ("Block",), mesh=init_device_mesh("cpu", (1,)))
         policy = size_based_auto_wrap_policy if case == "size_policy" else transformer_auto_wrap_policy
         plugin = SimpleNamespace(auto_wrap_policy=policy, activation_checkpointing=case == "checkpointing",
                                  transformer_cls_names_to_wrap=["Block"])
@@ -500,7 +502,7 @@ def test_o3_leaves_a_blocks_norms_to_the_root_only_where_they_are_all_it_holds(c
             other = nn.Module()
             other.layers = nn.ModuleList([Block()])
             other.layers[0].extra = nn.Linear(256, 16)
-            fsdp.fully_shard_fp8_layers(other, ("Block",), mesh=init_device_mesh("cpu", (1,)))
+            fsdp_groups.fully_shard_fp8_layers(other, ("Block",), mesh=init_device_mesh("cpu", (1,)))
             comm._leave_blocks_to_the_root([model, other], plugin)
             assert plugin.transformer_cls_names_to_wrap == ["Block"] and comm.wrap_plugin is None
     finally:

@@ -28,7 +28,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lowprec import FP8RecipeKwargs, RunContext, build_plan
 from lowprec.backends import create_backend
-from lowprec.backends.msamp.fsdp import FP8GatheredWeight, FP8MasterWeight, fully_shard_fp8_layers
+from lowprec.backends.msamp.fsdp import FP8GatheredWeight, FP8MasterWeight
+from lowprec.backends.msamp.fsdp_groups import fully_shard_fp8_layers
 from lowprec.backends.msamp.linear import FP8Linear
 from lowprec.demo.memory import model_state_bytes
 from lowprec.kernels.scaling import compute_scale, quantize

@@ -169,7 +169,7 @@ class MSAMPCommunication(GradientCommunication):
             return
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        from .fsdp import fully_shard_fp8_layers
+        from .fsdp_groups import fully_shard_fp8_layers
 
         plugin = accelerator.state.fsdp_plugin
         if plugin.cpu_ram_efficient_loading:
@@ -207,7 +207,7 @@ class MSAMPCommunication(GradientCommunication):
         checkpoints the blocks its wrap policy names."""
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-        from .fsdp import blocks_rest_is_small
+        from .fsdp_groups import blocks_rest_is_small
 
         policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
         if policy is not transformer_auto_wrap_policy or getattr(plugin, "activation_checkpointing", False):

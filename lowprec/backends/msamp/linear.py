@@ -31,6 +31,8 @@ what the E4M3 cast of the GEMM loses for any weight tensor whose amax is above ~
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,9 +54,10 @@ _INPUT, _GRAD = 0, 1  # rows of the amax history
 SCALE_NAMES = ("input", "grad", "weight")
 
 
-def cast_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, transpose: bool
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """`x * scale` in `dtype` (saturating), its transpose (row-major) if asked, and `amax(|x|)`.
+def cast_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, transpose: bool,
+             amax_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`x * scale` in `dtype` (saturating), its transpose (row-major) if asked, and `amax(|x|)`: a new scalar, or
+    `amax_into` (an amax window's slot) raised to it in place.
 
     On CUDA in eager mode one Triton kernel does all three in a single read of `x`; under
     `torch.compile` the torch ops below are fused by Inductor instead. NaN in `x` gives a
@@ -64,23 +67,27 @@ def cast_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, transp
     if not torch.compiler.is_compiling() and x.is_cuda and x.numel() and triton_available():
         from ...kernels.cast import cast_transpose
 
-        amax = torch.zeros((), dtype=torch.float32, device=x.device)
+        # the kernel's atomic max goes straight into the window's slot: no scalar to zero and no max to record,
+        # two of the few launches an eager layer makes, whose host time bounds O3 under FSDP2
+        amax = amax_into if amax_into is not None else torch.zeros((), dtype=torch.float32, device=x.device)
         q, qt = cast_transpose(x, scale, dtype, amax, transpose=transpose)
         return q, qt, amax
     amax = tensor_amax(x)
+    if amax_into is not None:
+        _record(amax_into, amax)
     q = quantize(x, scale, dtype)
     return q, (q.t().contiguous() if transpose else None), amax
 
 
-def scaled_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+def scaled_gemm(a: torch.Tensor, b: torch.Tensor, a_inv: torch.Tensor, b_inv: torch.Tensor,
                 out_dtype: torch.dtype, *, emulate: bool, fast_accum: bool) -> torch.Tensor:
-    """`(a / a_scale) @ (b / b_scale)` for FP8 `a` (row-major) and `b` (column-major)."""
+    """`(a * a_inv) @ (b * b_inv)` for FP8 `a` (row-major) and `b` (column-major); `*_inv` are the dequantisation
+    factors, 1 / scale (exact: every scale is a power of two)."""
     if not a.numel() or not b.numel():  # no tokens (or an empty inner dimension): cuBLAS refuses k == 0
         return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     if emulate:
-        return ((a.float() / a_scale) @ (b.float() / b_scale)).to(out_dtype)
-    return torch._scaled_mm(a, b, scale_a=a_scale.reciprocal(), scale_b=b_scale.reciprocal(),
-                            out_dtype=out_dtype, use_fast_accum=fast_accum)
+        return ((a.float() * a_inv) @ (b.float() * b_inv)).to(out_dtype)
+    return torch._scaled_mm(a, b, scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 def _pad_cols(t: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -91,41 +98,46 @@ def _pad_cols(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(t.view(torch.uint8), (0, extra)).view(t.dtype)
 
 
-def _delayed_scale(amax: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype, margin: int,
-                   in_time: bool) -> torch.Tensor:
-    # In time (warm-up, window 1): from this tensor's amax; afterwards the stored delayed scale.
-    return compute_scale(amax, dtype, margin, previous=stored) if in_time else stored.clone()
-
-
-def _record(history: torch.Tensor, amax: torch.Tensor) -> None:
+def _record(slot: torch.Tensor, amax: torch.Tensor) -> None:
     # Max over the micro-batches of a step; NaN propagates and is dealt with at the step update.
-    history[0].copy_(torch.maximum(history[0], amax))
+    slot.copy_(torch.maximum(slot, amax))
 
 
-def _cast_with_scale(t: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype, margin: int, in_time: bool):
-    """(scale, FP8 tensor, its transpose, amax): scaled from the tensor's own amax while the history
-    warms up (`in_time`), else with the stored delayed scale, the cast recording the amax."""
+def _cast_with_scale(t: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype, margin: int, in_time: bool,
+                     record_into: torch.Tensor | None):
+    """(scale, FP8 tensor, its transpose): scaled from the tensor's own amax while the window warms up (`in_time`),
+    else with the stored delayed scale itself, not a copy: the backward dequantises with the factor the forward
+    derives from it (`_foreach_reciprocal`), whatever happens to the buffer in between. The amax goes into
+    `record_into`, the window's slot of the step, where given."""
     if in_time:
         amax = tensor_amax(t)
         scale = compute_scale(amax, dtype, margin, previous=stored)
         q, qt, _ = cast_fp8(t, scale, dtype, transpose=True)
-        return scale, q, qt, amax
-    scale = stored.clone()
-    q, qt, amax = cast_fp8(t, scale, dtype, transpose=True)
-    return scale, q, qt, amax
+        if record_into is not None:
+            with torch.no_grad():
+                _record(record_into, amax)
+        return scale, q, qt
+    q, qt, _ = cast_fp8(t, stored, dtype, transpose=True, amax_into=record_into)
+    return stored, q, qt
 
 
 class _FP8LinearFunction(torch.autograd.Function):
-    """y = x W^T with the three GEMMs in FP8. State tensors are updated in place (see module doc)."""
+    """y = x W^T with the three GEMMs in FP8. State tensors are updated in place (see module doc).
+
+    Eager on CUDA after the warm-up a call launches 3 kernels forward (both dequantisation factors in one
+    `_foreach_reciprocal`, the input's cast with its amax, the GEMM) and 5 backward for an O3 weight as FSDP2
+    gathered it: each launch costs the host ~20-30 us on the H200 hosts, where O3 under FSDP2 is bound by the host.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, history, scale_x, scale_g, scale_w, grad_data, grad_scale, grad_amax, grad_valid, cfg):
         fwd_dtype, bwd_dtype, margin, in_time_input, in_time_grad, emulate, out_dtype, record = cfg
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        s_x, xq, xqt, amax_x = _cast_with_scale(x2, scale_x, fwd_dtype, margin, in_time_input)
+        s_x, xq, xqt = _cast_with_scale(x2, scale_x, fwd_dtype, margin, in_time_input,
+                                        history[_INPUT, 0] if record else None)
         gathered = isinstance(weight, FP8GatheredWeight)
-        if gathered:  # O3: FSDP2 all-gathered it in E4M3 already
+        if gathered:  # O3: FSDP2 all-gathered it in E4M3 already, and its group recorded the scale (`_GroupCast`)
             # Saved as gathered, transposed in the backward: a transposed copy made here would keep every block's
             # whole E4M3 weight alive from its forward to its backward, though FSDP2 frees the gathered one after
             # the forward and gathers it again for the backward (1 byte per parameter on every rank).
@@ -135,38 +147,38 @@ class _FP8LinearFunction(torch.autograd.Function):
             amax_w = tensor_amax(weight)
             s_w = compute_scale(amax_w, fwd_dtype, margin, previous=scale_w)
             wq, wqt, _ = cast_fp8(weight, s_w, fwd_dtype, transpose=True)
-        if record:
-            with torch.no_grad():
-                _record(history[_INPUT], amax_x)
-                scale_w.copy_(s_w)
-        out = scaled_gemm(xq, wq.t(), s_x, s_w, out_dtype, emulate=emulate, fast_accum=True)
-        ctx.save_for_backward(xqt, wqt, s_x, s_w)
+            if record:
+                with torch.no_grad():
+                    scale_w.copy_(s_w)
+        inv_x, inv_w = torch._foreach_reciprocal([s_x, s_w])
+        out = scaled_gemm(xq, wq.t(), inv_x, inv_w, out_dtype, emulate=emulate, fast_accum=True)
+        ctx.save_for_backward(xqt, wqt, inv_x, inv_w)
         # Mutable state goes on ctx, not through save_for_backward: it changes between forward and
         # backward (a layer used twice, activation recompute), which the saved-tensor version check forbids.
         ctx.state = (history, scale_g, grad_data, grad_scale, grad_amax, grad_valid)
-        ctx.cfg = (bwd_dtype, margin, in_time_grad, emulate, x.dtype, shape, gathered)
+        ctx.cfg = (bwd_dtype, margin, in_time_grad, emulate, x.dtype, shape, gathered, weight.dtype)
         return out.reshape(*shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        xqt, wqt, s_x, s_w = ctx.saved_tensors
+        xqt, wqt, inv_x, inv_w = ctx.saved_tensors
         history, scale_g, grad_data, grad_scale, grad_amax, grad_valid = ctx.state
-        bwd_dtype, margin, in_time, emulate, x_dtype, shape, gathered = ctx.cfg
+        bwd_dtype, margin, in_time, emulate, x_dtype, shape, gathered, w_dtype = ctx.cfg
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        s_g, gq, gqt, amax_g = _cast_with_scale(g2, scale_g, bwd_dtype, margin, in_time)
+        s_g, gq, gqt = _cast_with_scale(g2, scale_g, bwd_dtype, margin, in_time, history[_GRAD, 0])
+        inv_g = s_g.reciprocal()
         grad_x = None
         if ctx.needs_input_grad[0]:
             if gathered:  # the weight as gathered (again, by FSDP2) for the backward
                 wqt = wqt.t().contiguous()
-            grad_x = scaled_gemm(gq, wqt.t(), s_g, s_w, grad_out.dtype, emulate=emulate, fast_accum=False)
+            grad_x = scaled_gemm(gq, wqt.t(), inv_g, inv_w, grad_out.dtype, emulate=emulate, fast_accum=False)
             grad_x = grad_x.to(x_dtype).reshape(shape)
-        with torch.no_grad():
-            _record(history[_GRAD], amax_g)
         if not ctx.needs_input_grad[1]:  # frozen weight
             return (grad_x,) + (None,) * 10
-        # dW = dY^T X: inner dimension = tokens, which FP8 GEMMs need in multiples of 16.
-        wgrad = scaled_gemm(_pad_cols(gqt, 16), _pad_cols(xqt, 16).t(), s_g, s_x, torch.float32,
-                            emulate=emulate, fast_accum=False)
+        # dW = dY^T X: inner dimension = tokens, which FP8 GEMMs need in multiples of 16. O3 under FSDP2 hands it to
+        # autograd, which would cast it to the weight's dtype: the GEMM writes that dtype itself.
+        wgrad = scaled_gemm(_pad_cols(gqt, 16), _pad_cols(xqt, 16).t(), inv_g, inv_x,
+                            w_dtype if grad_data is None else torch.float32, emulate=emulate, fast_accum=False)
         if grad_data is None:  # O3: FSDP2 takes the gradient from autograd and reduce-scatters it
             return (grad_x, wgrad) + (None,) * 9
         accumulate_into(grad_data, grad_scale, grad_amax, grad_valid, wgrad)
@@ -321,9 +333,14 @@ class FP8Linear(nn.Module):
             cfg = (fwd, bwd, self.margin, in_time, in_time, self.emulate, out_dtype, self.training)
             grad_buffers = (None,) * 4 if self.sharded_master else (
                 self.fp8_grad_data, self.fp8_grad_scale, self.fp8_grad_amax, self.fp8_grad_valid)
-            with torch.autocast(device_type, enabled=False):
+            # Emulated GEMMs are FP32 matmuls, which autocast would run in its dtype; on an FP8 GPU no op of the layer
+            # is one autocast changes, and entering and leaving it cost each eager call ~20 us of host time.
+            with torch.autocast(device_type, enabled=False) if autocast and self.emulate else nullcontext():
                 out = _FP8LinearFunction.apply(x, self.weight, self.amax_history, *self.scale_buffers(), *grad_buffers,
                                                cfg)
+            if self.training and isinstance(self.weight, FP8GatheredWeight) and not self.sharded_master:
+                with torch.no_grad():  # O3 under DeepSpeed: the stored weight's scale, for inspection
+                    self.scale_buffers()[2].copy_(self.weight._scale)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out
