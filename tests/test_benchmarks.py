@@ -259,3 +259,16 @@ def test_headline_widths_take_a_depth_and_count_the_proxys_parameters():
     d, ff, layers = headline.dims("tinyx3")
     model = headline.Proxy(d, ff, layers)
     assert headline.params("tinyx3") == sum(p.numel() for p in model.parameters())
+
+
+def test_layer_host_benchmark_on_cpu(tmp_path):
+    # every variant builds, trains and reports (emulated GEMMs on a CPU: a smoke test, the numbers are the GPU's)
+    out = tmp_path / "layer_host.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "layer_host.py"), "--dim", "64", "--tokens", "16",
+           "--calls", "3", "--variants", "bf16,o2 eager,o3 compiled", "--profile", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    variants = json.loads(out.read_text())["variants"]
+    assert list(variants) == ["bf16", "o2 eager", "o3 compiled"]
+    assert all(row["forward_us"] > 0 and row["train_us"] > row["forward_us"] for row in variants.values())
+    assert "cProfile" in (tmp_path / "layer_host.json.o3_compiled.txt").read_text()
