@@ -248,6 +248,17 @@ def test_weight_scales_are_set_after_each_step_in_one_all_reduce(ranks):
         assert pre["gather_all_reduces"] == 0  # three layers gathered, none all-reduced
         assert pre["dropped_on_change"] and pre["gather_all_reduces_after_change"] == 1  # only the changed one
 
+def test_fsdp2_sees_the_five_argument_all_gather_extension_through_the_precomputed_signature():
+    # FSDP2 calls inspect.signature on the bound method at every gather and takes 1 or 5 parameters
+    import inspect
+
+    from lowprec.backends.msamp.fsdp import FP8MasterWeight
+
+    master = FP8MasterWeight(torch.zeros(4, 4, dtype=torch.float16))
+    assert list(inspect.signature(master.fsdp_pre_all_gather).parameters) == [
+        "mesh", "outer_size", "outer_stride", "module", "mp_policy"]
+
+
 def test_a_master_weight_moved_to_another_device_takes_its_scale_along():
     # FSDP2 moves each shard to its GPU: reading the scale must not sync with the host afterwards
     from lowprec.backends.msamp.fsdp import FP8MasterWeight
