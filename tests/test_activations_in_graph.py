@@ -375,3 +375,29 @@ def test_under_ddp_asked_for_it_encodes_inside_the_graphs_and_trains_as_the_pyth
         error = {run: (torch.tensor(r["first_grads"][name]) - reference).norm() / reference.norm()
                  for run, r in (("graph", graph), ("hooks", hooks))}
         assert error["graph"] <= GRAD_BOUND and error["hooks"] <= GRAD_BOUND, (name, error)
+
+
+@pytest.mark.parametrize("logits_dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_losss_log_probabilities_are_not_encoded(logits_dtype):
+    # the compiled cross-entropy saves its log-probabilities (decomposed: the log-softmax's last op); encoded in FP8,
+    # the exp() of its backward would spoil the probabilities (tests/test_activation_storage.py)
+    import torch.nn.functional as F
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    head = nn.Linear(256, 32000, bias=False, dtype=logits_dtype)
+    x = torch.randn(64, 256, dtype=logits_dtype, requires_grad=True)
+    target = torch.randint(0, 32000, (64,))
+
+    def loss_of(h, t):
+        return F.cross_entropy(head(h).float(), t)  # as Hugging Face's loss: BF16 logits cast up first
+
+    compiled = torch.compile(loss_of, backend="inductor")
+    reference, = torch.autograd.grad(compiled(x, target), x)
+    storage = FP8ActivationStorage(head, min_elements=0, in_graph=True)
+    with storage.context():
+        loss = compiled(x, target)
+    assert not any(dtype == torch.float8_e4m3fn and shape[-2:] == (250, 128) for dtype, shape in _held(loss))
+    grad, = torch.autograd.grad(loss, x)
+    assert storage.counts.traced_kept >= 1
+    assert (grad.float() - reference.float()).norm() / reference.float().norm() < 1e-6

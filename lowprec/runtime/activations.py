@@ -31,6 +31,7 @@ from .activations_in_graph import (
     in_graph_wanted,
     inlining_supported,
     is_attention_statistic,
+    is_log_probabilities,
     static_shape,
     traced_node,
 )
@@ -57,6 +58,7 @@ class ActivationCounts:
     shared: int = 0  # saves of a tensor already packed in the same forward: they share its FP8 copy
     weight_shaped_kept: int = 0  # of parameters_kept, kept for the shape and dtype of a kept layer's weight copy
     logsumexp_kept: int = 0  # attention's softmax log-sum-exp, kept in FP32 (FP8 would spoil the probabilities)
+    log_probabilities_kept: int = 0  # a log-softmax's output (a loss's log-probabilities), kept for the same reason
     backend_kept: int = 0  # saved inside a module whose saved tensors are the backend's (`leave_alone`)
     # in-graph storage (activations_in_graph): a compiled graph's saved tensors, counted once when the graph
     # compiles (not once a forward: the graph packs them from then on, with no hook called)
@@ -137,6 +139,9 @@ class FP8ActivationStorage:
         if self._is_attention_logsumexp(tensor):
             self.counts.logsumexp_kept += 1
             return tensor
+        if tensor.grad_fn is not None and tensor.grad_fn.name() == "LogSoftmaxBackward0":
+            self.counts.log_probabilities_kept += 1
+            return tensor
         if tensor.dim() == 4:  # a query, perhaps: its rows' shape tells its log-sum-exp, saved after it
             self._row_shapes.add(tuple(tensor.shape[:-1]))
         earlier = self._packed.get(id(tensor))
@@ -164,7 +169,7 @@ class FP8ActivationStorage:
                 or guard_or_false(tensor.numel() < self.min_elements) or overlapping(tensor)
                 or not groups_fit(tensor)
                 or (static_shape(tensor), tensor.dtype) in self._weight_copy_keys
-                or is_attention_statistic(node)
+                or is_attention_statistic(node) or is_log_probabilities(node)
                 or (node is None and static_shape(tensor) is not None and self._is_attention_logsumexp(tensor))
                 or self._is_parameter_shaped_input(node)):
             self._count_traced(node, packed=False)
