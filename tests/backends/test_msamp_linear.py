@@ -598,3 +598,27 @@ def test_an_fsdp2_gathered_weights_gradient_comes_out_in_its_dtype_at_fp8_accura
     reference = g.t() @ x
     assert layer.weight.grad.dtype == dtype
     assert 20 < sqnr(reference, layer.weight.grad) < 40
+
+
+@pytest.mark.parametrize("weight_dtype", ["fp16", "bf16"])
+def test_current_scales_fused_give_the_definitions_training_step(weight_dtype, fused_on_cpu, monkeypatch):
+    # an eager layer on CUDA computes each current scale (warm-up inputs and gradients, an O2 weight's every forward)
+    # in one compiled call: inductor's CPU code standing in, a warm-up step equals the definition's bit for bit
+    import lowprec.backends.msamp.linear as linear_module
+
+    def run(fused: bool):
+        if not fused:
+            monkeypatch.setattr(linear_module, "_current_scale", linear_module._current_scale.eager)
+        layer = fp8(reference_linear(), weight_dtype=WEIGHT_DTYPES[weight_dtype])
+        x = torch.randn(16, 128, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        y = layer(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(3)))
+        return y, x.grad, layer.weight_grad(), layer.scales, layer.amax_history
+
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    fused = run(True)
+    assert counters["stats"]["unique_graphs"] > graphs  # the fused form ran
+    definition = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, definition))
