@@ -65,11 +65,12 @@ def cuda_fused(fn: F) -> F:
 REDUCTION_ROW = 4096
 
 
-def reduction_rows(tensor: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+def reduction_rows(tensor: torch.Tensor, fill: float = 0) -> torch.Tensor:
     """`tensor` as [rows, columns], so that a reduction over all of it is this one over dim 1, then over the
     rows, when `fill` leaves the reduction unchanged (0 for a sum or an amax of magnitudes, inf for a min).
     In a graph being traced, `padded_rows`; eager, one row, a view: aten's reductions split by the actual
-    length, and padding would only copy."""
+    length, and padding would only copy. (The default is the int 0: dynamo lifts a float default into a float64
+    input of the graph, made on every call.)"""
     if not torch.compiler.is_compiling():
         return tensor.reshape(1, -1)
     return padded_rows(tensor, fill)

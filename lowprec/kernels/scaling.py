@@ -12,13 +12,8 @@ import torch
 from .fused import amax_by_rows
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_MAX = {
-    torch.float8_e4m3fn: 448.0,
-    torch.float8_e5m2: 57344.0,
-    torch.float16: 65504.0,
-    torch.bfloat16: float(torch.finfo(torch.bfloat16).max),
-    torch.float32: float(torch.finfo(torch.float32).max),
-}
+# The scaled storage formats, each read by its largest finite value (E4M3 448, E5M2 57344, FP16 65504, ...).
+_FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16, torch.float32)
 
 
 # Largest power-of-two exponent of a scale: 2**126 is a normal FP32 number with room to spare.
@@ -27,11 +22,12 @@ _MAX_EXPONENT = 126
 
 def format_max(dtype: torch.dtype) -> float:
     """Largest finite value of a storage format (E4M3 448, E5M2 57344, FP16 65504, ...)."""
-    try:
-        return _MAX[dtype]
-    except KeyError:
-        known = ", ".join(map(str, _MAX))
-        raise ValueError(f"dtype={dtype} is not a scaled storage format; use one of {known}") from None
+    if dtype not in _FORMATS:
+        known = ", ".join(map(str, _FORMATS))
+        raise ValueError(f"dtype={dtype} is not a scaled storage format; use one of {known}")
+    # torch.finfo, not a table: dynamo folds it into a compiled graph as a constant, where a float read from a dict
+    # became a 0-d float64 input made on every call (three in each compiled msamp FP8 Linear)
+    return torch.finfo(dtype).max
 
 
 def compute_scale(
