@@ -139,7 +139,9 @@ class FP8ActivationStorage:
         if self._is_attention_logsumexp(tensor):
             self.counts.logsumexp_kept += 1
             return tensor
-        if tensor.grad_fn is not None and tensor.grad_fn.name() == "LogSoftmaxBackward0":
+        # a log-softmax's output, or a view of it (nll_loss2d saves one for a [batch, classes, tokens] input)
+        if any(t is not None and t.grad_fn is not None and t.grad_fn.name() == "LogSoftmaxBackward0"
+               for t in (tensor, tensor._base)):
             self.counts.log_probabilities_kept += 1
             return tensor
         if tensor.dim() == 4:  # a query, perhaps: its rows' shape tells its log-sum-exp, saved after it

@@ -123,24 +123,29 @@ def is_attention_statistic(node) -> bool:
 
 
 def is_log_probabilities(node) -> bool:
-    """Whether `node` is a log-softmax's input or output (a cross-entropy's logits or log-probabilities), or a step
-    of one the compiler decomposed: never packed. Backward takes exp() of what it saves of these (the decomposed
-    form saves the logits and recomputes the log-probabilities), where FP8's 2**-4 relative error in log space
-    becomes a large one in the probabilities (a 32000-way softmax's gradient 28% off, its rows summing to 1.04, in
-    tests/test_activation_storage.py)."""
+    """Whether `node` is a step of a log-softmax (a cross-entropy's; the compiler decomposes it, and its row max may
+    come out as an amax of its own), or feeds one through casts, views and elementwise ops (BF16 logits cast up,
+    divided by a temperature, soft-capped): never packed. Backward takes exp() of what it saves of these
+    (the decomposed form saves the logits and recomputes the log-probabilities), where FP8's 2**-4 relative error
+    in log space becomes a large one in the probabilities (a 32000-way softmax's gradient 28% off, its rows summing
+    to 1.04, in tests/test_activation_storage.py)."""
     def log_softmax(n) -> bool:
         return n.op == "call_function" and "_log_softmax" in str(n.meta.get("original_aten") or n.target)
 
-    def feeds_log_softmax(n, depth: int = 3) -> bool:  # directly, or through dtype casts and views (BF16 logits)
-        return any(log_softmax(user) or (depth and user.op == "call_function" and _passes_values(user)
-                                         and feeds_log_softmax(user, depth - 1)) for user in n.users)
+    def feeds_log_softmax(n, depth: int = 6) -> bool:
+        return any(log_softmax(user) or (depth and _passes_values(user) and feeds_log_softmax(user, depth - 1))
+                   for user in n.users)
 
     return node is not None and (log_softmax(node) or feeds_log_softmax(node))
 
 
 def _passes_values(node) -> bool:
-    """A cast or a view: the values go through unchanged but for their dtype or layout."""
-    return getattr(node.target, "is_view", False) or "convert_element_type" in str(node.target)
+    """A cast, a view or an elementwise op: its output is its inputs' values, moved or remapped one by one (the
+    softmax's own subtraction of the row max is one, which inductor rewrites out of the decomposition)."""
+    if node.op != "call_function":
+        return False
+    return (getattr(node.target, "is_view", False) or "convert_element_type" in str(node.target)
+            or torch.Tag.pointwise in getattr(node.target, "tags", ()))
 
 
 def _is_traced(tensor: torch.Tensor) -> bool:

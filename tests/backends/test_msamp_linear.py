@@ -581,12 +581,18 @@ def test_a_delayed_scale_changed_between_forward_and_backward_leaves_the_backwar
     assert torch.equal(weight_grad(change=True), weight_grad(change=False))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_an_fsdp2_gathered_weights_gradient_comes_out_in_its_dtype_at_fp8_accuracy(dtype):
+@pytest.mark.parametrize(("dtype", "gemm_dtype"), [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+def test_an_fsdp2_gathered_weights_gradient_comes_out_in_its_dtype_at_fp8_accuracy(dtype, gemm_dtype, monkeypatch):
     # O3 under FSDP2 hands the weight gradient to autograd, which would cast an FP32 one to the weight's dtype in a
-    # launch of its own: the GEMM writes that dtype, the same value as FP32 rounded once
+    # launch of its own: the GEMM writes BF16 itself; FP16 (a range below FP32's) still goes through FP32, whose cast
+    # turns an overflow into inf where a GEMM's FP16 output might saturate
+    import lowprec.backends.msamp.linear as linear_module
     from lowprec.backends.msamp.fsdp import FP8GatheredWeight
     from lowprec.kernels.scaling import compute_scale, quantize
+
+    asked = []
+    real = linear_module.scaled_gemm
+    monkeypatch.setattr(linear_module, "scaled_gemm", lambda *a, **k: asked.append(a[4]) or real(*a, **k))
 
     linear = reference_linear(bias=False)
     layer = FP8Linear(128, 64, bias=False, emulate=True, sharded_master=True)
@@ -596,6 +602,7 @@ def test_an_fsdp2_gathered_weights_gradient_comes_out_in_its_dtype_at_fp8_accura
     x, g = torch.randn(32, 128), torch.randn(32, 64)
     layer(x).backward(g)
     reference = g.t() @ x
+    assert asked[-1] == gemm_dtype  # the backward's last GEMM: the weight gradient
     assert layer.weight.grad.dtype == dtype
     assert 20 < sqnr(reference, layer.weight.grad) < 40
 

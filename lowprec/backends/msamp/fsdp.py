@@ -207,11 +207,13 @@ class _GroupCast:
 
 
 def _record_weight_scales(layers: list[nn.Module], scales: list[torch.Tensor]) -> None:
-    """Each layer's weight scale buffer (`FP8Linear.scales`, for inspection) set to its gather's, in one launch: the
-    layers' forwards no longer copy it one by one."""
-    buffers = [getattr(layer, "fp8_meta_scale_weight", None) for layer in layers]
-    if all(b is not None for b in buffers):
-        torch._foreach_copy_(buffers, scales)
+    """Each training layer's weight scale buffer (`FP8Linear.scales`, for inspection) set to its gather's, in one
+    launch: the layers' forwards no longer copy it one by one. On FSDP2's all-gather stream, which the forward waits
+    for: a read of `scales` outside the forward may see the last gather's."""
+    pairs = [(getattr(layer, "fp8_meta_scale_weight", None), scale) for layer, scale in zip(layers, scales)
+             if layer.training]
+    if pairs and all(b is not None for b, _ in pairs):
+        torch._foreach_copy_([b for b, _ in pairs], [s for _, s in pairs])
 
 
 def _shard_amaxes(shards: list[torch.Tensor]) -> torch.Tensor:

@@ -69,9 +69,13 @@ def cast_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, transp
         from ...kernels.cast import cast_transpose
 
         # the kernel's atomic max goes straight into the window's slot: no scalar to zero and no max to record,
-        # two of the few launches an eager layer makes, whose host time bounds O3 under FSDP2
-        amax = amax_into if amax_into is not None else torch.zeros((), dtype=torch.float32, device=x.device)
+        # two of the few launches an eager layer makes, whose host time bounds O3 under FSDP2. A window cast to
+        # another dtype (model.half()) gets the max through a scalar, as the kernel writes FP32.
+        direct = amax_into is not None and amax_into.dtype == torch.float32
+        amax = amax_into if direct else torch.zeros((), dtype=torch.float32, device=x.device)
         q, qt = cast_transpose(x, scale, dtype, amax, transpose=transpose)
+        if amax_into is not None and not direct:
+            _record(amax_into, amax)
         return q, qt, amax
     amax = tensor_amax(x)
     if amax_into is not None:
@@ -178,9 +182,11 @@ class _FP8LinearFunction(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:  # frozen weight
             return (grad_x,) + (None,) * 10
         # dW = dY^T X: inner dimension = tokens, which FP8 GEMMs need in multiples of 16. O3 under FSDP2 hands it to
-        # autograd, which would cast it to the weight's dtype: the GEMM writes that dtype itself.
-        wgrad = scaled_gemm(_pad_cols(gqt, 16), _pad_cols(xqt, 16).t(), inv_g, inv_x,
-                            w_dtype if grad_data is None else torch.float32, emulate=emulate, fast_accum=False)
+        # autograd, which would cast it to the weight's dtype: the GEMM writes that dtype itself where it has FP32's
+        # range (BF16); an FP16 one goes through FP32, whose cast turns an overflow into inf, never a finite max.
+        out_dtype = w_dtype if grad_data is None and w_dtype in (torch.bfloat16, torch.float32) else torch.float32
+        wgrad = scaled_gemm(_pad_cols(gqt, 16), _pad_cols(xqt, 16).t(), inv_g, inv_x, out_dtype,
+                            emulate=emulate, fast_accum=False)
         if grad_data is None:  # O3: FSDP2 takes the gradient from autograd and reduce-scatters it
             return (grad_x, wgrad) + (None,) * 9
         accumulate_into(grad_data, grad_scale, grad_amax, grad_valid, wgrad)
