@@ -89,8 +89,9 @@ def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, 
     this = sum(w * (fp8.bytes_per_element if convert else kept.bytes_per_element) for w, convert in widths)
     baseline = sum(w * BASELINE_BYTES_PER_ELEMENT for w, _ in widths)
     if hooks:
-        others = (f"{HOOKS_STORAGE}, decoded for backward; parameters and their views, 8-bit tensors and tensors "
-                  f"under {MIN_ELEMENTS} elements kept as saved")
+        others = (f"{HOOKS_STORAGE}, decoded for backward; parameters and their views, 8-bit tensors, tensors "
+                  f"under {MIN_ELEMENTS} elements, attention's log-sum-exp and a loss's log-probabilities kept as "
+                  "saved")
         if compiled:
             others += "; compiled model: the tensors its graph saves for backward"
         if in_graph:
