@@ -206,6 +206,39 @@ def test_fp8_linear_on_tensor_cores_matches_fp32_and_emulation(weight_dtype):
         assert sqnr(outs["emu"][i], outs["fp8"][i]) > 35, what
 
 
+@pytest.mark.parametrize("steps", [1, 20], ids=["warm-up", "delayed"])
+def test_o3_gathered_weight_layer_on_tensor_cores_matches_emulation_and_records_its_amaxes(steps):
+    # O3 under FSDP2's layer as the all-gather leaves it (E4M3 bytes and scale): on CUDA the Triton cast raises the
+    # amax window's slot itself and the weight gradient GEMM writes the weight's dtype (BF16); against the same
+    # layer emulated in FP32 on the same FP8 operands
+    from lowprec.backends.msamp.fsdp import FP8GatheredWeight
+    from lowprec.kernels.scaling import compute_scale, quantize
+
+    torch.manual_seed(0)
+    master = torch.randn(2048, 1024, device="cuda") * 0.02
+    scale = compute_scale(master.abs().amax(), E4M3)
+    layers = []
+    for emulate in (False, True):
+        layer = FP8Linear(1024, 2048, bias=False, emulate=emulate, sharded_master=True, device="cuda")
+        layer.weight = nn.Parameter(FP8GatheredWeight(quantize(master, scale, E4M3), scale.clone(), torch.bfloat16))
+        layer._count_step(steps)
+        layers.append(layer)
+    x = torch.randn(4, 512, 1024, device="cuda")
+    outs = []
+    for layer in layers:
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(xi)
+        y.float().square().sum().backward()
+        outs.append((y, xi.grad, layer.weight.grad, layer.amax_history[:, 0].clone()))
+    (y, gx, gw, amaxes), (y_e, gx_e, gw_e, amaxes_e) = outs
+    assert gw.dtype == torch.bfloat16 and gw_e.dtype == torch.bfloat16
+    assert amaxes[0] == amaxes_e[0] == x.abs().max()  # the input's amax, recorded exactly
+    torch.testing.assert_close(amaxes[1], amaxes_e[1], rtol=1e-2, atol=0)  # the output gradient's (2y: y differs)
+    for a, b in ((y, y_e), (gx, gx_e), (gw, gw_e)):
+        assert sqnr(b, a) > 35
+
+
 def test_fp8_linear_compiled_matches_eager():
     ref, eager, _ = _layer_pair()
     compiled_layer = copy.deepcopy(eager)
