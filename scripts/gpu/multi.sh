@@ -6,6 +6,9 @@
 # combination prepare() refuses, its message.
 #   bash scripts/gpu/multi.sh OUTDIR backend[@level]:recipe:engine[:grad_comm_dtype[:steps]] ...
 #   e.g. bf16::zero2 te:current:fsdp2 torchao:tensorwise:zero3 msamp@O3::fsdp2 torchao:tensorwise:ddp:fp8:300
+# Each JSON has `median_step_s` (from step 5) and, with STEPS >= 26, `steady_median_step_s` (from step 18, after
+# msamp's 16-step warm-up and the recompile at its end; the steps the harness measures in left out of both): msamp
+# cells need it, a 20-step msamp median falls inside the warm-up. matrix_table.py shows both.
 # CASE_TIMEOUT (s, default 300) bounds each case; COMPILE_FP8_LAYERS=true|false sets compile_fp8_layers. backend 'bf16' is the baseline without FP8; engines: ddp, fsdp2, zero1, zero2, zero3.
 # NPROC=1 runs each case as a world of one on one GPU (torchrun --nproc_per_node 1): the engine's own code
 # path (DDP's wrapper and hooks, FSDP2's all-gathers, DeepSpeed's ZeRO optimizer) with nothing on the wire.

@@ -31,7 +31,7 @@ import time
 import warnings
 
 import torch
-from gpu_profile import device_kernels, kernel_summary, write_profile
+from gpu_profile import STEADY_FROM, device_kernels, kernel_summary, step_medians, write_profile
 
 from lowprec import Accelerator, FP8RecipeKwargs
 from lowprec.backends.base import BackendUnavailableError
@@ -242,22 +242,26 @@ def main() -> None:
     from lowprec.demo.memory import model_state_bytes
 
     losses, times, state_bytes = [], [], None
+    instrumented: set[int] = set()  # steps a measurement ran in: left out of the medians
     model.train()
     syncs: dict[str, int] = {}
     kernels: dict[str, int] = {}
-    phases: list[dict[str, dict[str, float]]] = []
+    phases: list[tuple[int, dict[str, dict[str, float]]]] = []  # (step, its phases)
     for step, ids in enumerate(loader):
         # one step past warm-up (and past the delayed scales' window) with CUDA's sync debug mode on: every
         # host sync in forward, backward, clipping and the optimizer step, by the Python line that made it
         watch = torch.cuda.is_available() and step == max(args.steps - 2, 0)
         profiling = args.profile is not None and step == max(args.steps - 3, 0)
+        counting = step == args.steps - 1 and not args.engine.startswith("zero")
+        if watch or profiling or counting:
+            instrumented.add(step)
         with sync_watch(syncs) if watch else profiled(args.profile, kernels) if profiling else contextlib.nullcontext():
             marks = PhaseMarks()
             loss = model(input_ids=ids, labels=ids).loss
             marks.mark("forward")
             accelerator.backward(loss)
             marks.mark("backward")
-            if step == args.steps - 1 and not args.engine.startswith("zero"):
+            if counting:
                 # weights, gradients and states all held: the peak model state (DeepSpeed keeps its own
                 # flat copies, which this does not see: its runs report peak memory only)
                 state_bytes = model_state_bytes(inner, optimizer, getattr(inner, BACKEND_ATTR, None))
@@ -270,8 +274,8 @@ def main() -> None:
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
         marks.mark("sync")  # the host waits here for the step's GPU work: the step time ends after it
         times.append(marks.total_s())
-        if not (watch or profiling):
-            phases.append(marks.phases_ms())
+        if step not in instrumented:
+            phases.append((step, marks.phases_ms()))
 
     # the training's peak, read before the checks below allocate (gathering every parameter in FP32 from each rank
     # took 12 GiB on the d4096 proxy and set the reported peak of DDP and ZeRO runs until 2026-11-27)
@@ -320,7 +324,7 @@ def main() -> None:
         evidence["optimizer"] = type(getattr(optimizer, "optimizer", optimizer)).__name__
         evidence["opt_level"] = plan.opt_level
         evidence["ddp_ignores_fp8_weights"] = len(getattr(inner, "_ddp_params_and_buffers_to_ignore", []))
-    per_step = sorted(times[5:])[len(times[5:]) // 2] if len(times) > 5 else None
+    per_step, steady = step_medians(times, instrumented)
     peaks = accelerator.gather(torch.tensor([peak], device=accelerator.device))
     if accelerator.is_main_process:
         tokens = preset.batch * preset.seq_len * accelerator.num_processes
@@ -336,10 +340,15 @@ def main() -> None:
                 "fp8_forward_calls": len(fp8_flags), "all_forwards_in_fp8": bool(fp8_flags) and all(fp8_flags),
                 "first_loss": losses[0], "last_loss": sum(losses[-5:]) / 5, "median_step_s": per_step,
                 "tokens_per_s": tokens / per_step if per_step else None,
+                # the steps after msamp's warm-up and the recompile at its end (gpu_profile.STEADY_FROM); None in a
+                # run too short to have 5 of them: use STEPS >= 26
+                "steady_median_step_s": steady, "steady_from_step": STEADY_FROM,
+                "instrumented_steps": sorted(instrumented),
                 "peak_memory_gib_per_rank": peaks.tolist(), "after_prepare_gib_rank0": after_prepare,
                 "model_state_bytes_per_param": state_bytes,
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
-                "losses": losses, "step_times_s": times, "phase_ms": median_phases(phases[5:]),
+                "losses": losses, "step_times_s": times, "phase_ms": median_phases([p for i, p in phases if i >= 5]),
+                "steady_phase_ms": median_phases([p for i, p in phases if i >= STEADY_FROM]),
                 "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
                 "grad_comm_how": plan.tensor("grad_comm").scaling if plan else None,
                 "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled, "fp8_weights": args.fp8_weights,

@@ -14,6 +14,26 @@ import json
 import os
 import shutil
 
+# msamp's delayed scaling warms up for its first 16 steps (scales from the tensor at hand, a different and slower
+# graph), and compiled layers compile again when it ends: a run is in its steady state from this step on. Until
+# 2026-11-27 every 20-step msamp cell's median fell inside the warm-up
+# (results/gpu/2026-11-27-h200x2-lean-layer-2e2b20b: O3 under FSDP2 with eager layers 145.9 ms by the median from
+# step 5, 117 ms in the steps after the warm-up).
+STEADY_FROM = 18
+
+
+def step_medians(times: list[float], instrumented: set[int], first: int = 5, steady_from: int = STEADY_FROM,
+                 min_steady: int = 5) -> tuple[float | None, float | None]:
+    """(the median step time from step `first` on, the median from `steady_from` on or None with fewer than
+    `min_steady` such steps), both over the steps no measurement ran in (`instrumented`: the profiled step, the
+    sync-watch step, the model-state count), which are slower than the others."""
+    def median(steps):
+        values = sorted(t for i, t in enumerate(times) if i >= steps and i not in instrumented)
+        return values[len(values) // 2] if values else None
+
+    steady = [i for i in range(steady_from, len(times)) if i not in instrumented]
+    return median(first), (median(steady_from) if len(steady) >= min_steady else None)
+
 
 def kernel_summary(kernels: list[tuple[str, float, float]]) -> dict[str, float]:
     """`kernels`: (name, start_us, end_us) of each device kernel (no user annotations). Returns the count, the sum

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # gpu_engines.py imports it as a script's neighbour
-from gpu_profile import device_kernels, kernel_summary, rank_path, write_profile  # noqa: E402
+from gpu_profile import STEADY_FROM, device_kernels, kernel_summary, rank_path, step_medians, write_profile  # noqa: E402
 
 
 def test_busy_time_is_the_union_of_overlapping_streams_and_nccl_is_counted_apart():
@@ -55,3 +55,19 @@ def test_device_kernels_are_the_cuda_events_but_user_annotations():
                     event("ncclDevKernel_AllGather", 40, 60, DeviceType.CUDA)]
 
     assert device_kernels(Profile()) == [("nvjet_gemm", 10, 40), ("ncclDevKernel_AllGather", 40, 60)]
+
+
+def test_step_medians_leave_out_measured_steps_and_give_the_steady_state_only_where_a_run_has_one():
+    # a 20-step msamp run as on 2026-11-27: warm-up steps (slow), the recompile at its end, then the three steps
+    # the harness measures in (profile, sync watch, model-state count): no steady step left to time
+    warm, steady = [0.150] * 16, [0.117] * 4
+    times = [12.0] + warm[1:] + [14.6] + steady[1:]
+    instrumented = {17, 18, 19}
+    assert step_medians(times, instrumented) == (0.150, None)
+    # a 40-step run: 19 clean steps from STEADY_FROM on, the instrumented ones (slow) left out
+    times = [12.0] + [0.150] * 15 + [14.6, 0.200] + [0.117] * 19 + [0.5, 0.6, 0.7]
+    assert len(times) == 40 and STEADY_FROM == 18
+    first, steady_median = step_medians(times, {37, 38, 39})
+    assert steady_median == 0.117 and first == 0.117  # from step 5 too, now that steady steps are the majority
+    # 22 steps: 4 clean steady steps, too few to call a median
+    assert step_medians(times[:22], {19, 20, 21}) == (0.150, None)
