@@ -247,7 +247,11 @@ def main() -> None:
     syncs: dict[str, int] = {}
     kernels: dict[str, int] = {}
     phases: list[tuple[int, dict[str, dict[str, float]]]] = []  # (step, its phases)
+    warm_peak = None  # the peak up to the steady state (the warm-up's graphs, the recompile at its end)
     for step, ids in enumerate(loader):
+        if step == STEADY_FROM and torch.cuda.is_available():
+            warm_peak = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
         # one step past warm-up (and past the delayed scales' window) with CUDA's sync debug mode on: every
         # host sync in forward, backward, clipping and the optimizer step, by the Python line that made it
         watch = torch.cuda.is_available() and step == max(args.steps - 2, 0)
@@ -279,7 +283,8 @@ def main() -> None:
 
     # the training's peak, read before the checks below allocate (gathering every parameter in FP32 from each rank
     # took 12 GiB on the d4096 proxy and set the reported peak of DDP and ZeRO runs until 2026-11-27)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    steady_peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    peak = max(steady_peak, warm_peak or 0.0)
     evidence = {}
     backend = plan.backend if plan is not None else "bf16"
     if backend == "torchao" and args.engine == "fsdp2":
@@ -326,6 +331,8 @@ def main() -> None:
         evidence["ddp_ignores_fp8_weights"] = len(getattr(inner, "_ddp_params_and_buffers_to_ignore", []))
     per_step, steady = step_medians(times, instrumented)
     peaks = accelerator.gather(torch.tensor([peak], device=accelerator.device))
+    steady_peaks = accelerator.gather(torch.tensor([steady_peak if warm_peak is not None else -1.0],
+                                                   device=accelerator.device))
     if accelerator.is_main_process:
         tokens = preset.batch * preset.seq_len * accelerator.num_processes
         with open(args.out, "w") as fh:
@@ -344,7 +351,11 @@ def main() -> None:
                 # run too short to have 5 of them: use STEPS >= 26
                 "steady_median_step_s": steady, "steady_from_step": STEADY_FROM,
                 "instrumented_steps": sorted(instrumented),
-                "peak_memory_gib_per_rank": peaks.tolist(), "after_prepare_gib_rank0": after_prepare,
+                "peak_memory_gib_per_rank": peaks.tolist(),
+                # from step STEADY_FROM on: without a compile's own allocations at the warm-up's end (None if the run
+                # is shorter)
+                "steady_peak_memory_gib_per_rank": steady_peaks.tolist() if warm_peak is not None else None,
+                "after_prepare_gib_rank0": after_prepare,
                 "model_state_bytes_per_param": state_bytes,
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
                 "losses": losses, "step_times_s": times, "phase_ms": median_phases([p for i, p in phases if i >= 5]),
