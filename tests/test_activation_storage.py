@@ -519,6 +519,7 @@ def test_what_a_backend_owned_module_saves_is_left_alone():
 def test_a_losss_log_probabilities_stay_as_they_are(layout):
     # cross-entropy's backward takes exp() of the log-probabilities it saved: in FP8 (2**-4 relative error in log
     # space) a near-uniform 32000-way softmax's gradient came out 28% off and its rows summed to 1.04
+    # (results/cpu/2026-11-27-log-probabilities-fp8)
     import torch.nn.functional as F
 
     from lowprec.runtime.activations import FP8ActivationStorage

@@ -128,7 +128,7 @@ def is_log_probabilities(node) -> bool:
     divided by a temperature, soft-capped): never packed. Backward takes exp() of what it saves of these
     (the decomposed form saves the logits and recomputes the log-probabilities), where FP8's 2**-4 relative error
     in log space becomes a large one in the probabilities (a 32000-way softmax's gradient 28% off, its rows summing
-    to 1.04, in tests/test_activation_storage.py)."""
+    to 1.04: results/cpu/2026-11-27-log-probabilities-fp8)."""
     def log_softmax(n) -> bool:
         return n.op == "call_function" and "_log_softmax" in str(n.meta.get("original_aten") or n.target)
 
