@@ -194,14 +194,15 @@ class _GroupCast:
         masters = [w._local_tensor for w in weights]
         if not any(m is master for m in masters):
             return None
-        if not all(m._precomputed for m in masters):
-            _set_scales(masters, weights[0].device_mesh)  # one all-reduce for the group, on every rank alike
         mesh = weights[0].device_mesh
+        if not all(m._precomputed for m in masters):
+            _set_scales(masters, mesh)  # one all-reduce for the group, on every rank alike
         counts = [_shard_rows(w.shape[0], mesh) for w in weights]
         scales = torch.stack([m._scale.reshape(()) for m in masters])  # a copy: the next step's scales go elsewhere
         data = _group_bytes(scales, [m._tensor for m in masters], counts)
-        _record_weight_scales(self.layers, list(scales.unbind(0)))
-        self.ready = {id(m): (self._version(m), d, s) for m, d, s in zip(masters, data, scales.unbind(0))}
+        each = list(scales.unbind(0))
+        _record_weight_scales(self.layers, each)
+        self.ready = {id(m): (self._version(m), d, s) for m, d, s in zip(masters, data, each)}
         entry = self.ready.pop(id(master))
         return (entry[1], entry[2]) if entry[1].shape[0] == rows else None
 
