@@ -27,6 +27,8 @@ import time
 import torch
 from torch import nn
 
+VARIANTS = ("bf16", "o2 eager", "o2 compiled", "o3 eager", "o3 compiled")
+
 
 def build(variant: str, dim: int, device: torch.device) -> nn.Module:
     from lowprec.backends.execution import raise_recompile_limit
@@ -113,11 +115,17 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--calls", type=int, default=300)
-    p.add_argument("--variants", default="bf16,o2 eager,o2 compiled,o3 eager,o3 compiled")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
     p.add_argument("--out", required=True)
     p.add_argument("--profile", action="store_true",
                    help="also write OUT.VARIANT.txt: the host's own time per function (cProfile) and per op (torch)")
     args = p.parse_args()
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: {', '.join(map(repr, unknown))} not among {', '.join(map(repr, VARIANTS))}")
+    for name in ("dim", "tokens", "calls"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     x = torch.randn(args.tokens, args.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(args.tokens, args.dim, device=device, dtype=torch.bfloat16)

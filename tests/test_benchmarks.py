@@ -272,3 +272,11 @@ def test_layer_host_benchmark_on_cpu(tmp_path):
     assert list(variants) == ["bf16", "o2 eager", "o3 compiled"]
     assert all(row["forward_us"] > 0 and row["train_us"] > row["forward_us"] for row in variants.values())
     assert "cProfile" in (tmp_path / "layer_host.json.o3_compiled.txt").read_text()
+
+
+@pytest.mark.parametrize(("args", "message"), [(["--variants", "bf16,o4 eager"], "--variants: 'o4 eager' not among"),
+                                               (["--calls", "0"], "--calls must be at least 1")])
+def test_layer_host_benchmark_names_the_option_a_bad_value_was_given_to(tmp_path, args, message):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "layer_host.py"), *args, "--out", str(tmp_path / "x.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and message in proc.stderr
