@@ -675,26 +675,30 @@ def test_plan_without_converted_layers_shows_no_fp8_weights():
     ("single", False, None, False),  # layers compiled one by one: the plan says so instead
     ("single", False, False, True), ("single", True, None, False), ("ddp", False, None, False),
     ("ddp", False, False, True), ("ddp", True, None, False),
+    ("fsdp2", False, None, True), ("fsdp2", False, False, True), ("fsdp2", False, True, False),  # O3: eager default
 ])
 def test_eager_fp8_layers_are_named_with_what_they_cost(engine, compiled, compile_fp8_layers, eager_layers):
     from lowprec import RunContext
     from lowprec.backends import create_backend
-    from lowprec.backends.msamp import EAGER_LAYERS_NOTE
+    from lowprec.backends.msamp import EAGER_LAYERS_NOTE, O3_FSDP2_EAGER_NOTE
     from lowprec.planning.hardware import assumed_device, device_info
     from lowprec.runtime.planner import build_plan
 
-    recipe = FP8RecipeKwargs(backend="msamp", opt_level="O2", compile_fp8_layers=compile_fp8_layers)
-    context = RunContext(device=assumed_device("9.0"), engine=engine, world_size=2 if engine == "ddp" else 1,
+    level = "O3" if engine == "fsdp2" else "O2"
+    note = O3_FSDP2_EAGER_NOTE if engine == "fsdp2" else EAGER_LAYERS_NOTE
+    recipe = FP8RecipeKwargs(backend="msamp", opt_level=level, compile_fp8_layers=compile_fp8_layers)
+    context = RunContext(device=assumed_device("9.0"), engine=engine, world_size=1 if engine == "single" else 2,
                          compiled=compiled)
     backend = create_backend(recipe, context, require_package=False)
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 4096))
     plan = build_plan(model, recipe, context=context, backend=backend)
     assert len(plan.converted) == 2
-    assert (EAGER_LAYERS_NOTE in plan.notes) is eager_layers
+    assert (note in plan.notes) is eager_layers
+    assert any("FP8 layers is compiled" in n for n in plan.notes) is not (eager_layers or compiled)
     assert not any("compile the model" in n and n != EAGER_LAYERS_NOTE for n in plan.notes)
     cpu = RunContext(device=device_info("cpu"), engine=engine, world_size=context.world_size, compiled=compiled)
-    assert EAGER_LAYERS_NOTE not in build_plan(model, recipe, context=cpu).notes  # emulated: no speed to lose
+    assert note not in build_plan(model, recipe, context=cpu).notes  # emulated: no speed to lose
 
 
 # ---- reduce_amax -------------------------------------------------------------------------------------
