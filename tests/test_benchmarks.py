@@ -280,3 +280,21 @@ def test_layer_host_benchmark_names_the_option_a_bad_value_was_given_to(tmp_path
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "layer_host.py"), *args, "--out", str(tmp_path / "x.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_fp8_transpose_benchmark_on_cpu(tmp_path):
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fp8_transpose.py"), "--shapes", "48x16,3x5", "--out",
+           str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["shapes"]
+    assert list(rows) == ["48x16", "3x5"] and all(r["bytes_equal"] and r["lowprec_us"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize("shapes", ["4096", "0x4", "ax4", "4x4x4"])
+def test_fp8_transpose_benchmark_names_the_option_a_bad_shape_was_given_to(tmp_path, shapes):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "fp8_transpose.py"), "--shapes", shapes, "--out",
+           str(tmp_path / "x.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and "--shapes takes ROWSxCOLS" in proc.stderr

@@ -1,4 +1,5 @@
-"""Scaled FP8 cast of a 2-D tensor, optionally with its transpose, recording the input's amax.
+"""Scaled FP8 cast of a 2-D tensor, optionally with its transpose, recording the input's amax; and the
+transpose of an FP8 tensor on its own (`transpose`).
 
 One Triton kernel on CUDA reads the input (each tile twice, the second time mostly from L2) and
 writes the FP8 tensor, its transpose (both row-major, as `torch._scaled_mm` needs them for the
@@ -26,6 +27,7 @@ def cast_transpose_reference(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: to
 
 
 _kernel = None
+_transpose_kernel = None
 
 
 def _build_kernel():
@@ -96,3 +98,48 @@ def launch_cast_transpose(kernel, x: torch.Tensor, scale: torch.Tensor, fp8_dtyp
                      FP8_MAX=format_max(fp8_dtype), FP8_E4M3=fp8_dtype == torch.float8_e4m3fn, WRITE_T=transpose,
                      BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     return q, (qt if transpose else None)
+
+
+def _build_transpose_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def transpose_kernel(x_ptr, y_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # The tile is read in transposed order, as cast_transpose_kernel's second read, not made with tl.trans:
+        # Triton coalesces the load and the store each in its own layout and converts between them in shared
+        # memory. Offsets in int64: a weight of 2**31 bytes is within reach.
+        mask = (rn[:, None] < N) & (rm[None, :] < M)
+        tile = tl.load(x_ptr + rm[None, :].to(tl.int64) * N + rn[:, None], mask=mask)
+        tl.store(y_ptr + rn[:, None].to(tl.int64) * M + rm[None, :], tile, mask=mask)
+
+    return transpose_kernel
+
+
+def transpose(q: torch.Tensor) -> torch.Tensor:
+    """`q.t().contiguous()` for a contiguous 2-D FP8 tensor: one tiled Triton kernel on CUDA (torch's copy of
+    a transposed 1-byte tensor ran at ~340 GB/s on an H200, ~5.7 ms a step for O3's gathered weights on the
+    d4096 proxy: results/gpu/2026-11-27-h200x2-steady-3e41b1d), torch's copy elsewhere."""
+    # under torch.compile Inductor writes the transpose itself (is_compiling first: dynamo would trace the
+    # lru_cache of triton_available)
+    if torch.compiler.is_compiling() or not (q.is_cuda and q.dim() == 2 and q.element_size() == 1
+                                             and q.is_contiguous() and triton_available()):
+        return q.t().contiguous()
+    global _transpose_kernel
+    if _transpose_kernel is None:
+        _transpose_kernel = _build_transpose_kernel()
+    return launch_transpose(_transpose_kernel, q)
+
+
+def launch_transpose(kernel, q: torch.Tensor) -> torch.Tensor:
+    """`transpose`'s launch of `kernel` on a contiguous 2-D tensor of 1-byte elements (tests/kernels/sm90_compile.py
+    records it on the CPU). Both FP8 formats go through one specialisation, as bytes."""
+    m, n = q.shape
+    out = torch.empty((n, m), dtype=q.dtype, device=q.device)
+    block = 64
+    if m and n:
+        grid = ((m + block - 1) // block, (n + block - 1) // block)
+        kernel[grid](q.view(torch.uint8), out.view(torch.uint8), m, n, BLOCK_M=block, BLOCK_N=block, num_warps=4)
+    return out

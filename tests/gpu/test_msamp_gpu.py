@@ -15,6 +15,7 @@ from torch import nn
 from lowprec import Accelerator, FP8RecipeKwargs
 from lowprec.backends.msamp.linear import E4M3, E5M2, FP8Linear, update_delayed_scales
 from lowprec.kernels.cast import cast_transpose, cast_transpose_reference
+from lowprec.kernels.cast import transpose as fp8_transpose
 from lowprec.optim import LowBitAdamW
 
 pytestmark = [
@@ -46,6 +47,16 @@ def test_triton_cast_transpose_matches_torch(shape, in_dtype, fp8):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(qt.view(torch.uint8), qt_ref.view(torch.uint8))
     assert amax_k.item() == amax_r.item() == x.float().abs().max().item()
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (130, 70), (4096, 4096), (14336, 4096), (4096, 14336)])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_triton_fp8_transpose_is_torchs_byte_for_byte(shape, fp8):
+    # every bit pattern (NaNs, infinities) moves as bytes; the weight shapes are the d4096 proxy's gathered ones
+    q = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda").view(fp8)
+    t = fp8_transpose(q)
+    assert t.dtype == fp8 and t.shape == shape[::-1] and t.is_contiguous()
+    assert torch.equal(t.view(torch.uint8), q.view(torch.uint8).t().contiguous())
 
 
 def test_triton_cast_of_strided_input_and_nan():

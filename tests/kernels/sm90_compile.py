@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
-POINTEE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+POINTEE = {torch.uint8: "u8", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
            torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 STATES = [("fp32", "fp32"), ("e4m3", "fp16"), ("fp16", "fp16"), ("bf16", "e5m2")]
 PARAM_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -106,6 +106,14 @@ def record_cast(launches: dict) -> None:
                 cast.launch_cast_transpose(kernel, x, torch.ones(()), fp8, torch.zeros(()), transpose)
 
 
+def record_transpose(launches: dict) -> None:
+    from lowprec.kernels import cast
+
+    kernel = Recorder(cast._build_transpose_kernel(), launches)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        cast.launch_transpose(kernel, torch.zeros(96, 80, dtype=dtype))
+
+
 def compile_all() -> dict[str, dict]:
     """{"compiled": {specialisation: "ok" or the error}, "fma": {specialisation: FMA instructions in its PTX}}."""
     from triton.backends.compiler import GPUTarget
@@ -114,6 +122,7 @@ def compile_all() -> dict[str, dict]:
     launches: dict = {}
     record_adam(launches)
     record_cast(launches)
+    record_transpose(launches)
     compiled, fma = {}, {}
     for key, (fn, sig, constexprs, options) in launches.items():
         try:

@@ -40,7 +40,7 @@ def contracted(compilation):
 
 
 @pytest.mark.parametrize("kernel", ["amax_pass", "reduce_pass", "update_pass", "scale_kernel",
-                                    "cast_transpose_kernel"])
+                                    "cast_transpose_kernel", "transpose_kernel"])
 def test_every_launched_specialisation_compiles_for_sm90(compiled, kernel):
     mine = {key: result for key, result in compiled.items() if key.startswith(kernel + "(")}
     assert mine, f"no launch of {kernel} was recorded"

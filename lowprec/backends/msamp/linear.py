@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import triton_available
+from ...kernels.cast import transpose as fp8_transpose
 from ...kernels.fused import cuda_fused
 from ...kernels.scaling import compute_scale, dequantize, quantize, tensor_amax
 from ...optim.grad_store import accumulate_into
@@ -176,7 +177,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             if gathered:  # the weight as gathered (again, by FSDP2) for the backward
-                wqt = wqt.t().contiguous()
+                wqt = fp8_transpose(wqt)
             grad_x = scaled_gemm(gq, wqt.t(), inv_g, inv_w, grad_out.dtype, emulate=emulate, fast_accum=False)
             grad_x = grad_x.to(x_dtype).reshape(shape)
         if not ctx.needs_input_grad[1]:  # frozen weight
