@@ -19,7 +19,8 @@
 # kernel, NCCL, busy and span ms (gpu_profile.py; NCCL far above busy's share = a rank waiting for the other).
 # Use PACK=1 with it. A sixth field 'fp8w' (te) sets
 # fp8_weights=True: te:current:fsdp2:::fp8w. A sixth field 'overlap' sets LOWPREC_FP8_GRAD_OVERLAP=1 (the stored FP8
-# weight gradients averaged block by block during the backward under DDP): msamp@O2::ddp:::overlap.
+# weight gradients averaged block by block during the backward under DDP): msamp@O2::ddp:::overlap. A sixth field
+# 'act8' sets activation_dtype='fp8' (the tensors autograd saves stored in FP8, issue 32): msamp@O3::fsdp2:::act8.
 # PACK=1 packs OUTDIR into OUTDIR.tgz at the end (the device tool brings back at most 8 files a call: a matrix
 # with profiles writes two per cell; a file that does not come back is lost with the machine).
 set -uo pipefail
@@ -30,9 +31,10 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 for case in "$@"; do
   IFS=: read -r backend recipe engine comm steps layers <<< "$case"
   compile_layers=${COMPILE_FP8_LAYERS:-}
-  fp8w=""; overlap=0
+  fp8w=""; overlap=0; act=""
   case "$layers" in compiled) compile_layers=true ;; eager) compile_layers=false ;; fp8w) fp8w=1 ;; overlap) overlap=1 ;;
-    "") ;; *) echo "unknown sixth field '$layers' (compiled|eager|fp8w|overlap)" >&2; exit 2 ;; esac
+    act8) act=fp8 ;;
+    "") ;; *) echo "unknown sixth field '$layers' (compiled|eager|fp8w|overlap|act8)" >&2; exit 2 ;; esac
   level=""; [[ $backend == *@* ]] && { level=${backend#*@}; backend=${backend%@*}; }
   name="${backend}${level:+_$level}${recipe:+_$recipe}_${engine}${comm:+_$comm}${layers:+_$layers}"
   echo "== $case"
@@ -46,7 +48,7 @@ for case in "$@"; do
   LOWPREC_FP8_GRAD_OVERLAP=$overlap timeout "${CASE_TIMEOUT:-300}" "${launch[@]}" \
     tests/distributed/gpu_engines.py --backend "$backend" ${recipe:+--recipe "$recipe"} ${level:+--opt-level "$level"} \
     --engine "$engine" ${comm:+--grad-comm-dtype "$comm"} --steps "${steps:-${STEPS:-30}}" --size "${SIZE:-small}" \
-    ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${fp8w:+--fp8-weights} \
+    ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${fp8w:+--fp8-weights} ${act:+--activation-dtype "$act"} \
     --out "$out/$name.json" > "$out/$name.log" 2>&1
   rc=$?; echo "exit $rc in $(( $(date +%s) - t0 )) s"
   if [ -f "$out/$name.json" ]; then

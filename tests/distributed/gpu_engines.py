@@ -154,6 +154,8 @@ def main() -> None:
     p.add_argument("--grad-comm-dtype", choices=["fp32", "bf16", "fp8"], default=None)
     p.add_argument("--compile-fp8-layers", choices=["true", "false"], default=None)
     p.add_argument("--fp8-weights", action="store_true", help="FP8RecipeKwargs(fp8_weights=True) (te)")
+    p.add_argument("--activation-dtype", choices=["fp8"], default=None,
+                   help="FP8RecipeKwargs(activation_dtype=...): the tensors autograd saves stored in FP8 (issue 32)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="small")
     p.add_argument("--out", required=True)
@@ -191,6 +193,7 @@ def main() -> None:
         else:
             recipe = FP8RecipeKwargs(backend=args.backend, recipe=args.recipe or None, opt_level=args.opt_level,
                                      grad_comm_dtype=args.grad_comm_dtype, fp8_weights=args.fp8_weights or None,
+                                     activation_dtype=args.activation_dtype,
                                      compile_fp8_layers=None if args.compile_fp8_layers is None
                                      else args.compile_fp8_layers == "true")
             accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
@@ -364,6 +367,8 @@ def main() -> None:
                 "grad_comm_how": plan.tensor("grad_comm").scaling if plan else None,
                 "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled, "fp8_weights": args.fp8_weights,
                 "weight_row": plan.tensor("weight").dtype if plan else None,
+                "activation_dtype": args.activation_dtype,
+                "saved_activations": plan.activations.lines() if plan and plan.activations else None,
                 "host_syncs_in_a_step": syncs, **kernels, **evidence,
             }, fh, indent=1)
     accelerator.wait_for_everyone()
