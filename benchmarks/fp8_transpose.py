@@ -1,4 +1,4 @@
-"""An FP8 weight's transpose: torch's copy against lowprec's Triton kernel (`lowprec.kernels.cast.transpose`).
+"""An FP8 weight's transpose: torch's copy against lowprec's Triton kernel (`lowprec.kernels.cast.fp8_transpose`).
 
     python benchmarks/fp8_transpose.py --out fp8_transpose.json [--shapes 4096x4096,14336x4096,4096x14336]
 
@@ -46,7 +46,7 @@ def _median_us(fn, q: torch.Tensor, repeats: int = 50) -> float:
 
 
 def main() -> None:
-    from lowprec.kernels.cast import transpose
+    from lowprec.kernels.cast import fp8_transpose
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", type=_shapes, default=_shapes("4096x4096,14336x4096,4096x14336"))
@@ -57,8 +57,8 @@ def main() -> None:
     for m, n in args.shapes:
         q = torch.randint(0, 256, (m, n), dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
         torch_us = _median_us(lambda t: t.t().contiguous(), q)
-        lowprec_us = _median_us(transpose, q)
-        same = torch.equal(transpose(q).view(torch.uint8), q.t().contiguous().view(torch.uint8))
+        lowprec_us = _median_us(fp8_transpose, q)
+        same = torch.equal(fp8_transpose(q).view(torch.uint8), q.t().contiguous().view(torch.uint8))
         rows[f"{m}x{n}"] = {"torch_us": torch_us, "lowprec_us": lowprec_us, "bytes_equal": same,
                             "torch_gb_s": 2 * m * n / torch_us / 1e3, "lowprec_gb_s": 2 * m * n / lowprec_us / 1e3}
         print(f"{m}x{n}: torch {torch_us:.1f} us, lowprec {lowprec_us:.1f} us, bytes equal: {same}")

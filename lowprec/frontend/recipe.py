@@ -102,7 +102,8 @@ class FP8RecipeKwargs(KwargsHandler):
         compile_fp8_layers: compile each converted layer with torch.compile when the model itself is
             not compiled, so its casts, amaxes and transposes fuse instead of running as separate eager
             kernels. None: on where measured to pay, on an FP8 GPU (not emulated): torchao and msamp under
-            one process, DDP, FSDP2 or DeepSpeed; True: also elsewhere (te: ValueError, its layers are not
+            one process, DDP, FSDP2 or DeepSpeed, but not msamp O3 under FSDP2 (eager measured faster); True:
+            also elsewhere (te: ValueError, its layers are not
             compiled one by one); False: never. See docs/performance.md.
         activation_dtype: "fp8" stores the tensors autograd saves in the model's forward (norm, activation
             function and attention inputs, residuals) in E4M3 with a power-of-2 scale per 128 values along the

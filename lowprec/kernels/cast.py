@@ -1,5 +1,5 @@
 """Scaled FP8 cast of a 2-D tensor, optionally with its transpose, recording the input's amax; and the
-transpose of an FP8 tensor on its own (`transpose`).
+transpose of an FP8 tensor on its own (`fp8_transpose`).
 
 One Triton kernel on CUDA reads the input (each tile twice, the second time mostly from L2) and
 writes the FP8 tensor, its transpose (both row-major, as `torch._scaled_mm` needs them for the
@@ -118,14 +118,20 @@ def _build_transpose_kernel():
     return transpose_kernel
 
 
-def transpose(q: torch.Tensor) -> torch.Tensor:
-    """`q.t().contiguous()` for a contiguous 2-D FP8 tensor: one tiled Triton kernel on CUDA (torch's copy of
-    a transposed 1-byte tensor ran at ~340 GB/s on an H200, ~5.7 ms a step for O3's gathered weights on the
-    d4096 proxy: results/gpu/2026-11-27-h200x2-steady-3e41b1d), torch's copy elsewhere."""
+# CUDA's limit on a grid's second dimension: the kernel's column tiles
+_MAX_COLUMN_TILES = 65535
+
+
+def fp8_transpose(q: torch.Tensor) -> torch.Tensor:
+    """`q.t().contiguous()` for a contiguous 2-D FP8 tensor: one tiled Triton kernel on CUDA, torch's copy elsewhere.
+    torch's copy of a transposed 1-byte tensor moves ~300 GB/s on an H200, the kernel ~1.5-1.7 TB/s at the d4096
+    proxy's larger weights (results/gpu/2026-11-27-h200x2-transpose-1b34f04/fp8_transpose.json): O3 under FSDP2
+    transposes each gathered weight for the backward."""
     # under torch.compile Inductor writes the transpose itself (is_compiling first: dynamo would trace the
     # lru_cache of triton_available)
     if torch.compiler.is_compiling() or not (q.is_cuda and q.dim() == 2 and q.element_size() == 1
-                                             and q.is_contiguous() and triton_available()):
+                                             and q.is_contiguous() and triton_available()
+                                             and -(-q.shape[1] // 64) <= _MAX_COLUMN_TILES):
         return q.t().contiguous()
     global _transpose_kernel
     if _transpose_kernel is None:
@@ -134,7 +140,7 @@ def transpose(q: torch.Tensor) -> torch.Tensor:
 
 
 def launch_transpose(kernel, q: torch.Tensor) -> torch.Tensor:
-    """`transpose`'s launch of `kernel` on a contiguous 2-D tensor of 1-byte elements (tests/kernels/sm90_compile.py
+    """`fp8_transpose`'s launch of `kernel` on a contiguous 2-D tensor of 1-byte elements (tests/kernels/sm90_compile.py
     records it on the CPU). Both FP8 formats go through one specialisation, as bytes."""
     m, n = q.shape
     out = torch.empty((n, m), dtype=q.dtype, device=q.device)

@@ -21,6 +21,7 @@
 # fp8_weights=True: te:current:fsdp2:::fp8w. A sixth field 'overlap' sets LOWPREC_FP8_GRAD_OVERLAP=1 (the stored FP8
 # weight gradients averaged block by block during the backward under DDP): msamp@O2::ddp:::overlap. A sixth field
 # 'act8' sets activation_dtype='fp8' (the tensors autograd saves stored in FP8, issue 32): msamp@O3::fsdp2:::act8.
+# The sixth field takes one of these: act8 runs with the default layer compilation (COMPILE_FP8_LAYERS to change it).
 # PACK=1 packs OUTDIR into OUTDIR.tgz at the end (the device tool brings back at most 8 files a call: a matrix
 # with profiles writes two per cell; a file that does not come back is lost with the machine).
 set -uo pipefail

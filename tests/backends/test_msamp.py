@@ -676,6 +676,7 @@ def test_plan_without_converted_layers_shows_no_fp8_weights():
     ("single", False, False, True), ("single", True, None, False), ("ddp", False, None, False),
     ("ddp", False, False, True), ("ddp", True, None, False),
     ("fsdp2", False, None, True), ("fsdp2", False, False, True), ("fsdp2", False, True, False),  # O3: eager default
+    ("fsdp2", True, None, False),  # compiled whole: nothing to say about the layers
 ])
 def test_eager_fp8_layers_are_named_with_what_they_cost(engine, compiled, compile_fp8_layers, eager_layers):
     from lowprec import RunContext

@@ -163,6 +163,8 @@ def main() -> None:
                    help="write one step's CUDA kernels (torch.profiler, by self time) to this file (rank 0; "
                         "NAME.rankR.txt for the others) and each rank's Chrome trace beside it")
     args = p.parse_args()
+    if args.backend == "bf16" and (args.activation_dtype or args.fp8_weights):
+        p.error("--activation-dtype and --fp8-weights are FP8RecipeKwargs fields: backend 'bf16' has no recipe")
     time_fp8_reductions()
 
     from lowprec.demo.data import Windows, stdlib_corpus

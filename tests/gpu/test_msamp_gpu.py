@@ -14,8 +14,7 @@ from torch import nn
 
 from lowprec import Accelerator, FP8RecipeKwargs
 from lowprec.backends.msamp.linear import E4M3, E5M2, FP8Linear, update_delayed_scales
-from lowprec.kernels.cast import cast_transpose, cast_transpose_reference
-from lowprec.kernels.cast import transpose as fp8_transpose
+from lowprec.kernels.cast import cast_transpose, cast_transpose_reference, fp8_transpose
 from lowprec.optim import LowBitAdamW
 
 pytestmark = [

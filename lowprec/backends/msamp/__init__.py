@@ -48,9 +48,9 @@ DEFAULT_WINDOW = 16  # MS-AMP's DEFAULT_WINDOW_SIZE for input and output-gradien
 # 2026-11-23-h100-speed-head; compiled whole: 2026-11-23-h100-speed-head/widths_defaults.json.
 EAGER_LAYERS_NOTE = (
     "eager FP8 layers (compile_fp8_layers=False): their casts, amaxes and scale updates run as separate kernels "
-    "(d4096, one H100: 0.81-0.90x eager BF16 on one process, 0.99x under DDP, 1.04x at O3 under FSDP2, 0.84x at O3 "
-    "under ZeRO-2); the default compiles them one by one (1.15x, 1.31x, 1.17-1.26x, 1.32x), or compile the model "
-    "(dynamo_backend='inductor': 1.35x compiled BF16 on one process)"
+    "(d4096, one H100: 0.81-0.90x eager BF16 on one process, 0.99x under DDP, 0.84x at O3 under ZeRO-2); the "
+    "default compiles them one by one there (1.15x, 1.31x, 1.32x), or compile the model (dynamo_backend='inductor': "
+    "1.35x compiled BF16 on one process)"
 )
 # O3 under FSDP2, d4096 proxy, two H200s, steps 18-37 (past the 16-step warm-up): eager layers 1.17x BF16 FSDP2 at
 # 0.73x its peak, compiled 0.99x at 0.79x (results/gpu/2026-11-27-h200x2-steady-e8bb2bd). The compiled step is
@@ -75,7 +75,8 @@ class MSAMPBackend(Backend):
     LAYER_COMPILE_DYNAMIC = True
     LAYER_COMPILE_VARIANTS_PER_SHAPE = 4  # x 2: warm-up (scales from the tensor at hand) and after it
     # LAYER_COMPILE_ENGINES: Backend's, every engine: compiled layers measured faster than eager ones under each
-    # (EAGER_LAYERS_NOTE; two CPU processes check they train alike under DDP, FSDP2 and ZeRO-2)
+    # (EAGER_LAYERS_NOTE; two CPU processes check they train alike under DDP, FSDP2 and ZeRO-2), but at O3 under
+    # FSDP2, where eager ones measured faster past the warm-up (layer_compile, O3_FSDP2_EAGER_NOTE)
 
     def __init__(self, recipe, context):
         self.level: str = recipe.opt_level or DEFAULT_LEVEL

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...kernels import triton_available
-from ...kernels.cast import transpose as fp8_transpose
+from ...kernels.cast import fp8_transpose
 from ...kernels.fused import cuda_fused
 from ...kernels.scaling import compute_scale, dequantize, quantize, tensor_amax
 from ...optim.grad_store import accumulate_into
