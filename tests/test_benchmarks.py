@@ -298,3 +298,48 @@ def test_fp8_transpose_benchmark_names_the_option_a_bad_shape_was_given_to(tmp_p
            str(tmp_path / "x.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 2 and "--shapes takes ROWSxCOLS" in proc.stderr
+
+
+def _cell(backend, engine, steady, peak=10.0):
+    return {"backend": backend, "engine": engine, "all_forwards_in_fp8": backend != "bf16", "first_loss": 6.0,
+            "last_loss": 3.0, "median_step_s": steady, "steady_median_step_s": steady,
+            "peak_memory_gib_per_rank": [peak, peak]}
+
+
+def test_matrix_table_compares_each_round_with_its_own_bf16(tmp_path):
+    # scripts/gpu/multi.sh with ROUNDS=2 writes r1/ and r2/: a round's FP8 cell against that round's BF16 only
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
+    try:
+        from matrix_table import table
+    finally:
+        sys.path.pop(0)
+    for folder, bf16_s, fp8_s in (("r1", 0.126, 0.105), ("r2", 0.120, 0.110)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "bf16_fsdp2.json").write_text(json.dumps(_cell("bf16", "fsdp2", bf16_s)))
+        (tmp_path / folder / "msamp_O3_fsdp2.json").write_text(json.dumps(_cell("msamp", "fsdp2", fp8_s, 7.3)))
+    text = table(str(tmp_path))
+    assert "| r1/msamp_O3_fsdp2 | True | 6.00 → 3.00 | 105 | 1.20 | 105 | 1.20 | 7.3 | 0.73 |" in text
+    assert "| r2/msamp_O3_fsdp2 | True | 6.00 → 3.00 | 110 | 1.09 | 110 | 1.09 | 7.3 | 0.73 |" in text
+    assert "| msamp_O3_fsdp2 | 1.200 | 1.091 | 1.145 |" in text
+    (tmp_path / "r1" / "bf16_fsdp2.json").unlink()  # no baseline in that round: no ratio, not another round's
+    assert "| r1/msamp_O3_fsdp2 | True | 6.00 → 3.00 | 105 | n/a |" in table(str(tmp_path))
+
+
+@pytest.mark.parametrize("rounds", ["0", "two", "-1"])
+def test_multi_sh_names_rounds_it_cannot_take(tmp_path, rounds):
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "multi.sh"), str(tmp_path / "m"), "bf16::ddp"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "ROUNDS": rounds})
+    assert proc.returncode == 2 and f"ROUNDS must be a whole number >= 1, got '{rounds}'" in proc.stderr
+
+
+def test_matrix_table_leaves_out_what_a_short_cpu_run_cannot_give(tmp_path):
+    # fewer than 6 steps: no median; on a CPU: no CUDA peak (0). The table says n/a instead of failing.
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
+    try:
+        from matrix_table import table
+    finally:
+        sys.path.pop(0)
+    for backend in ("bf16", "msamp"):
+        cell = {**_cell(backend, "ddp", None, 0.0), "median_step_s": None}
+        (tmp_path / f"{backend}_ddp.json").write_text(json.dumps(cell))
+    assert "| msamp_ddp | True | 6.00 → 3.00 |  | n/a |  |  | 0.0 | n/a |  |" in table(str(tmp_path))

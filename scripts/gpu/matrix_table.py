@@ -1,5 +1,6 @@
 """Markdown table of scripts/gpu/multi.sh results: one row per cell, speed and peak memory as ratios
-against the BF16 cell of the same engine in the same folder.
+against the BF16 cell of the same engine in the same folder (with ROUNDS, the same round's subfolder), and with
+several rounds, each cell's steady ratio per round and their mean.
 
     python scripts/gpu/matrix_table.py results/gpu/2026-11-23-h200x2-matrix
 """
@@ -19,7 +20,9 @@ def table(folder: str) -> str:
             cell = json.load(fh)
         if "engine" in cell or "refused" in cell:  # a cell of multi.sh, not another benchmark's JSON beside them
             cells[os.path.relpath(path, folder)[:-5]] = cell
-    bf16 = {c["engine"]: c for c in cells.values() if c.get("backend") == "bf16" and "refused" not in c}
+    # keyed by (subfolder, engine): a round's cells are compared with that round's BF16
+    bf16 = {(os.path.dirname(name), c["engine"]): c for name, c in cells.items()
+            if c.get("backend") == "bf16" and "refused" not in c}
     lines = ["| cell | FP8 in every forward | loss first → last 5 | step ms | vs BF16 | steady ms | vs BF16 (steady) "
              "| peak GiB/rank | vs BF16 | ranks' weights differ by |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -27,10 +30,14 @@ def table(folder: str) -> str:
         if "refused" in c:
             lines.append(f"| {name} | refused: {c['refused'][:100]}… | | | | | | | | |")
             continue
-        base = bf16.get(c["engine"])
+        base = bf16.get((os.path.dirname(name), c["engine"]))
         peak = max(c["peak_memory_gib_per_rank"])
-        speed = f"{base['median_step_s'] / c['median_step_s']:.2f}" if base else "n/a"
-        memory = f"{peak / max(base['peak_memory_gib_per_rank']):.2f}" if base else "n/a"
+        median, base_median = c.get("median_step_s"), (base or {}).get("median_step_s")
+        # a run too short for a median (fewer than 6 steps) has None
+        speed = f"{base_median / median:.2f}" if median and base_median else "n/a"
+        median_ms = f"{1000 * median:.0f}" if median else ""
+        base_peak = max(base["peak_memory_gib_per_rank"]) if base else 0.0
+        memory = f"{peak / base_peak:.2f}" if base_peak else "n/a"  # 0 on a CPU run: no CUDA memory to read
         diff = c.get("max_param_diff_across_ranks")
         # after msamp's warm-up (gpu_profile.STEADY_FROM): what a long run sees; absent from runs before 2026-11-27
         # and from runs too short to have it
@@ -38,8 +45,9 @@ def table(folder: str) -> str:
         steady_ms = f"{1000 * steady:.0f}" if steady else ""
         steady_speed = f"{base_steady / steady:.2f}" if steady and base_steady else ""
         lines.append(f"| {name} | {c['all_forwards_in_fp8']} | {c['first_loss']:.2f} → {c['last_loss']:.2f} "
-                     f"| {1000 * c['median_step_s']:.0f} | {speed} | {steady_ms} | {steady_speed} | {peak:.1f} "
+                     f"| {median_ms} | {speed} | {steady_ms} | {steady_speed} | {peak:.1f} "
                      f"| {memory} | {'' if diff is None else diff} |")
+    lines += _rounds(cells, bf16)
     phased = {name: c["phase_ms"] for name, c in cells.items() if c.get("phase_ms")}
     if phased:  # where each step's time goes (gpu_engines.py's marks): device ms where measured, else host
         names = list(next(iter(phased.values()))["host"])
@@ -54,6 +62,28 @@ def table(folder: str) -> str:
             lines += [f"| {name} | {r} | {s['kernels']} | {s['kernel_ms']} | {s['nccl_ms']} | {s['busy_ms']} "
                       f"| {s['span_ms']} |" for r, s in enumerate(ranks)]
     return "\n".join(lines)
+
+
+def _rounds(cells: dict, bf16: dict) -> list[str]:
+    """Each FP8 cell's steady ratio in every round it ran in (cells in subfolders, as ROUNDS writes them), and the
+    mean: empty with one round."""
+    ratios: dict[str, dict[str, float]] = {}
+    for name, c in cells.items():
+        folder = os.path.dirname(name)
+        base = bf16.get((folder, c.get("engine")))
+        if not folder or c.get("backend") == "bf16" or "refused" in c or not base:
+            continue
+        steady, base_steady = c.get("steady_median_step_s"), base.get("steady_median_step_s")
+        if steady and base_steady:
+            ratios.setdefault(os.path.basename(name), {})[folder] = base_steady / steady
+    if not ratios:
+        return []
+    folders = sorted({f for per in ratios.values() for f in per})
+    out = ["", "| cell (steady vs BF16) | " + " | ".join(folders) + " | mean |", "|---|" + "---|" * (len(folders) + 1)]
+    for cell, per in ratios.items():
+        out.append(f"| {cell} | " + " | ".join(f"{per[f]:.3f}" if f in per else "" for f in folders)
+                   + f" | {sum(per.values()) / len(per):.3f} |")
+    return out
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@
 # weight gradients averaged block by block during the backward under DDP): msamp@O2::ddp:::overlap. A sixth field
 # 'act8' sets activation_dtype='fp8' (the tensors autograd saves stored in FP8, issue 32): msamp@O3::fsdp2:::act8.
 # The sixth field takes one of these: act8 runs with the default layer compilation (COMPILE_FP8_LAYERS to change it).
+# ROUNDS=N (default 1) runs the whole list N times in order, round r into OUTDIR/rR/ (ABAB on one machine: a ratio
+# that moves between rounds is noise); matrix_table.py compares each cell with the BF16 cell of its own round.
 # PACK=1 packs OUTDIR into OUTDIR.tgz at the end (the device tool brings back at most 8 files a call: a matrix
 # with profiles writes two per cell; a file that does not come back is lost with the machine).
 set -uo pipefail
@@ -29,6 +31,11 @@ out=${1:?usage: multi.sh OUTDIR backend[@level]:recipe:engine...}; shift
 out=${out%/}  # PACK=1 writes OUTDIR.tgz beside the folder
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+rounds=${ROUNDS:-1}
+[[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a whole number >= 1, got '$rounds'" >&2; exit 2; }
+base=$out
+for round in $(seq 1 "$rounds"); do
+[ "$rounds" -gt 1 ] && { out=$base/r$round; mkdir -p "$out"; echo "== round $round of $rounds"; }
 for case in "$@"; do
   IFS=: read -r backend recipe engine comm steps layers <<< "$case"
   compile_layers=${COMPILE_FP8_LAYERS:-}
@@ -59,6 +66,8 @@ for case in "$@"; do
     grep -E "Error|error" "$out/$name.log" | grep -v "W1\|Warn" | tail -5
   fi
 done
+done
+out=$base
 if [ "${PACK:-0}" = 1 ]; then
   tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" && rm -rf "$out"
 fi
