@@ -18,6 +18,11 @@ accumulation window. Each step:
      by 1/N so the sum cannot saturate; NCCL rounds after every addition and the 1/N costs
      log2(N) bits at the bottom of the range.
    Both move 1 byte per gradient element per direction; `benchmarks/fp8_comm.py` measures both.
+
+With `owners` (msamp O3 under DeepSpeed ZeRO, where one rank steps each layer's master), the buffer is packed
+owner by owner and the all_to_all sends each owner the bytes of its layers only: each owner sums and rounds them
+as above, and no all_gather follows. The owners' means are bitwise those of the "all_to_all" method; the other
+ranks' copies of a layer are marked as holding no gradient (`fp8_grad_valid` 0), since nothing there reads them.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ class FP8GradReducer:
     `fp8_grad_valid`: msamp `FP8Linear` modules or `lowprec.optim.grad_store.GradStore`s.
     """
 
-    def __init__(self, layers, group=None, method: str = "all_to_all"):
+    def __init__(self, layers, group=None, method: str = "all_to_all", owners: list[int] | None = None):
         if method not in METHODS:
             raise ValueError(f"FP8 gradient reduction method={method!r} is not one of {', '.join(map(repr, METHODS))}")
         if method == "nccl_fp8" and dist.get_backend(group) != "nccl":
@@ -53,6 +58,13 @@ class FP8GradReducer:
         self.group = group
         self.method = method
         self.world_size = dist.get_world_size(group)
+        if owners is not None:
+            if method != "all_to_all":
+                raise ValueError(f"FP8 gradient reduction to owners runs method='all_to_all', not {method!r}")
+            if len(owners) != len(self.layers) or any(not 0 <= r < self.world_size for r in owners):
+                raise ValueError(f"owners must name a rank in [0, {self.world_size}) for each of the "
+                                 f"{len(self.layers)} layers, got {owners!r}")
+        self.owners = None if owners is None else list(owners)
         self.pending = True  # a backward may have produced gradients not reduced yet
 
     def mark_pending(self) -> None:
@@ -87,12 +99,15 @@ class FP8GradReducer:
             shared_send = shared / n
         else:
             shared_send = shared
+        ratios = shared_send / local_scale
+        if self.owners is not None:
+            self._reduce_to_owners(shared, amax, valid, ratios)
+            return
         sizes = [layer.fp8_grad_data.numel() for layer in layers]
         total = sum(sizes)
         padded = -(-total // n) * n
         flat = torch.empty(padded, dtype=E4M3, device=layers[0].fp8_grad_data.device)
         flat[total:].zero_()
-        ratios = shared_send / local_scale
         offset = 0
         for i, layer in enumerate(layers):
             size = sizes[i]
@@ -113,6 +128,43 @@ class FP8GradReducer:
         # amax of the mean is at most the shared amax; kept as the bound the next reduction starts from
         torch._foreach_copy_([layer.fp8_grad_amax for layer in layers], list(amax.unbind(0)))
         torch._foreach_copy_([layer.fp8_grad_valid for layer in layers], list(valid.unbind(0)))
+
+
+    def _reduce_to_owners(self, shared: torch.Tensor, amax: torch.Tensor, valid: torch.Tensor,
+                          ratios: torch.Tensor) -> None:
+        """Each owner gets the mean of its layers (see the module doc): one all_to_all, no all_gather. Halves, on
+        two ranks, the bytes each rank receives, and skips writing every other rank's layers back."""
+        n, me, layers = self.world_size, dist.get_rank(self.group), self.layers
+        by_rank = [[i for i in range(len(layers)) if self.owners[i] == r] for r in range(n)]
+        sends = [sum(layers[i].fp8_grad_data.numel() for i in owned) for owned in by_rank]
+        device = layers[0].fp8_grad_data.device
+        flat = torch.empty(sum(sends), dtype=E4M3, device=device)
+        offset = 0
+        for owned in by_rank:
+            for i in owned:
+                size = layers[i].fp8_grad_data.numel()
+                flat[offset:offset + size].copy_(requantize(layers[i].fp8_grad_data.reshape(-1), ratios[i],
+                                                            layers[i].fp8_grad_valid))
+                offset += size
+        mine = sends[me]
+        received = torch.empty(n * mine, dtype=torch.uint8, device=device)
+        dist.all_to_all_single(received, flat.view(torch.uint8), output_split_sizes=[mine] * n,
+                               input_split_sizes=sends, group=self.group)
+        del flat
+        owned = by_rank[me]
+        if owned:
+            mean = mean_over_ranks(received.view(n, mine), 1.0 / n)
+            offset = 0
+            for i in owned:
+                size = layers[i].fp8_grad_data.numel()
+                layers[i].fp8_grad_data.copy_(mean[offset:offset + size].view_as(layers[i].fp8_grad_data))
+                offset += size
+            torch._foreach_copy_([layers[i].fp8_grad_scale for i in owned], [shared[i] for i in owned])
+            torch._foreach_copy_([layers[i].fp8_grad_amax for i in owned], [amax[i] for i in owned])
+            torch._foreach_copy_([layers[i].fp8_grad_valid for i in owned], [valid[i] for i in owned])
+        others = [layers[i].fp8_grad_valid for i in range(len(layers)) if self.owners[i] != me]
+        if others:
+            torch._foreach_zero_(others)
 
 
 # The two passes over every gradient byte, each one fused kernel on CUDA (kernels/fused.py): eager, the

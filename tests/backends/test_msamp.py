@@ -801,10 +801,40 @@ def test_o3_under_zero_clips_by_the_norm_over_every_gradient_on_the_device(engin
         layer.fp8_grad_valid.fill_(1.0)
     before = [float(layer.fp8_grad_scale) for layer in layers]
     zero = ZeroFP8Weights.__new__(ZeroFP8Weights)
-    zero.layers = layers
+    zero.layers, zero.owners, zero.rank, zero.world_size, zero.group = layers, [0, 0], 0, 1, None
     zero._clip(1.0, 0.0 if engine_norm is None else engine_norm)
     own = math.sqrt(16 * 16 * (1 + 4))
     other = 0.0 if engine_norm is None else float(engine_norm)
     coef = 1.0 / (math.sqrt(own**2 + other**2) + 1e-6) if clipped else 1.0
     for layer, scale in zip(layers, before):
         assert float(layer.fp8_grad_scale) == pytest.approx(scale / coef, rel=1e-6)
+
+
+def test_o3_under_zero_clips_by_the_owners_norms_summed_over_the_ranks(monkeypatch):
+    # each layer's mean is on its owner only: a rank adds the squared norms of the layers it owns, and one
+    # all-reduce (SUM) adds the other ranks' (here rank 1 owns layer 1, whose squared norm the fake collective adds)
+    from lowprec.backends.msamp import zero as zero_module
+    from lowprec.kernels.scaling import compute_scale, quantize
+
+    layers = [FP8Linear(16, 16, emulate=True) for _ in range(2)]
+    for i, layer in enumerate(layers):
+        g = torch.full((16, 16), float(i + 1))
+        scale = compute_scale(g.abs().amax(), torch.float8_e4m3fn)
+        layer.fp8_grad_data.copy_(quantize(g, scale, torch.float8_e4m3fn))
+        layer.fp8_grad_scale.copy_(scale)
+        layer.fp8_grad_valid.fill_(1.0)
+    layers[1].fp8_grad_data.zero_()  # rank 0's copy of a layer it does not own: never read
+    reduced = []
+
+    def all_reduce(tensor, op=None, group=None):
+        reduced.append(float(tensor))
+        tensor.add_(16 * 16 * 4.0)  # rank 1's owned layer: 256 values of 2
+
+    monkeypatch.setattr(zero_module.dist, "all_reduce", all_reduce)
+    before = float(layers[0].fp8_grad_scale)
+    zero = zero_module.ZeroFP8Weights.__new__(zero_module.ZeroFP8Weights)
+    zero.layers, zero.owners, zero.rank, zero.world_size, zero.group = layers, [0, 1], 0, 2, None
+    zero._clip(1.0, 0.0)
+    assert reduced == [16 * 16 * 1.0]  # rank 0 sent its own layer's squared norm only
+    coef = 1.0 / (math.sqrt(16 * 16 * (1 + 4)) + 1e-6)
+    assert float(layers[0].fp8_grad_scale) == pytest.approx(before / coef, rel=1e-6)

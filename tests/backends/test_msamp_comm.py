@@ -117,6 +117,30 @@ def test_nccl_fp8_refused_on_gloo_and_unknown_method(reducer_run):
         assert rank["ring"] is not None and rank["ring"].startswith("ValueError:") and "'all_to_all'" in rank["ring"]
 
 
+def test_reducer_refuses_owners_that_do_not_name_a_rank_per_layer(reducer_run):
+    for rank in scenario(reducer_run, "method_errors"):
+        assert rank["owners_short"].startswith("ValueError: owners must name a rank in [0, 2) for each of the 2 "
+                                               "layers, got [0]"), rank["owners_short"]
+        assert "got [0, 2]" in rank["owners_rank"], rank["owners_rank"]
+
+
+@pytest.mark.parametrize("pattern", ["mixed", "rank0_only"])
+def test_reducer_to_owners_gives_each_owner_the_every_rank_mean_bitwise(reducer_run, pattern):
+    # msamp O3 under ZeRO: each layer's mean goes to its owner only (one all_to_all, no all_gather); the owner's
+    # bytes, scale, amax and flag are those every rank gets without owners, and the others' copies are marked unread
+    ranks = scenario(reducer_run, f"owners/{pattern}")
+    for rank, record in enumerate(ranks):
+        for i, owner in enumerate(record["owner_of"]):
+            everyone, owners_only = record["all"][i], record["owners"][i]
+            if owner == rank:  # bytes, not values: a NaN is not equal to itself
+                assert {k: v for k, v in owners_only.items() if k != "values"} == \
+                    {k: v for k, v in everyone.items() if k != "values"}, (rank, i)
+            else:
+                assert owners_only["valid"] == 0.0, (rank, i)
+    mixed = ranks[0]["all"]
+    assert mixed[4]["valid"] == 1.0 and any(math.isnan(v) for v in mixed[5]["values"])  # the cases were there
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_reducer_leaves_identical_bytes_and_scales_on_every_rank(reducer_run, method):
     ranks = scenario(reducer_run, f"random/{method}")

@@ -71,7 +71,10 @@ class Net(nn.Module):
 
 
 def stored_grads(backend) -> str:
-    stores = backend.zero.layers if getattr(backend, "zero", None) is not None else backend.grad_stores
+    zero = getattr(backend, "zero", None)
+    # under ZeRO each layer's mean is its owner's alone (the single pass sends the others nothing): the owned ones
+    stores = [s for i, s in enumerate(zero.layers) if zero.owners[i] == zero.rank] if zero is not None \
+        else backend.grad_stores
     return digest(*[t for s in stores for t in (s.fp8_grad_data, s.fp8_grad_scale, s.fp8_grad_valid)])
 
 

@@ -297,6 +297,37 @@ def scenario_method_errors(rank: int) -> dict:
             out[method] = None
         except Exception as exc:  # noqa: BLE001
             out[method] = f"{type(exc).__name__}: {exc}"
+    for name, owners in (("owners_short", [0]), ("owners_rank", [0, 2])):
+        try:
+            FP8GradReducer(_layers([(16, 16)] * 2), owners=owners)
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+# scenario "owners": each layer's owner (msamp O3 under ZeRO); in the second pattern rank 1 owns nothing
+OWNER_PATTERNS = {"mixed": [1, 0, 1, 0, 0, 1, 0], "rank0_only": [0] * 7}
+
+
+def scenario_owners(rank: int, pattern: str) -> dict:
+    """The same gradients reduced for every rank and for their owners only: scenario "random"'s layers, then a
+    layer with a gradient on rank 0 only (rank 1's buffer stale) and one whose rank-1 gradient holds a NaN."""
+    from lowprec.optim.grad_reduce import FP8GradReducer
+
+    out = {"owner_of": OWNER_PATTERNS[pattern]}
+    for tag, kwargs in (("all", {}), ("owners", {"owners": OWNER_PATTERNS[pattern]})):
+        layers = _layers(RANDOM_SHAPES + [(16, 16)] * 3)
+        for i, layer in enumerate(layers):
+            shape = layer.fp8_grad_data.shape
+            values = (torch.randn(shape, generator=torch.Generator().manual_seed(100 + i))
+                      + torch.randn(shape, generator=torch.Generator().manual_seed(1000 * (rank + 1) + i)))
+            values = values * 10.0 ** -(1 + i % 3) * (8.0 if rank == 1 and i % 2 else 1.0)
+            if i == 5 and rank == 1:
+                values[2, 2] = float("nan")
+            _set_grad(layer, values, valid=not (i == 4 and rank == 1))
+        FP8GradReducer(layers, **kwargs).reduce()
+        out[tag] = _snapshot(layers)
     return out
 
 
@@ -309,6 +340,8 @@ def run_reducer_scenarios() -> dict:
         scenarios[f"bitpattern/{method}"] = lambda m=method: scenario_bitpattern(rank, m)
         scenarios[f"zero_invalid/{method}"] = lambda m=method: scenario_zero_invalid(rank, m)
         scenarios[f"nonfinite/{method}"] = lambda m=method: scenario_nonfinite(rank, m)
+    for pattern in OWNER_PATTERNS:
+        scenarios[f"owners/{pattern}"] = lambda p=pattern: scenario_owners(rank, p)
     for reduce_amax in (True, False):
         scenarios[f"amax_reduce/{reduce_amax}"] = lambda r=reduce_amax: scenario_amax_reduce(rank, r)
     results = {}

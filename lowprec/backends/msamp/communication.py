@@ -111,7 +111,7 @@ class MSAMPCommunication(GradientCommunication):
     def rows(self, plan: PrecisionPlan) -> list[TensorPrecision]:
         """The engine's rows, with the gradient-communication row saying how the FP8 weight gradients of
         converted layers are averaged under DDP and DeepSpeed (the storage part writes the other rows)."""
-        from ...optim.grad_overlap import reduction_timing
+        from ...optim.grad_overlap import overlap_requested, reduction_timing
         from ...planning.plan import TensorPrecision
 
         comm, *rest = super().rows(plan)
@@ -120,9 +120,13 @@ class MSAMPCommunication(GradientCommunication):
                                    "weight grads: amax all-reduced (MAX), FP8 all_to_all, FP32 sum, FP8 all_gather, "
                                    + reduction_timing())
         elif plan.converted and self.owner.zero_o3:
+            # the single pass sends each layer's bytes to the rank that steps its master only; block by block,
+            # every rank gets every block's mean
+            how = ("FP8 all_to_all, FP32 sum, FP8 all_gather" if overlap_requested("deepspeed")
+                   else "FP8 all_to_all to each layer's owner, FP32 sum there")
             comm = TensorPrecision("grad_comm", f"FP8 E4M3, shared scale (Linear), {comm.dtype} (rest)",
-                                   "weight grads averaged by lowprec once per step (amax all-reduced, FP8 all_to_all, "
-                                   f"FP32 sum, FP8 all_gather), {reduction_timing('deepspeed')}; the rest by DeepSpeed")
+                                   f"weight grads averaged by lowprec once per step (amax all-reduced, {how}), "
+                                   f"{reduction_timing('deepspeed')}; the rest by DeepSpeed")
         return [comm, *rest]
 
     def update_delayed_scales(self) -> None:

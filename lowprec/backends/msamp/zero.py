@@ -8,10 +8,12 @@ it is and keeps the converted Linear weights out of it, partitioned the way MS-A
 | tensor           | where                                   | bytes per parameter |
 |------------------|-----------------------------------------|---------------------|
 | weight           | E4M3 + one power-of-2 scale, every rank | 1                   |
-| weight gradient  | E4M3 on the layer (`FP8Linear`), averaged across ranks in FP8 once per step | 1 |
+| weight gradient  | E4M3 on the layer (`FP8Linear`), averaged in FP8 once per step on its master's rank | 1 |
 | master weight    | FP16, on one rank: whole tensors assigned greedily by size (MS-AMP's rule) | 2/N |
 | optimizer states | LowBitAdamW E4M3 + FP16, with the master | 3/N |
 
+The FP8 gradients are averaged for the owners only (`FP8GradReducer(owners=...)`: one all_to_all sends each owner
+its layers' bytes, no all_gather, as no other rank reads them), and the clipping norm sums the owners' norms.
 After DeepSpeed's step the owners step their masters with the hyper-parameters (learning rate
 included, so schedulers apply) of the optimizer group each weight came from, requantise them and
 broadcast the bytes and scales. Everything else (embeddings, norms, biases, BF16 layers) stays
@@ -165,7 +167,8 @@ class ZeroFP8Weights:
         self.optimizer = LowBitAdamW(param_groups or [{"params": []}], exp_avg_dtype=E4M3,
                                      exp_avg_sq_dtype=torch.float16)
         self.optimizer.attach_fp8_grads(slots)
-        self.reducer = FP8GradReducer(self.layers, self.group)
+        # each layer's mean goes to its owner only: the other ranks' copies are never read
+        self.reducer = FP8GradReducer(self.layers, self.group, owners=self.owners)
         self.blockwise = self._blockwise(engine, overlap)
 
     def _blockwise(self, engine, overlap: bool):
@@ -204,12 +207,19 @@ class ZeroFP8Weights:
 
     def _clip(self, max_norm: float, engine_norm: float | torch.Tensor) -> None:
         """Divide every FP8 gradient's scale by the clip coefficient, on the device: no host sync in the step
-        (the coefficient is 1 where the total norm is under `max_norm` or not finite)."""
-        norms = fp8_grad_norms(self.layers, 2.0)  # a layer without a gradient counts 0
-        if norms is None:
+        (the coefficient is 1 where the total norm is under `max_norm` or not finite). The norm over the FP8
+        gradients is the owners' norms summed over the ranks (one scalar all-reduce): each layer's mean is on its
+        owner only, and with the blockwise reduction each layer is counted once all the same."""
+        if not self.layers:
             return
-        engine = torch.as_tensor(engine_norm, dtype=torch.float32, device=norms.device)
-        total = (norms.float().square().sum() + engine.square()).sqrt()
+        owned = [layer for i, layer in enumerate(self.layers) if self.owners[i] == self.rank]
+        norms = fp8_grad_norms(owned, 2.0)  # a layer without a gradient counts 0
+        device = self.layers[0].fp8_grad_scale.device
+        squares = norms.float().square().sum() if norms is not None else torch.zeros((), device=device)
+        if self.world_size > 1:
+            dist.all_reduce(squares, group=self.group)
+        engine = torch.as_tensor(engine_norm, dtype=torch.float32, device=device)
+        total = (squares + engine.square()).sqrt()
         coef = max_norm / (total + 1e-6)
         coef = torch.where(torch.isfinite(total) & (coef < 1), coef, torch.ones_like(coef))
         # value = data / scale: a larger scale is a smaller gradient
