@@ -65,6 +65,11 @@ class FP8GradReducer:
                 raise ValueError(f"owners must name a rank in [0, {self.world_size}) for each of the "
                                  f"{len(self.layers)} layers, got {owners!r}")
         self.owners = None if owners is None else list(owners)
+        # owner by owner: the layers each rank owns and the bytes every rank sends it (fixed shapes: once)
+        self._by_rank = None if owners is None else [[i for i, r in enumerate(owners) if r == rank]
+                                                     for rank in range(self.world_size)]
+        self._sends = None if owners is None else [sum(self.layers[i].fp8_grad_data.numel() for i in owned)
+                                                   for owned in self._by_rank]
         self.pending = True  # a backward may have produced gradients not reduced yet
 
     def mark_pending(self) -> None:
@@ -76,7 +81,8 @@ class FP8GradReducer:
 
     @torch.no_grad()
     def reduce(self) -> None:
-        """Average the gradients in place; afterwards every rank holds identical bytes and scales."""
+        """Average the gradients in place; afterwards every rank holds identical bytes and scales (with `owners`, each
+        owner those of its layers, and the others' copies are flagged as holding none)."""
         self.pending = False
         if self.world_size == 1 or not self.layers:
             return
@@ -135,8 +141,7 @@ class FP8GradReducer:
         """Each owner gets the mean of its layers (see the module doc): one all_to_all, no all_gather. Halves, on
         two ranks, the bytes each rank receives, and skips writing every other rank's layers back."""
         n, me, layers = self.world_size, dist.get_rank(self.group), self.layers
-        by_rank = [[i for i in range(len(layers)) if self.owners[i] == r] for r in range(n)]
-        sends = [sum(layers[i].fp8_grad_data.numel() for i in owned) for owned in by_rank]
+        by_rank, sends = self._by_rank, self._sends
         device = layers[0].fp8_grad_data.device
         flat = torch.empty(sum(sends), dtype=E4M3, device=device)
         offset = 0

@@ -823,7 +823,7 @@ def test_o3_under_zero_clips_by_the_owners_norms_summed_over_the_ranks(monkeypat
         layer.fp8_grad_data.copy_(quantize(g, scale, torch.float8_e4m3fn))
         layer.fp8_grad_scale.copy_(scale)
         layer.fp8_grad_valid.fill_(1.0)
-    layers[1].fp8_grad_data.zero_()  # rank 0's copy of a layer it does not own: never read
+    # layers[1] is rank 1's: rank 0's copy of it (values 2, still flagged) must stay out of rank 0's sum
     reduced = []
 
     def all_reduce(tensor, op=None, group=None):

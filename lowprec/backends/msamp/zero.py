@@ -215,7 +215,9 @@ class ZeroFP8Weights:
         owned = [layer for i, layer in enumerate(self.layers) if self.owners[i] == self.rank]
         norms = fp8_grad_norms(owned, 2.0)  # a layer without a gradient counts 0
         device = self.layers[0].fp8_grad_scale.device
-        squares = norms.float().square().sum() if norms is not None else torch.zeros((), device=device)
+        # FP32 on every rank, also one owning nothing (the collective's dtype must match across ranks)
+        squares = (norms.float().square().sum() if norms is not None
+                   else torch.zeros((), dtype=torch.float32, device=device))
         if self.world_size > 1:
             dist.all_reduce(squares, group=self.group)
         engine = torch.as_tensor(engine_norm, dtype=torch.float32, device=device)
