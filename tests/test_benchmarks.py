@@ -343,3 +343,11 @@ def test_matrix_table_leaves_out_what_a_short_cpu_run_cannot_give(tmp_path):
         cell = {**_cell(backend, "ddp", None, 0.0), "median_step_s": None}
         (tmp_path / f"{backend}_ddp.json").write_text(json.dumps(cell))
     assert "| msamp_ddp | True | 6.00 → 3.00 |  | n/a |  |  | 0.0 | n/a |  |" in table(str(tmp_path))
+
+
+@pytest.mark.parametrize("cell, flag", [("bf16::ddp:::act9", "act9"), ("msamp::ddp:::eager+bogus", "bogus")])
+def test_multi_sh_names_a_sixth_field_flag_it_does_not_know(tmp_path, cell, flag):
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "multi.sh"), str(tmp_path / "m"), cell],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"unknown sixth field '{flag}'" in proc.stderr
+    assert "compiled|eager|fp8w|overlap|act8, joined with +" in proc.stderr

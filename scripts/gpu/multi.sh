@@ -21,7 +21,8 @@
 # fp8_weights=True: te:current:fsdp2:::fp8w. A sixth field 'overlap' sets LOWPREC_FP8_GRAD_OVERLAP=1 (the stored FP8
 # weight gradients averaged block by block during the backward under DDP): msamp@O2::ddp:::overlap. A sixth field
 # 'act8' sets activation_dtype='fp8' (the tensors autograd saves stored in FP8, issue 32): msamp@O3::fsdp2:::act8.
-# The sixth field takes one of these: act8 runs with the default layer compilation (COMPILE_FP8_LAYERS to change it).
+# Several sixth-field flags join with '+' (te:current:fsdp2:::fp8w+act8, msamp@O3::fsdp2:::eager+act8); the cell's
+# file names them with '_' instead.
 # ROUNDS=N (default 1) runs the whole list N times in order, round r into OUTDIR/rR/ (ABAB on one machine: a ratio
 # that moves between rounds is noise); matrix_table.py compares each cell with the BF16 cell of its own round.
 # PACK=1 packs OUTDIR into OUTDIR.tgz at the end (the device tool brings back at most 8 files a call: a matrix
@@ -40,9 +41,14 @@ for case in "$@"; do
   IFS=: read -r backend recipe engine comm steps layers <<< "$case"
   compile_layers=${COMPILE_FP8_LAYERS:-}
   fp8w=""; overlap=0; act=""
-  case "$layers" in compiled) compile_layers=true ;; eager) compile_layers=false ;; fp8w) fp8w=1 ;; overlap) overlap=1 ;;
-    act8) act=fp8 ;;
-    "") ;; *) echo "unknown sixth field '$layers' (compiled|eager|fp8w|overlap|act8)" >&2; exit 2 ;; esac
+  IFS=+ read -ra flags <<< "$layers"
+  for flag in "${flags[@]}"; do
+    case "$flag" in compiled) compile_layers=true ;; eager) compile_layers=false ;; fp8w) fp8w=1 ;; overlap) overlap=1 ;;
+      act8) act=fp8 ;;
+      *) echo "unknown sixth field '$flag' in '$layers' (compiled|eager|fp8w|overlap|act8, joined with +)" >&2; exit 2 ;;
+    esac
+  done
+  layers=${layers//+/_}
   level=""; [[ $backend == *@* ]] && { level=${backend#*@}; backend=${backend%@*}; }
   name="${backend}${level:+_$level}${recipe:+_$recipe}_${engine}${comm:+_$comm}${layers:+_$layers}"
   echo "== $case"
