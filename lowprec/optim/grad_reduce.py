@@ -135,7 +135,6 @@ class FP8GradReducer:
         torch._foreach_copy_([layer.fp8_grad_amax for layer in layers], list(amax.unbind(0)))
         torch._foreach_copy_([layer.fp8_grad_valid for layer in layers], list(valid.unbind(0)))
 
-
     def _reduce_to_owners(self, shared: torch.Tensor, amax: torch.Tensor, valid: torch.Tensor,
                           ratios: torch.Tensor) -> None:
         """Each owner gets the mean of its layers (see the module doc): one all_to_all, no all_gather. Halves, on
