@@ -109,66 +109,62 @@ class FP8GradReducer:
         if self.owners is not None:
             self._reduce_to_owners(shared, amax, valid, ratios)
             return
-        sizes = [layer.fp8_grad_data.numel() for layer in layers]
-        total = sum(sizes)
+        every = range(len(layers))
+        total = sum(layer.fp8_grad_data.numel() for layer in layers)
         padded = -(-total // n) * n
         flat = torch.empty(padded, dtype=E4M3, device=layers[0].fp8_grad_data.device)
         flat[total:].zero_()
-        offset = 0
-        for i, layer in enumerate(layers):
-            size = sizes[i]
-            flat[offset:offset + size].copy_(requantize(layer.fp8_grad_data.reshape(-1), ratios[i],
-                                                        layer.fp8_grad_valid))
-            offset += size
+        self._pack(every, ratios, flat)
         if self.method == "nccl_fp8":
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             reduced = flat
         else:
             reduced = all_to_all_mean(flat, n, self.group)
-        offset = 0
-        for i, layer in enumerate(layers):
-            size = sizes[i]
-            layer.fp8_grad_data.copy_(reduced[offset:offset + size].view_as(layer.fp8_grad_data))
-            offset += size
-        torch._foreach_copy_([layer.fp8_grad_scale for layer in layers], list(shared.unbind(0)))
-        # amax of the mean is at most the shared amax; kept as the bound the next reduction starts from
-        torch._foreach_copy_([layer.fp8_grad_amax for layer in layers], list(amax.unbind(0)))
-        torch._foreach_copy_([layer.fp8_grad_valid for layer in layers], list(valid.unbind(0)))
+        self._unpack(every, reduced, shared, amax, valid)
 
     def _reduce_to_owners(self, shared: torch.Tensor, amax: torch.Tensor, valid: torch.Tensor,
                           ratios: torch.Tensor) -> None:
         """Each owner gets the mean of its layers (see the module doc): one all_to_all, no all_gather. Halves, on
         two ranks, the bytes each rank receives, and skips writing every other rank's layers back."""
         n, me, layers = self.world_size, dist.get_rank(self.group), self.layers
-        by_rank, sends = self._by_rank, self._sends
+        sends = self._sends
         device = layers[0].fp8_grad_data.device
         flat = torch.empty(sum(sends), dtype=E4M3, device=device)
-        offset = 0
-        for owned in by_rank:
-            for i in owned:
-                size = layers[i].fp8_grad_data.numel()
-                flat[offset:offset + size].copy_(requantize(layers[i].fp8_grad_data.reshape(-1), ratios[i],
-                                                            layers[i].fp8_grad_valid))
-                offset += size
+        self._pack([i for owned in self._by_rank for i in owned], ratios, flat)
         mine = sends[me]
         received = torch.empty(n * mine, dtype=torch.uint8, device=device)
         dist.all_to_all_single(received, flat.view(torch.uint8), output_split_sizes=[mine] * n,
                                input_split_sizes=sends, group=self.group)
         del flat
-        owned = by_rank[me]
+        owned = self._by_rank[me]
         if owned:
-            mean = mean_over_ranks(received.view(n, mine), 1.0 / n)
-            offset = 0
-            for i in owned:
-                size = layers[i].fp8_grad_data.numel()
-                layers[i].fp8_grad_data.copy_(mean[offset:offset + size].view_as(layers[i].fp8_grad_data))
-                offset += size
-            torch._foreach_copy_([layers[i].fp8_grad_scale for i in owned], [shared[i] for i in owned])
-            torch._foreach_copy_([layers[i].fp8_grad_amax for i in owned], [amax[i] for i in owned])
-            torch._foreach_copy_([layers[i].fp8_grad_valid for i in owned], [valid[i] for i in owned])
+            self._unpack(owned, mean_over_ranks(received.view(n, mine), 1.0 / n), shared, amax, valid)
         others = [layers[i].fp8_grad_valid for i in range(len(layers)) if self.owners[i] != me]
         if others:
             torch._foreach_zero_(others)
+
+    def _pack(self, order, ratios: torch.Tensor, flat: torch.Tensor) -> None:
+        """The gradients of the layers in `order`, each requantised to its shared scale (`ratios`), one after
+        another into `flat`."""
+        offset = 0
+        for i in order:
+            layer = self.layers[i]
+            size = layer.fp8_grad_data.numel()
+            flat[offset:offset + size].copy_(requantize(layer.fp8_grad_data.reshape(-1), ratios[i],
+                                                        layer.fp8_grad_valid))
+            offset += size
+
+    def _unpack(self, order, reduced: torch.Tensor, shared: torch.Tensor, amax: torch.Tensor,
+                valid: torch.Tensor) -> None:
+        """The layers in `order` take their means from `reduced` (laid out as `_pack` wrote them), the shared scale,
+        the global amax (the bound the next reduction starts from: the mean's amax is at most it) and the flag."""
+        offset = 0
+        for i in order:
+            data = self.layers[i].fp8_grad_data
+            data.copy_(reduced[offset:offset + data.numel()].view_as(data))
+            offset += data.numel()
+        for name, values in (("fp8_grad_scale", shared), ("fp8_grad_amax", amax), ("fp8_grad_valid", valid)):
+            torch._foreach_copy_([getattr(self.layers[i], name) for i in order], [values[i] for i in order])
 
 
 # The two passes over every gradient byte, each one fused kernel on CUDA (kernels/fused.py): eager, the
