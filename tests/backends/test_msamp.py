@@ -784,12 +784,8 @@ def test_one_process_results_do_not_depend_on_reduce_amax(fresh_accelerate_state
         assert all(torch.equal(p, q) for p, q in zip(a, b)), step
 
 
-@pytest.mark.parametrize("engine_norm, clipped", [(0.0, True), (torch.tensor(3.0), True), (None, True),
-                                                  (torch.tensor(float("nan")), False), (float("inf"), False)])
-def test_o3_under_zero_clips_by_the_norm_over_every_gradient_on_the_device(engine_norm, clipped):
-    # ZeroFP8Weights._clip: the FP8 gradients' scales divided by max_norm / total, total over the FP8 gradients
-    # and DeepSpeed's norm of the rest (a tensor stays a tensor: no host sync); a non-finite total clips nothing
-    from lowprec.backends.msamp.zero import ZeroFP8Weights
+def _layers_with_stored_grads() -> list[FP8Linear]:
+    """Two layers whose stored FP8 gradients are all 1 and all 2 (squared norms 256 and 1024), flagged present."""
     from lowprec.kernels.scaling import compute_scale, quantize
 
     layers = [FP8Linear(16, 16, emulate=True) for _ in range(2)]
@@ -799,6 +795,17 @@ def test_o3_under_zero_clips_by_the_norm_over_every_gradient_on_the_device(engin
         layer.fp8_grad_data.copy_(quantize(g, scale, torch.float8_e4m3fn))
         layer.fp8_grad_scale.copy_(scale)
         layer.fp8_grad_valid.fill_(1.0)
+    return layers
+
+
+@pytest.mark.parametrize("engine_norm, clipped", [(0.0, True), (torch.tensor(3.0), True), (None, True),
+                                                  (torch.tensor(float("nan")), False), (float("inf"), False)])
+def test_o3_under_zero_clips_by_the_norm_over_every_gradient_on_the_device(engine_norm, clipped):
+    # ZeroFP8Weights._clip: the FP8 gradients' scales divided by max_norm / total, total over the FP8 gradients
+    # and DeepSpeed's norm of the rest (a tensor stays a tensor: no host sync); a non-finite total clips nothing
+    from lowprec.backends.msamp.zero import ZeroFP8Weights
+
+    layers = _layers_with_stored_grads()
     before = [float(layer.fp8_grad_scale) for layer in layers]
     zero = ZeroFP8Weights.__new__(ZeroFP8Weights)
     zero.layers, zero.owners, zero.rank, zero.world_size, zero.group = layers, [0, 0], 0, 1, None
@@ -814,15 +821,8 @@ def test_o3_under_zero_clips_by_the_owners_norms_summed_over_the_ranks(monkeypat
     # each layer's mean is on its owner only: a rank adds the squared norms of the layers it owns, and one
     # all-reduce (SUM) adds the other ranks' (here rank 1 owns layer 1, whose squared norm the fake collective adds)
     from lowprec.backends.msamp import zero as zero_module
-    from lowprec.kernels.scaling import compute_scale, quantize
 
-    layers = [FP8Linear(16, 16, emulate=True) for _ in range(2)]
-    for i, layer in enumerate(layers):
-        g = torch.full((16, 16), float(i + 1))
-        scale = compute_scale(g.abs().amax(), torch.float8_e4m3fn)
-        layer.fp8_grad_data.copy_(quantize(g, scale, torch.float8_e4m3fn))
-        layer.fp8_grad_scale.copy_(scale)
-        layer.fp8_grad_valid.fill_(1.0)
+    layers = _layers_with_stored_grads()
     # layers[1] is rank 1's: rank 0's copy of it (values 2, still flagged) must stay out of rank 0's sum
     reduced = []
 
