@@ -300,6 +300,26 @@ def test_fp8_transpose_benchmark_names_the_option_a_bad_shape_was_given_to(tmp_p
     assert proc.returncode == 2 and "--shapes takes ROWSxCOLS" in proc.stderr
 
 
+def test_activation_codec_benchmark_on_cpu(tmp_path):
+    out = tmp_path / "a.json"
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "activation_codec.py"), "--shapes", "48x256,3x5",
+           "--dtypes", "bf16,fp16", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["shapes"]
+    assert list(rows) == ["48x256-bf16", "48x256-fp16", "3x5-bf16", "3x5-fp16"]
+    assert all(r["bytes_equal"] and r["encode_us"] > 0 and r["decode_us"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize("option, value, message", [("--dtypes", "bf16,fp8", "--dtypes takes a comma-separated list"),
+                                                    ("--shapes", "0x4", "--shapes takes ROWSxCOLS")])
+def test_activation_codec_benchmark_names_the_option_a_bad_value_was_given_to(tmp_path, option, value, message):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "activation_codec.py"), option, value, "--out",
+           str(tmp_path / "x.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
 def _cell(backend, engine, steady, peak=10.0):
     return {"backend": backend, "engine": engine, "all_forwards_in_fp8": backend != "bf16", "first_loss": 6.0,
             "last_loss": 3.0, "median_step_s": steady, "steady_median_step_s": steady,

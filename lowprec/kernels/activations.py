@@ -24,13 +24,15 @@ normal range (2**-14).
 
 from __future__ import annotations
 
+import struct
 import weakref
 from typing import NamedTuple
 
 import torch
 
-from .fused import cuda_fused
-from .scaling import compute_scale, quantize
+from . import triton_available
+from .fused import cuda_fused, fp8_codegen
+from .scaling import compute_scale, format_max, quantize
 
 GROUP = 128
 FP8_DTYPE = torch.float8_e4m3fn
@@ -85,7 +87,7 @@ def pack_fp8(tensor: torch.Tensor, span: SpanKey | None = None) -> PackedFP8:
                          f"{tensor.stride()} for shape {tuple(tensor.shape)} (an expanded view)")
     x = tensor.detach()
     last = x.shape[-1]
-    data, exponent = _encode(x.reshape(-1, last), group_size(last))
+    data, exponent = encode_rows(x.reshape(-1, last), group_size(last))
     if x.is_contiguous():
         return PackedFP8(data, exponent, x.shape, x.dtype, last)
     where = None
@@ -97,7 +99,7 @@ def pack_fp8(tensor: torch.Tensor, span: SpanKey | None = None) -> PackedFP8:
 def unpack_fp8(packed: PackedFP8) -> torch.Tensor:
     """The tensor `pack_fp8` stored, in its dtype, shape and strides (within the bound in the module
     docstring)."""
-    values = _decode(packed.data, packed.exponent, packed.last, packed.dtype).reshape(packed.shape)
+    values = decode_rows(packed.data, packed.exponent, packed.last, packed.dtype).reshape(packed.shape)
     if packed.stride is None:
         return values
     if packed.span is None:
@@ -149,8 +151,9 @@ def overlapping(tensor: torch.Tensor) -> bool:
     return False
 
 
-# One kernel each way on CUDA (`cuda_fused`): as eager torch the encode is ten kernels over FP32
-# temporaries for every tensor a forward saves.
+# The definitions of the encode and the decode. On CUDA an eager call runs the Triton kernels below
+# (`encode_rows`, `decode_rows`), or where they do not apply one inductor kernel each way (`cuda_fused`): as eager
+# torch the encode is ten kernels over FP32 temporaries for every tensor a forward saves.
 @cuda_fused
 def _encode(rows: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, last) -> E4M3 groups (rows, groups, size) and their scales' int8 exponents (rows, groups)."""
@@ -177,5 +180,76 @@ def _decode(data: torch.Tensor, exponent: torch.Tensor, last: int, dtype: torch.
     rows = (data.float() * inverse).reshape(data.shape[0], -1)
     # E4M3's rounding can step a group's largest value up past the dtype's maximum (FP16 64000 -> 65536):
     # a finite value must come back finite. NaN (E4M3 holds inf as NaN) goes through a clamp unchanged.
-    limit = torch.finfo(dtype).max
+    # (FP64's limit is past FP32's range, where the decoded values are: nothing to clamp there)
+    limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
     return rows[:, :last].clamp(-limit, limit).to(dtype)
+
+
+# The dtypes the Triton kernels read and write (others go to `_encode` / `_decode`), and CUDA's limit on a grid's
+# second dimension (the groups of a row)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_GROUPS = 65535
+_BLOCK_R = 32
+_kernels = None
+
+
+def _triton_kernels():
+    global _kernels
+    if _kernels is None:
+        from . import activations_triton
+
+        _kernels = activations_triton.encode_kernel, activations_triton.decode_kernel
+    return _kernels
+
+
+def _kernel_applies(tensor: torch.Tensor, groups: int, dtype: torch.dtype) -> bool:
+    # is_compiling first: a graph being traced writes its own kernels (and dynamo would trace the caches below)
+    return (not torch.compiler.is_compiling() and tensor.is_cuda and dtype in _KERNEL_DTYPES and groups <= _MAX_GROUPS
+            and triton_available() and fp8_codegen(tensor.device.index or 0))
+
+
+def encode_rows(rows: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_encode(rows, size)` (byte for byte): one Triton kernel on a GPU with FP8 code generation."""
+    groups = -(-rows.shape[-1] // size)
+    if not _kernel_applies(rows, groups, rows.dtype):
+        return _encode(rows, size)
+    return launch_encode(_triton_kernels()[0], rows, size)
+
+
+def decode_rows(data: torch.Tensor, exponent: torch.Tensor, last: int, dtype: torch.dtype) -> torch.Tensor:
+    """`_decode(data, exponent, last, dtype)` (bit for bit): one Triton kernel on a GPU with FP8 code generation."""
+    if not _kernel_applies(data, data.shape[1], dtype):
+        return _decode(data, exponent, last, dtype)
+    return launch_decode(_triton_kernels()[1], data, exponent, last, dtype)
+
+
+def launch_encode(kernel, rows: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`encode_rows`' launch of `kernel` on a 2-D tensor (any strides; tests/kernels/sm90_compile.py records it on the
+    CPU). A row of 0 elements is refused by `pack_fp8` before it comes here."""
+    count, last = rows.shape
+    groups = -(-last // size)
+    data = torch.empty((count, groups, size), dtype=FP8_DTYPE, device=rows.device)
+    exponent = torch.empty((count, groups), dtype=torch.int8, device=rows.device)
+    if count:
+        bits = struct.unpack("<I", struct.pack("<f", format_max(FP8_DTYPE)))[0]
+        kernel[(-(-count // _BLOCK_R), groups)](
+            rows, data, exponent, count, last, groups, size, rows.stride(0), rows.stride(1),
+            FP8_MAX=format_max(FP8_DTYPE), MAX_EXP=(bits >> 23) & 0xFF, MAX_MANT=bits & 0x7FFFFF,
+            BLOCK_R=_BLOCK_R, BLOCK_G=_block(size), num_warps=4)
+    return data, exponent
+
+
+def launch_decode(kernel, data: torch.Tensor, exponent: torch.Tensor, last: int, dtype: torch.dtype) -> torch.Tensor:
+    """`decode_rows`' launch of `kernel` (tests/kernels/sm90_compile.py records it on the CPU)."""
+    count, groups, size = data.shape
+    out = torch.empty((count, last), dtype=dtype, device=data.device)
+    if count:
+        kernel[(-(-count // _BLOCK_R), groups)](
+            data, exponent, out, count, last, groups, size, LIMIT=torch.finfo(dtype).max,
+            BLOCK_R=_BLOCK_R, BLOCK_G=_block(size), num_warps=4)
+    return out
+
+
+def _block(size: int) -> int:
+    """The power of two a group of `size` columns (at most 128) is loaded as."""
+    return 1 << max(size - 1, 0).bit_length()

@@ -26,7 +26,7 @@ FUSED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
 
 @functools.cache
-def _fp8_codegen(device_index: int) -> bool:
+def fp8_codegen(device_index: int) -> bool:
     """Whether inductor's Triton code can hold FP8 on this GPU: its `fp8e4nv` needs sm_89 or newer (on an
     A100 the compile fails, pytorch/pytorch#167082), where lowprec's FP8 runs emulated anyway."""
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
@@ -44,7 +44,7 @@ def cuda_fused(fn: F) -> F:
         nonlocal compiled
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if (first is None or first.device.type not in FUSED_DEVICE_TYPES or torch.compiler.is_compiling()
-                or (first.is_cuda and not (triton_available() and _fp8_codegen(first.device.index or 0)))):
+                or (first.is_cuda and not (triton_available() and fp8_codegen(first.device.index or 0)))):
             return fn(*args, **kwargs)
         if compiled is None:
             # not fullgraph: past dynamo's recompile limit (many dtypes and ranks) a call runs eager, not fails

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lowprec import Accelerator, FP8RecipeKwargs
-from lowprec.kernels.activations import pack_fp8, unpack_fp8
+from lowprec.kernels.activations import _decode, _encode, pack_fp8, unpack_fp8
 from lowprec.runtime.activations import activation_storage
 
 pytestmark = [
@@ -22,20 +22,36 @@ pytestmark = [
 pytest.importorskip("torchao")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cuda_packing_equals_the_cpu_definition(dtype):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_cuda_packing_equals_the_cpu_definition(dtype, strided):
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(8, 1000, generator=g) * torch.exp2(torch.randint(-12, 8, (8, 1000), generator=g).float()))
+    span = 6 if dtype == torch.float16 else 12
+    x = (torch.randn(8, 1000, generator=g) * torch.exp2(torch.randint(-span, 8, (8, 1000), generator=g).float()))
+    if dtype != torch.float16:
+        x[5, :128] *= 2.0 ** -130  # amax under 448 * 2**-126: the scale is capped at 2**126, decoding to subnormals
     x = x.to(dtype)
     x[3, 17] = float("nan")
-    on_cpu, on_gpu = pack_fp8(x), pack_fp8(x.cuda())  # on CUDA: the fused (compiled) encode
-    assert torch.equal(on_cpu.exponent, on_gpu.exponent.cpu())
-    # the same bytes but for a NaN's sign bit (inductor's code may give NaN the other sign)
+    x[6, 300] = float("inf")
+    x[7, 900:] = 0  # a group of zeros, padded
+    gpu = x.cuda()
+    if strided:  # a transpose's rows: the kernel reads them through their strides
+        gpu = gpu.t().contiguous().t()
+    on_cpu, on_gpu = pack_fp8(x), pack_fp8(gpu)  # on CUDA: the Triton kernel
+    _, fused_exponent = _encode(gpu.reshape(-1, 1000), 128)  # and inductor's kernel
+    assert torch.equal(on_cpu.exponent, on_gpu.exponent.cpu()) and torch.equal(on_cpu.exponent, fused_exponent.cpu())
+    # the same bytes but for a NaN's sign bit (a kernel may give NaN the other sign)
     nan = on_cpu.data.isnan()
     assert torch.equal(nan, on_gpu.data.cpu().isnan())
     assert torch.equal(on_cpu.data.view(torch.uint8)[~nan], on_gpu.data.cpu().view(torch.uint8)[~nan])
-    assert torch.allclose(unpack_fp8(on_cpu), unpack_fp8(on_gpu).cpu(), rtol=0, atol=0, equal_nan=True)
-    assert torch.isnan(unpack_fp8(on_gpu)[3, 17])
+    decoded = unpack_fp8(on_gpu)
+    assert torch.allclose(unpack_fp8(on_cpu), decoded.cpu(), rtol=0, atol=0, equal_nan=True)
+    fused = _decode(on_gpu.data, on_gpu.exponent, 1000, dtype).reshape(8, 1000)  # inductor's decode
+    assert torch.allclose(decoded, fused, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(decoded[3, 17]) and torch.isnan(decoded[6, 300])
+    if dtype != torch.float16:  # the exact comparisons above covered subnormal outputs
+        tiny = decoded[5, :128].abs()
+        assert ((tiny > 0) & (tiny < torch.finfo(dtype).tiny)).any()
 
 
 def _held_after_forward(activation_dtype):

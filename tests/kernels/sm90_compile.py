@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 
 POINTEE = {torch.uint8: "u8", torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
-           torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
+           torch.int32: "i32", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 STATES = [("fp32", "fp32"), ("e4m3", "fp16"), ("fp16", "fp16"), ("bf16", "e5m2")]
 PARAM_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -114,6 +114,22 @@ def record_transpose(launches: dict) -> None:
         cast.launch_transpose(kernel, torch.zeros(96, 80, dtype=dtype))
 
 
+def record_activation_codec(launches: dict) -> None:
+    """The FP8 storage of saved activations: every input and output dtype, whole and padded groups, a row shorter
+    than a group, a strided input."""
+    from lowprec.kernels import activations
+
+    encode, decode = (Recorder(fn, launches) for fn in activations._triton_kernels())
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for last in (256, 200, 64):
+            rows = torch.randn(40, last).to(dtype)
+            size = activations.group_size(last)
+            data, exponent = activations._encode(rows, size)
+            activations.launch_encode(encode, rows, size)
+            activations.launch_decode(decode, data, exponent, last, dtype)
+        activations.launch_encode(encode, torch.randn(256, 40).to(dtype).t(), 128)
+
+
 def compile_all() -> dict[str, dict]:
     """{"compiled": {specialisation: "ok" or the error}, "fma": {specialisation: FMA instructions in its PTX}}."""
     from triton.backends.compiler import GPUTarget
@@ -123,7 +139,8 @@ def compile_all() -> dict[str, dict]:
     record_adam(launches)
     record_cast(launches)
     record_transpose(launches)
-    compiled, fma = {}, {}
+    record_activation_codec(launches)
+    compiled, fma, ftz = {}, {}, {}
     for key, (fn, sig, constexprs, options) in launches.items():
         try:
             kernel = compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
@@ -132,7 +149,8 @@ def compile_all() -> dict[str, dict]:
             continue
         compiled[key] = "ok"
         fma[key] = len(re.findall(r"\bfma\.", kernel.asm["ptx"]))  # any rounding, ftz or not
-    return {"compiled": compiled, "fma": fma}
+        ftz[key] = len(re.findall(r"\b(?:mul|fma|add)\S*\.ftz", kernel.asm["ptx"]))  # subnormals flushed to zero
+    return {"compiled": compiled, "fma": fma, "ftz": ftz}
 
 
 if __name__ == "__main__":

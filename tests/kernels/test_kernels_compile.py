@@ -35,12 +35,17 @@ def compiled(compilation):
 
 
 @pytest.fixture
+def flushed(compilation):
+    return compilation["ftz"]
+
+
+@pytest.fixture
 def contracted(compilation):
     return compilation["fma"]
 
 
 @pytest.mark.parametrize("kernel", ["amax_pass", "reduce_pass", "update_pass", "scale_kernel",
-                                    "cast_transpose_kernel", "transpose_kernel"])
+                                    "cast_transpose_kernel", "transpose_kernel", "encode_kernel", "decode_kernel"])
 def test_every_launched_specialisation_compiles_for_sm90(compiled, kernel):
     mine = {key: result for key, result in compiled.items() if key.startswith(kernel + "(")}
     assert mine, f"no launch of {kernel} was recorded"
@@ -61,3 +66,18 @@ def test_the_adam_passes_contract_no_product_into_an_fma(contracted):
     # amax pass must compute the moments the update pass stores. adam.py launches both with no FP fusion.
     passes = {key: n for key, n in contracted.items() if key.startswith(("amax_pass(", "update_pass("))}
     assert passes and not any(passes.values()), {k: n for k, n in passes.items() if n}
+
+
+def test_the_activation_codec_keeps_subnormals(flushed):
+    # a group scaled by 2**126 (a tiny amax) decodes to FP32 subnormals: a flushing multiply would zero them
+    mine = {key: n for key, n in flushed.items() if key.startswith(("encode_kernel(", "decode_kernel("))}
+    assert mine and not any(mine.values()), {k: n for k, n in mine.items() if n}
+
+
+def test_the_activation_codec_launches_cover_every_dtype_and_group_form(compiled):
+    encodes = [key for key in compiled if key.startswith("encode_kernel(")]
+    decodes = [key for key in compiled if key.startswith("decode_kernel(")]
+    for dtype in ("fp32", "bf16", "fp16"):
+        assert any(f"x_ptr=*{dtype}" in key for key in encodes), dtype
+        assert any(f"out_ptr=*{dtype}" in key for key in decodes), dtype
+    assert any("BLOCK_G=64" in key for key in encodes) and any("BLOCK_G=128" in key for key in encodes)
