@@ -101,7 +101,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.engine == "single" and args.world_size != 1:
         raise ValueError(f"--world-size {args.world_size} with --engine single: one process trains alone; name the "
                          "engine that runs several (ddp, fsdp2, deepspeed, fsdp1)")
-    context = RunContext(device=device, engine=args.engine, world_size=args.world_size, compiled=args.compile)
+    if args.world_size >= 1 and not 1 <= args.hosts <= args.world_size:
+        raise ValueError(f"--hosts {args.hosts}: the machines the --world-size {args.world_size} processes run on, "
+                         f"from 1 to {args.world_size}")
+    context = RunContext(device=device, engine=args.engine, world_size=args.world_size, hosts=args.hosts,
+                         compiled=args.compile)
     backend = create_backend(recipe, context, require_package=False)
     plan = build_plan(model, backend.recipe, context=context, backend=backend)
     if args.json:
@@ -198,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plan for a GPU of this compute capability ('9.0' H100/H200, '8.9' L40S, 'cpu')")
     plan.add_argument("--engine", default="single", choices=["single", "ddp", "fsdp2", "deepspeed", "fsdp1"])
     plan.add_argument("--world-size", type=int, default=1)
+    plan.add_argument("--hosts", type=int, default=1, help="the machines the --world-size processes run on")
     plan.add_argument("--include", default=None, help="comma-separated module-name patterns to convert")
     plan.add_argument("--exclude", default=None, help="comma-separated module-name patterns to keep")
     _bool_flag(plan, "skip-first-last", "keep the first and last Linear in high precision")

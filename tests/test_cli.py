@@ -64,6 +64,8 @@ def test_a_config_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path, args
     (["--engine", "ddp", "--world-size", "-4"], "RunContext.world_size=-4 must be an integer >= 1"),
     (["--engine", "ddp", "--world-size", "0"], "RunContext.world_size=0 must be an integer >= 1"),
     (["--world-size", "4"], "--world-size 4 with --engine single"),
+    (["--engine", "fsdp2", "--world-size", "4", "--hosts", "5"], "--hosts 5: the machines the --world-size 4"),
+    (["--engine", "fsdp2", "--world-size", "4", "--hosts", "0"], "from 1 to 4"),
     (["--capability", "-1.0"], "capability='-1.0' is not of the form MAJOR.MINOR with MAJOR >= 1"),
 ])
 def test_an_impossible_machine_is_refused(capsys, args, said):
@@ -125,6 +127,15 @@ def test_plan_storage_options(capsys):
     assert rows["grad_comm"] == "FP8 E4M3, shared scale (FP8 Linear), BF16 (rest)"
     assert main(["plan", "--backend", "msamp", "--weight-grad-dtype", "bf16"]) == 2
     assert "weight_grad_dtype='bf16' cannot be honoured by backend 'msamp'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hosts, comm", [("1", "BF16"), ("2", "FP8")])
+def test_plan_o3_under_fsdp2_for_one_host_or_several(capsys, hosts, comm):
+    argv = ["plan", "--model", "proxy", "--capability", "9.0", "--backend", "msamp", "--opt-level", "O3",
+            "--engine", "fsdp2", "--world-size", "16", "--hosts", hosts, "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert {t["kind"]: t["dtype"] for t in plan["tensors"]}["grad_comm"].startswith(comm)
 
 
 def test_plan_model_and_config_together_is_an_error(capsys):

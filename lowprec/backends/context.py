@@ -20,6 +20,9 @@ class RunContext:
     device: DeviceInfo
     engine: str = "single"  # "single", "ddp", "fsdp2", "deepspeed", "fsdp1"
     world_size: int = 1
+    # The hosts (machines) those processes run on: gradients crossing between hosts go over a network link many
+    # times slower than the NVLink between one host's GPUs, which decides msamp O3's reduce-scatter dtype under FSDP2
+    hosts: int = 1
     compiled: bool = False  # the model will run under torch.compile
     # Where `compiled` comes from, when not from this run's own arguments (an AcceleratorState an earlier
     # Accelerator of the process set up): the plan says so, since the user did not ask for it here.
@@ -35,6 +38,9 @@ class RunContext:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"RunContext.world_size={self.world_size!r} must be an integer >= 1 (the processes "
                              "training together)")
+        if (isinstance(self.hosts, bool) or not isinstance(self.hosts, int) or not 1 <= self.hosts <= self.world_size):
+            raise ValueError(f"RunContext.hosts={self.hosts!r} must be an integer from 1 to world_size="
+                             f"{self.world_size} (the machines the processes run on)")
 
     @property
     def engine_precision(self) -> EnginePrecision:

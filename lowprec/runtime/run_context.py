@@ -39,9 +39,22 @@ def run_context_of(accelerator: Accelerator, compile_source: str) -> RunContext:
         )
     state = accelerator.state
     compiled = state.dynamo_plugin is not None and state.dynamo_plugin.backend != DynamoBackend.NO
-    return RunContext(device=device_info(accelerator.device), engine=engine, world_size=accelerator.num_processes,
-                      compiled=compiled, compile_source=compile_source if compiled else "",
+    processes = accelerator.num_processes
+    return RunContext(device=device_info(accelerator.device), engine=engine, world_size=processes,
+                      hosts=hosts_of(processes), compiled=compiled, compile_source=compile_source if compiled else "",
                       precision=engine_precision(state, engine))
+
+
+def hosts_of(world_size: int) -> int:
+    """The machines `world_size` processes run on, from the launcher's LOCAL_WORLD_SIZE (torchrun's, and so
+    `accelerate launch`'s: the processes on this machine); 1 where it is not set or does not divide the world."""
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    except ValueError:
+        return 1
+    if local < 1 or local > world_size or world_size % local:
+        return 1
+    return world_size // local
 
 
 def engine_plugin(state: AcceleratorState, engine: str):

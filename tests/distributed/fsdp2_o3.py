@@ -71,16 +71,17 @@ def gather_numerics(mesh) -> dict:
     return out
 
 
-def build(level: str, engine: str, mesh=None, compiled: bool = False):
+def build(level: str, engine: str, mesh=None, compiled: bool = False, grad_comm: str | None = "fp8"):
     """(model, optimizer, post-step hook, backend): O3 sharded as Accelerate's plugin would, or O2 / FP32
     on one process; `compiled`: the FP8 layers compiled one by one (inductor) after sharding, as
-    `prepare()` does on FP8 GPUs."""
+    `prepare()` does on FP8 GPUs; `grad_comm`: the recipe's grad_comm_dtype (FP8: MS-AMP's reduce-scatter, what
+    O3 does across hosts; None: O3's default on one host, the FSDP policy's reduce dtype)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
     if level == "fp32":
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3), (lambda: None), None
     recipe = FP8RecipeKwargs(backend="msamp", opt_level=level, skip_slow_shapes=False, skip_first_last=False,
-                             compile_fp8_layers=compiled or None)
+                             compile_fp8_layers=compiled or None, grad_comm_dtype=grad_comm if mesh else None)
     context = RunContext(device=device_info("cpu"), engine=engine, world_size=dist.get_world_size() if mesh else 1)
     backend = create_backend(recipe, context)
     plan = build_plan(model, recipe, context=context, backend=backend)
@@ -159,6 +160,10 @@ def train(mesh) -> dict:
     record["compiled"] = {"losses": steps(compiled, c_opt, c_hook, range(STEPS), rank),
                           "layers": sum(getattr(m, "_compiled_call_impl", None) is not None for m in c_backend.layers),
                           "gathered": type(c_backend.layers[0].weight).__name__}
+    # O3's default on one host: the gradients reduce-scattered by FSDP2 itself, in the policy's reduce dtype
+    default, d_opt, d_hook, d_backend = build("O3", "fsdp2", mesh, grad_comm=None)
+    record["default_comm"] = {"losses": steps(default, d_opt, d_hook, range(STEPS), rank),
+                              "comm": type(d_backend.comm_state).__name__}
     reference, ref_opt, ref_hook, _ = build("O2", "single")
     record["o2_single"] = steps(reference, ref_opt, ref_hook, range(STEPS), None)
     fp32, fp32_opt, fp32_hook, _ = build("fp32", "single")

@@ -61,6 +61,15 @@ O3_FSDP2_EAGER_NOTE = (
     "compiles them"
 )
 
+# O3 under FSDP2 on two H200s of one host, d4096 proxy, steps 18-37, the same machine: gradients reduce-scattered in
+# BF16 1.26x BF16 FSDP2, in FP8 1.16x, the same peak (results/gpu/2026-11-27-h200x2-gradcomm-f48b76f). On NVLink the
+# FP8 reduce-scatter's passes (amax, cast, all_to_all, FP32 sum) cost more than the bytes it saves.
+O3_FSDP2_COMM_NOTE = (
+    "O3 under FSDP2 on one host: gradients are reduce-scattered in {dtype}, measured faster there than MS-AMP's FP8 "
+    "reduce-scatter (d4096, two H200s: 1.26x BF16 FSDP2 against 1.16x, the same peak); across hosts (LOCAL_WORLD_SIZE "
+    "< WORLD_SIZE) it is FP8, half BF16's bytes on the slower link; grad_comm_dtype='fp8' asks for FP8 here too"
+)
+
 
 class MSAMPBackend(Backend):
     spec = backend_spec("msamp")
@@ -275,6 +284,10 @@ class MSAMPBackend(Backend):
         else:
             notes.append("FP8 weight gradients are not in .grad: clip with accelerator.clip_grad_norm_ (it includes "
                          "them)")
+        if (self.sharded and self.context.world_size > 1 and self.recipe.grad_comm_dtype is None
+                and self.context.hosts == 1):
+            dtype = self.context.engine_precision.grad_reduce or "BF16"
+            notes.append(O3_FSDP2_COMM_NOTE.format(dtype=dtype))
         if self.context.engine == "ddp":
             notes.append("DDP: FP8 weight gradients are averaged once per optimizer step, after the last backward")
         if not self.emulated and not self.context.compiled and not self.layer_compile()[0]:

@@ -7,8 +7,8 @@ storage part's `FP8GradReducer`, the rest by DDP. O3 runs under FSDP2 and DeepSp
 - FSDP2: the converted layers of each transformer block are one FSDP2 group (a layer outside the blocks
   one of its own), sharded with the plugin's settings before Accelerate shards the rest around them
   (FSDP2 needs one parameter dtype per group); their FP16 masters
-  are all-gathered in E4M3 (`fsdp.FP8MasterWeight`) and its gradients reduce-scattered in FP8, which
-  is O3's `grad_comm_dtype` unless the recipe names another.
+  are all-gathered in E4M3 (`fsdp.FP8MasterWeight`) and their gradients reduce-scattered in FP8 across hosts,
+  in the engine's reduce dtype (BF16) on one host (`choice`), unless the recipe names a `grad_comm_dtype`.
 - DeepSpeed: the converted weights are kept out of DeepSpeed's ZeRO optimizer: E4M3 on every rank, FP16
   masters and O2 states on one rank each (`zero.ZeroFP8Weights`), stepped right after DeepSpeed's step.
 """
@@ -104,9 +104,17 @@ class MSAMPCommunication(GradientCommunication):
 
     @property
     def choice(self) -> str | None:
-        # O3's row under FSDP2: gradients reduce-scattered in FP8 unless the recipe names another dtype.
-        # Under DeepSpeed the FP8 layers' gradients go in FP8 on their own; the rest as DeepSpeed sends them.
-        return self.owner.recipe.grad_comm_dtype or ("fp8" if self.owner.sharded else None)
+        """O3 under FSDP2 reduce-scatters its gradients as the recipe names, else in FP8 across hosts (MS-AMP's
+        choice: half BF16's bytes on the slow link) and on one host in the engine's reduce dtype (BF16 where the
+        plugin names none): there the FP8 reduce-scatter measured slower (O3_FSDP2_COMM_NOTE). Under DeepSpeed the
+        FP8 layers' gradients go in FP8 on their own; the rest as DeepSpeed sends them."""
+        named = self.owner.recipe.grad_comm_dtype
+        if named is not None or not self.owner.sharded:
+            return named
+        context = self.owner.context
+        if context.hosts > 1:
+            return "fp8"
+        return None if context.engine_precision.grad_reduce else "bf16"
 
     def rows(self, plan: PrecisionPlan) -> list[TensorPrecision]:
         """The engine's rows, with the gradient-communication row saying how the FP8 weight gradients of
