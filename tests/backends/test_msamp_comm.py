@@ -141,6 +141,19 @@ def test_reducer_to_owners_gives_each_owner_the_every_rank_mean_bitwise(reducer_
     assert mixed[4]["valid"] == 1.0 and any(math.isnan(v) for v in mixed[5]["values"])  # the cases were there
 
 
+@pytest.mark.parametrize("pattern", ["mixed", "rank0_only"])
+def test_o3_zero_gives_every_rank_every_owners_new_bytes_and_scales(reducer_run, pattern):
+    # after the step each owner requantises its layers; one all_gather of the owners' shares (of different lengths,
+    # or none) leaves the owner's bytes and scale on every rank
+    spec = importlib.util.spec_from_file_location("msamp_ddp_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for record in scenario(reducer_run, f"share/{pattern}"):
+        for i, (data, scale) in enumerate(zip(record["bytes"], record["scales"])):
+            assert data == script.share_master(i).flatten().tolist(), (pattern, i)
+            assert scale == i + 0.5, (pattern, i)
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_reducer_leaves_identical_bytes_and_scales_on_every_rank(reducer_run, method):
     ranks = scenario(reducer_run, f"random/{method}")

@@ -331,6 +331,45 @@ def scenario_owners(rank: int, pattern: str) -> dict:
     return out
 
 
+class _OwnedWeight:
+    """What ZeroFP8Weights' sharing reads of an O3 weight: E4M3 bytes, a scale, and `requantize_` from a master (here
+    a master of bytes: requantising copies them and takes a scale that names the layer)."""
+
+    def __init__(self, shape):
+        self._data = torch.zeros(shape, dtype=torch.float8_e4m3fn)
+        self._scale = torch.ones(())
+
+    def requantize_(self, master: torch.Tensor, margin: int) -> None:
+        self._data.view(torch.uint8).copy_(master)
+        self._scale.fill_(float(master.flatten()[0]) + 0.5)
+
+
+SHARE_SHAPES = [(3, 5), (16, 16), (7, 1), (2, 9), (16, 16), (1, 1), (4, 4)]
+
+
+def share_master(i: int) -> torch.Tensor:
+    """Layer i's master bytes in scenario "share" (its first byte is i: the scale names the layer)."""
+    rows, cols = SHARE_SHAPES[i]
+    return ((torch.arange(rows * cols) * 7 + i) % 256).to(torch.uint8).view(rows, cols)
+
+
+def scenario_share(rank: int, pattern: str) -> dict:
+    """msamp O3 under ZeRO after its step: each owner requantises its layers and one all_gather gives every rank
+    every owner's bytes and scales (shares of different lengths; in "rank0_only" rank 1 shares nothing)."""
+    from types import SimpleNamespace
+
+    from lowprec.backends.msamp.zero import ZeroFP8Weights
+
+    owners = OWNER_PATTERNS[pattern]
+    zero = ZeroFP8Weights.__new__(ZeroFP8Weights)
+    zero.layers = [SimpleNamespace(weight=_OwnedWeight(shape), margin=0) for shape in SHARE_SHAPES]
+    zero.owners, zero.rank, zero.world_size, zero.group = owners, rank, dist.get_world_size(), None
+    zero.masters = {i: share_master(i) for i, owner in enumerate(owners) if owner == rank}
+    zero._requantize_and_share()
+    return {"bytes": [layer.weight._data.view(torch.uint8).flatten().tolist() for layer in zero.layers],
+            "scales": [float(layer.weight._scale) for layer in zero.layers]}
+
+
 def run_reducer_scenarios() -> dict:
     dist.init_process_group("gloo", timeout=TIMEOUT)
     rank = dist.get_rank()
@@ -342,6 +381,7 @@ def run_reducer_scenarios() -> dict:
         scenarios[f"nonfinite/{method}"] = lambda m=method: scenario_nonfinite(rank, m)
     for pattern in OWNER_PATTERNS:
         scenarios[f"owners/{pattern}"] = lambda p=pattern: scenario_owners(rank, p)
+        scenarios[f"share/{pattern}"] = lambda p=pattern: scenario_share(rank, p)
     for reduce_amax in (True, False):
         scenarios[f"amax_reduce/{reduce_amax}"] = lambda r=reduce_amax: scenario_amax_reduce(rank, r)
     results = {}
