@@ -91,7 +91,8 @@ class FP8RecipeKwargs(KwargsHandler):
             (E4M3, per-tensor scale), kept outside `.grad` from the moment autograd produces them
             (msamp: always "fp8"). None: the level's ("fp8" for O1/O2), else the weight's dtype.
         grad_comm_dtype: precision DDP averages the `.grad` gradients in: "fp32", "bf16" or "fp8"
-            (E4M3, one scale per bucket shared by all ranks; a bucket with inf/NaN goes in FP32).
+            (E4M3, one scale per 1024-element block shared by all ranks; inf/NaN arrive as NaN; on one
+            host measured slower than "bf16", docs/communication.md).
             None: the gradients' dtype. Gradients kept outside `.grad` (FP8 weight gradients of the
             levels) are always averaged in FP8. FSDP2 and DeepSpeed set theirs in their own config.
         emulate: True forces emulation (FP8 numerics, high-precision matmuls); False forbids it

@@ -91,8 +91,8 @@ def deepspeed_precision(config: dict) -> EnginePrecision:
 GRAD_COMM_MEANS = {
     ("ddp", "fp32"): "DDP comm hook (all-reduce in FP32)",
     ("ddp", "bf16"): "DDP comm hook (all-reduce in BF16)",
-    ("ddp", "fp8"): "DDP comm hook; one power-of-2 scale per bucket from the all-reduced amax, a bucket with "
-                    "inf/NaN in FP32",
+    ("ddp", "fp8"): "DDP comm hook; one power-of-2 scale per 1024-element block from the all-reduced amaxes, "
+                    "all_to_all of the E4M3 bytes, FP32 sums, all_gather of the E4M3 mean; inf/NaN arrive as NaN",
     ("fsdp2", "fp32"): "the FSDP2 MixedPrecisionPolicy's reduce_dtype",
     ("fsdp2", "bf16"): "the FSDP2 MixedPrecisionPolicy's reduce_dtype",
     ("fsdp2", "fp8"): "FSDP2 custom reduce-scatter for the groups holding FP8 Linears; one power-of-2 scale per "

@@ -113,7 +113,7 @@ def build_plan(
                 and inlining_supported())
     plan.activations = saved_activations(plan.modules, backend.saved_linear_input(), recipe.activation_dtype, blocks,
                                          compiled=context.compiled, in_graph=in_graph)
-    plan.notes = backend.notes(plan)
+    plan.notes = backend.notes(plan) + backend.communication.notes()
     compiles, _ = backend.layer_compile()
     if compiles and plan.converted:
         plan.notes.append(

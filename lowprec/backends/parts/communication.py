@@ -15,6 +15,15 @@ if TYPE_CHECKING:
     from .owner import Owner
 
 
+# benchmarks/fp8_comm.py on two H200s of one host, the d4096 proxy's 973 M gradient elements
+# (results/gpu/2026-11-27-h200x2-codec-55c8b60/fp8_comm.json)
+FP8_COMM_ONE_HOST_NOTE = (
+    "grad_comm_dtype='fp8' on one host: FP8 halves the bytes but not the time over NVLink (two H200s, the d4096 "
+    "proxy's gradients: DDP's FP8 hook 246 ms against BF16's 20, FSDP2's FP8 reduce-scatter 10.3 ms against BF16's "
+    "4.6); grad_comm_dtype='bf16' is faster there. FP8 is for links between hosts"
+)
+
+
 class GradientCommunication:
     """How gradients travel between ranks, and what the engine does to weights and master weights.
 
@@ -66,6 +75,14 @@ class GradientCommunication:
         else:
             hook = bf16_allreduce_hook if choice == "bf16" else fp32_allreduce_hook
             ddp.register_comm_hook(ddp.process_group, hook)
+
+    def notes(self) -> list[str]:
+        """What the printed plan says of the gradient communication in force."""
+        context = self.owner.context
+        one_host = context.hosts == 1 and context.world_size > 1
+        if self.choice == "fp8" and context.engine in ("ddp", "fsdp2") and one_host:
+            return [FP8_COMM_ONE_HOST_NOTE]
+        return []
 
     def engine_config_problem(self, config: dict) -> str | None:
         """Why the backend cannot run under the engine's configuration (a DeepSpeed config dict), or None."""
