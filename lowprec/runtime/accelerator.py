@@ -86,8 +86,8 @@ class Accelerator(_Accelerator):
         self._replaced_params = ReplacedParams()
         super().__init__(
             *args,
-            # Outside the FP8 GEMMs, FP8 training is BF16 autocast (Accelerate does the same for
-            # "fp8"); passing "bf16" also keeps Accelerate from downgrading to FP16 on older GPUs.
+            # Outside the FP8 GEMMs, FP8 training is BF16 autocast (as Accelerate's "fp8"); "bf16" also keeps
+            # Accelerate from downgrading to FP16 on older GPUs.
             mixed_precision="bf16" if recipe is not None else mixed_precision,
             kwargs_handlers=others or None,
             **kwargs,
@@ -112,15 +112,15 @@ class Accelerator(_Accelerator):
                 stacklevel=2,
             )
         if recipe is not None:
-            # Fail here, not at prepare(): a missing package, no FP8 hardware with emulate=False, a
-            # recipe this device or engine cannot run. The backend is made again per model in prepare().
-            # The engines' own reduction dtype, set before they wrap the model; the context the backend is
-            # made with reads it back from the plugin.
+            # Fail here, not at prepare() (the backend is made again per model there): a missing package, no FP8
+            # hardware with emulate=False, a recipe this device or engine cannot run. The reduction dtype in force
+            # (the recipe's, or msamp O3's BF16 under FSDP2 on one host) goes to the engine's plugin before it wraps.
             context = self.run_context()
             check_activation_dtype(recipe.activation_dtype, self.state.dynamo_plugin if context.compiled else None,
                                    source=self._compile_source)
             engine = context.engine
-            apply_grad_comm_dtype(recipe.grad_comm_dtype, engine, engine_plugin(self.state, engine))
+            apply_grad_comm_dtype(create_backend(recipe, context).grad_comm_choice, engine,
+                                  engine_plugin(self.state, engine))
             create_backend(recipe, self.run_context())
             for option, why in options_without_effect(recipe, engine, self.num_processes):
                 warnings.warn(f"lowprec: FP8RecipeKwargs.{option} has no effect in this run: {why}", stacklevel=2)

@@ -145,10 +145,12 @@ def build_plan(
 
 
 def plan_for(model: nn.Module, recipe: FP8RecipeKwargs, *, capability: str | None = None,
-             engine: str = "single", world_size: int = 1) -> PrecisionPlan:
-    """Plan for an assumed device (`capability` like '9.0', or None for this machine)."""
+             engine: str = "single", world_size: int = 1, hosts: int = 1) -> PrecisionPlan:
+    """Plan for an assumed device (`capability` like '9.0', or None for this machine), `world_size` processes on
+    `hosts` machines."""
     device: DeviceInfo = device_info() if capability is None else assumed_device(capability)
-    return build_plan(model, recipe, context=RunContext(device=device, engine=engine, world_size=world_size))
+    return build_plan(model, recipe, context=RunContext(device=device, engine=engine, world_size=world_size,
+                                                        hosts=hosts))
 
 
 def _check_rows(backend, rows) -> None:

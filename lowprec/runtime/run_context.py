@@ -47,14 +47,18 @@ def run_context_of(accelerator: Accelerator, compile_source: str) -> RunContext:
 
 def hosts_of(world_size: int) -> int:
     """The machines `world_size` processes run on, from the launcher's LOCAL_WORLD_SIZE (torchrun's, and so
-    `accelerate launch`'s: the processes on this machine); 1 where it is not set or does not divide the world."""
+    `accelerate launch`'s: the processes on this machine); 1 where it is not set (a launcher without it: name
+    `grad_comm_dtype` there). Every rank must reach the same answer to "one host or several" (the gradient
+    collectives follow it), and each sees only its own machine's count: one host is LOCAL_WORLD_SIZE ==
+    WORLD_SIZE on every rank, several hosts LOCAL_WORLD_SIZE < WORLD_SIZE on every rank, whatever the machines'
+    counts (4 + 2 processes: 2 on the first machine, 3 on the second; both more than 1)."""
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     except ValueError:
         return 1
-    if local < 1 or local > world_size or world_size % local:
+    if local < 1 or local >= world_size:
         return 1
-    return world_size // local
+    return max(2, world_size // local)
 
 
 def engine_plugin(state: AcceleratorState, engine: str):

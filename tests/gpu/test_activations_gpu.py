@@ -30,10 +30,11 @@ def test_cuda_packing_equals_the_cpu_definition(dtype, strided):
     x = (torch.randn(8, 1000, generator=g) * torch.exp2(torch.randint(-span, 8, (8, 1000), generator=g).float()))
     if dtype != torch.float16:
         x[5, :128] *= 2.0 ** -130  # amax under 448 * 2**-126: the scale is capped at 2**126, decoding to subnormals
+        x[5, 128:256] = torch.linspace(-1, 1, 128) * 2.0 ** -129  # a subnormal amax (FP32 and BF16): the same cap
     x = x.to(dtype)
     x[3, 17] = float("nan")
     x[6, 300] = float("inf")
-    x[7, 900:] = 0  # a group of zeros, padded
+    x[7, 896:] = 0  # the last group all zeros (scale 1), padded
     gpu = x.cuda()
     if strided:  # a transpose's rows: the kernel reads them through their strides
         gpu = gpu.t().contiguous().t()
@@ -52,6 +53,8 @@ def test_cuda_packing_equals_the_cpu_definition(dtype, strided):
     if dtype != torch.float16:  # the exact comparisons above covered subnormal outputs
         tiny = decoded[5, :128].abs()
         assert ((tiny > 0) & (tiny < torch.finfo(dtype).tiny)).any()
+        assert on_gpu.exponent[5, 1] == 126  # the subnormal amax's group
+    assert on_gpu.exponent[7, -1] == 0 and not decoded[7, 896:].any()
 
 
 def _held_after_forward(activation_dtype):

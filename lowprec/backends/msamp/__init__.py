@@ -12,7 +12,7 @@ The three jobs of the adapter, and the parts it brings for them (`storage_part`,
    scale (`FP8GradReducer`); other gradients go through DDP as usual. With `reduce_amax` (the default)
    the delayed scales' amaxes are all-reduced across ranks after each step
    (`communication.all_reduce_amaxes`; DDP, FSDP2 and DeepSpeed alike). O3 runs under FSDP2 (FP16
-   masters sharded and all-gathered in E4M3, FP8 reduce-scatters) and DeepSpeed ZeRO-1/2 (converted
+   masters sharded and all-gathered in E4M3, FP8 reduce-scatters across hosts) and DeepSpeed ZeRO-1/2 (converted
    weights kept out of DeepSpeed's optimizer): `communication.MSAMPCommunication`.
 """
 
@@ -65,9 +65,10 @@ O3_FSDP2_EAGER_NOTE = (
 # BF16 1.26x BF16 FSDP2, in FP8 1.16x, the same peak (results/gpu/2026-11-27-h200x2-gradcomm-f48b76f). On NVLink the
 # FP8 reduce-scatter's passes (amax, cast, all_to_all, FP32 sum) cost more than the bytes it saves.
 O3_FSDP2_COMM_NOTE = (
-    "O3 under FSDP2 on one host: gradients are reduce-scattered in {dtype}, measured faster there than MS-AMP's FP8 "
-    "reduce-scatter (d4096, two H200s: 1.26x BF16 FSDP2 against 1.16x, the same peak); across hosts (LOCAL_WORLD_SIZE "
-    "< WORLD_SIZE) it is FP8, half BF16's bytes on the slower link; grad_comm_dtype='fp8' asks for FP8 here too"
+    "O3 under FSDP2 on one host: gradients are reduce-scattered in {dtype} (the FSDP plugin's reduce dtype), not in "
+    "MS-AMP's FP8, which measured slower on one host (d4096, two H200s: BF16 1.26x BF16 FSDP2, FP8 1.16x, the same "
+    "peak); across hosts (LOCAL_WORLD_SIZE < WORLD_SIZE) they go in FP8, half BF16's bytes on the slower link; "
+    "grad_comm_dtype='fp8' asks for FP8 here too"
 )
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...planning.engines import grad_comm_problem
 from ..parts import GradientCommunication
 from .linear import update_delayed_scales
 
@@ -112,7 +113,7 @@ class MSAMPCommunication(GradientCommunication):
         if named is not None or not self.owner.sharded:
             return named
         context = self.owner.context
-        if context.hosts > 1:
+        if context.hosts > 1 and grad_comm_problem("fp8", context.engine) is None:  # torch >= 2.8
             return "fp8"
         return None if context.engine_precision.grad_reduce else "bf16"
 

@@ -8,7 +8,8 @@ send E4M3 bytes instead of FP16 ones, scaled from the weight's amax over all ran
 all-reduce of one scalar). The all-gather yields an `FP8GatheredWeight` (the bytes and the scale,
 freed again when FSDP2 reshards), which `FP8Linear` feeds to its GEMMs without casting again. The
 weight gradient goes back to FSDP2 through autograd, is reduce-scattered (in block-scaled FP8 when
-grad_comm_dtype is 'fp8', O3's default) and lands on the FP16 shard as its `.grad`, where
+grad_comm_dtype is 'fp8', O3's default across hosts; in the policy's reduce dtype on one host) and lands on the
+FP16 shard as its `.grad`, where
 `LowBitAdamW` reads it.
 """
 

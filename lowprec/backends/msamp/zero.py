@@ -74,6 +74,21 @@ class _MasterSlot:
         raise AttributeError(name)
 
 
+# What each rank contributes to one all_gather when the owners share their new FP8 weights after a step
+SHARE_ROUND_BYTES = 256 * 2**20
+
+
+def _stream_span(pieces: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """The views of `pieces` (1-D byte tensors read end to end as one stream) that cover its bytes [lo, hi)."""
+    out, offset = [], 0
+    for piece in pieces:
+        start, stop = max(lo, offset), min(hi, offset + piece.numel())
+        if start < stop:
+            out.append(piece[start - offset:stop - offset])
+        offset += piece.numel()
+    return out
+
+
 class ZeroFP8Weights:
     """The converted Linears' weights, masters and states under DeepSpeed ZeRO-1/2 (see module doc).
 
@@ -229,35 +244,46 @@ class ZeroFP8Weights:
         torch._foreach_div_([layer.fp8_grad_scale for layer in self.layers], coef)
 
     def _requantize_and_share(self) -> None:
-        """Requantise the owned masters, then give every rank every owner's new E4M3 bytes and scales: one all_gather
-        of each rank's share (its layers' bytes, then their scales' bytes), padded to the largest share. Each link
-        then carries bytes both ways at once; a broadcast per owner, as before 2026-11-27, used one way at a time."""
+        """Requantise the owned masters, then give every rank every owner's new E4M3 bytes and scales. Each rank's
+        share is a stream of bytes (its layers' bytes, then their scales' bytes); all_gathers of at most
+        SHARE_ROUND_BYTES of every stream at a time move them, so each link carries bytes both ways at once (a
+        broadcast per owner, as before 2026-11-27, used one way at a time) and the buffer stays world_size x
+        SHARE_ROUND_BYTES whatever the model's size."""
         for i, master in self.masters.items():
             self.layers[i].weight.requantize_(master, self.layers[i].margin)
         if self.world_size == 1 or not self.layers:
             return
         shares = [[self.layers[i].weight for i in range(len(self.layers)) if self.owners[i] == rank]
                   for rank in range(self.world_size)]
-        lengths = [sum(w._data.numel() for w in owned) + 4 * len(owned) for owned in shares]
         device = self.layers[0].weight._data.device
-        gathered = torch.empty(self.world_size, max(lengths), dtype=torch.uint8, device=device)
-        mine = shares[self.rank]
-        if mine:
-            torch.cat([w._data.view(torch.uint8).flatten() for w in mine]
-                      + [torch.stack([w._scale.float() for w in mine]).view(torch.uint8)],
-                      out=gathered[self.rank, :lengths[self.rank]])
-        # in place: this rank's row is its input (NCCL and gloo both take an input inside the output's own chunk)
-        all_gather_flat(gathered.view(-1), gathered[self.rank], group=self.group)
+        streams = []  # per rank: the pieces its stream is read from (this rank) or written to (the others)
         for rank, owned in enumerate(shares):
-            if rank == self.rank or not owned:
-                continue
-            sizes = [w._data.numel() for w in owned]
-            parts = gathered[rank, :lengths[rank]].split(sizes + [4 * len(owned)])
-            torch._foreach_copy_([w._data.view(torch.uint8) for w in owned],
-                                 [part.view(w._data.shape) for part, w in zip(parts, owned)])
-            # a copy: the scales' offset is the weights' byte count, which need not be a multiple of 4
-            scales = parts[-1].clone().view(torch.float32)
-            torch._foreach_copy_([w._scale for w in owned], list(scales.unbind(0)))
+            pieces = [w._data.view(torch.uint8).view(-1) for w in owned]
+            if rank == self.rank:
+                scales = torch.stack([w._scale.float() for w in owned]) if owned else torch.empty(0, device=device)
+                pieces.append(scales.view(torch.uint8))
+            else:  # received as bytes: the scales' offset need not be a multiple of 4
+                pieces.append(torch.empty(4 * len(owned), dtype=torch.uint8, device=device))
+            streams.append(pieces)
+        lengths = [sum(piece.numel() for piece in pieces) for pieces in streams]
+        for lo in range(0, max(lengths), SHARE_ROUND_BYTES):
+            width = min(SHARE_ROUND_BYTES, max(lengths) - lo)
+            gathered = torch.empty(self.world_size, width, dtype=torch.uint8, device=device)
+            mine = _stream_span(streams[self.rank], lo, lo + width)
+            if mine:
+                torch.cat(mine, out=gathered[self.rank, :sum(piece.numel() for piece in mine)])
+            # in place: this rank's row is its input (NCCL and gloo both take an input inside the output's own chunk)
+            all_gather_flat(gathered.view(-1), gathered[self.rank], group=self.group)
+            for rank in range(self.world_size):
+                targets = _stream_span(streams[rank], lo, lo + width) if rank != self.rank else []
+                if targets:
+                    sources = gathered[rank, :sum(piece.numel() for piece in targets)].split(
+                        [piece.numel() for piece in targets])
+                    torch._foreach_copy_(targets, list(sources))
+        for rank, owned in enumerate(shares):
+            if rank != self.rank and owned:
+                scales = streams[rank][-1].clone().view(torch.float32)  # a copy: 4-byte aligned
+                torch._foreach_copy_([w._scale for w in owned], list(scales.unbind(0)))
 
     # ----- what the model's weights are ----------------------------------------------------------------
     @torch.no_grad()
