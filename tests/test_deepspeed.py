@@ -131,7 +131,7 @@ def test_o3_keeps_fp8_weights_and_owner_masters_beside_deepspeed(run):
     params = a["o3"]["params"]
     assert a["o3"]["bytes"]["master"] + b["o3"]["bytes"]["master"] == 2 * params
     assert 3 * params <= a["o3"]["bytes"]["optimizer_states"] + b["o3"]["bytes"]["optimizer_states"] < 3 * params + 64
-    # after every step the owners share the new FP8 weights (an all_gather): identical on every rank, as are the masters
+    # after every step the owners broadcast the new FP8 weights: identical on every rank, as are the masters
     assert a["params"] == b["params"] and a["o3"]["masters_digest"] == b["o3"]["masters_digest"]
 
 

@@ -353,27 +353,19 @@ def share_master(i: int) -> torch.Tensor:
     return ((torch.arange(rows * cols) * 7 + i) % 256).to(torch.uint8).view(rows, cols)
 
 
-def scenario_share(rank: int, pattern: str, round_bytes: int | None) -> dict:
-    """msamp O3 under ZeRO after its step: each owner requantises its layers and all_gathers give every rank every
-    owner's bytes and scales (shares of different lengths; in "rank0_only" rank 1 shares nothing). `round_bytes`: at
-    most this many bytes of each share per all_gather (7: a layer's bytes and the scales split across rounds)."""
+def scenario_share(rank: int, pattern: str) -> dict:
+    """msamp O3 under ZeRO after its step: each owner requantises its layers and broadcasts their bytes and scales
+    to every rank (shares of different lengths; in "rank0_only" rank 1 shares nothing)."""
     from types import SimpleNamespace
 
-    from lowprec.backends.msamp import zero as zero_module
     from lowprec.backends.msamp.zero import ZeroFP8Weights
-
-    if round_bytes is not None:
-        zero_module.SHARE_ROUND_BYTES = round_bytes
 
     owners = OWNER_PATTERNS[pattern]
     zero = ZeroFP8Weights.__new__(ZeroFP8Weights)
     zero.layers = [SimpleNamespace(weight=_OwnedWeight(shape), margin=0) for shape in SHARE_SHAPES]
     zero.owners, zero.rank, zero.world_size, zero.group = owners, rank, dist.get_world_size(), None
     zero.masters = {i: share_master(i) for i, owner in enumerate(owners) if owner == rank}
-    try:
-        zero._requantize_and_share()
-    finally:
-        zero_module.SHARE_ROUND_BYTES = 256 * 2**20
+    zero._requantize_and_broadcast()
     return {"bytes": [layer.weight._data.view(torch.uint8).flatten().tolist() for layer in zero.layers],
             "scales": [float(layer.weight._scale) for layer in zero.layers]}
 
@@ -389,8 +381,7 @@ def run_reducer_scenarios() -> dict:
         scenarios[f"nonfinite/{method}"] = lambda m=method: scenario_nonfinite(rank, m)
     for pattern in OWNER_PATTERNS:
         scenarios[f"owners/{pattern}"] = lambda p=pattern: scenario_owners(rank, p)
-        for round_bytes in (None, 7):
-            scenarios[f"share/{pattern}/{round_bytes}"] = lambda p=pattern, b=round_bytes: scenario_share(rank, p, b)
+        scenarios[f"share/{pattern}"] = lambda p=pattern: scenario_share(rank, p)
     for reduce_amax in (True, False):
         scenarios[f"amax_reduce/{reduce_amax}"] = lambda r=reduce_amax: scenario_amax_reduce(rank, r)
     results = {}

@@ -101,7 +101,7 @@ class MSAMPStorage(WeightStorage):
             mine = [
                 TensorPrecision("weight", f"FP8 E4M3 (Linear, every rank), {rest} (rest)",
                                 "one power-of-2 scale per tensor, requantised from the master by its owner after each "
-                                "step and all-gathered"),
+                                "step and broadcast"),
                 TensorPrecision("master_weight", f"{wdt} (Linear, whole tensors over {owner.context.world_size} "
                                 f"ranks), {rest_master} (rest)",
                                 "MS-AMP's ZeRO assignment: largest first to the least-loaded rank"),

@@ -15,9 +15,9 @@ it is and keeps the converted Linear weights out of it, partitioned the way MS-A
 The FP8 gradients are averaged for the owners only (`FP8GradReducer(owners=...)`: one all_to_all sends each owner
 its layers' bytes, no all_gather, as no other rank reads them), and the clipping norm sums the owners' norms.
 After DeepSpeed's step the owners step their masters with the hyper-parameters (learning rate
-included, so schedulers apply) of the optimizer group each weight came from, requantise them, and
-one all_gather gives every rank every owner's bytes and scales. Everything else (embeddings, norms,
-biases, BF16 layers) stays DeepSpeed's. Gradient clipping: lowprec clips the FP8 weights by the norm over all gradients
+included, so schedulers apply) of the optimizer group each weight came from, requantise them and
+broadcast the bytes and scales. Everything else (embeddings, norms, biases, BF16 layers) stays
+DeepSpeed's. Gradient clipping: lowprec clips the FP8 weights by the norm over all gradients
 (DeepSpeed's pre-clip norm and theirs); DeepSpeed clips its own parameters by their own norm, as it
 has no public way to count gradients it does not hold.
 """
@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...optim.comm_hooks import all_gather_flat
 from ...optim.grad_reduce import FP8GradReducer
 from ...optim.grad_store import fp8_grad_norms
 from ...optim.low_bit_adam import LowBitAdamW
@@ -72,21 +71,6 @@ class _MasterSlot:
         if name.startswith("fp8_grad_"):
             return getattr(self.layer, name)
         raise AttributeError(name)
-
-
-# What each rank contributes to one all_gather when the owners share their new FP8 weights after a step
-SHARE_ROUND_BYTES = 256 * 2**20
-
-
-def _stream_span(pieces: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
-    """The views of `pieces` (1-D byte tensors read end to end as one stream) that cover its bytes [lo, hi)."""
-    out, offset = [], 0
-    for piece in pieces:
-        start, stop = max(lo, offset), min(hi, offset + piece.numel())
-        if start < stop:
-            out.append(piece[start - offset:stop - offset])
-        offset += piece.numel()
-    return out
 
 
 class ZeroFP8Weights:
@@ -209,7 +193,7 @@ class ZeroFP8Weights:
     @torch.no_grad()
     def step(self, max_norm: float | None = None, engine_norm: float | torch.Tensor | None = None) -> None:
         """Average the FP8 gradients, clip them by the norm over every gradient (with `engine_norm`,
-        DeepSpeed's pre-clip norm of the rest), step the masters, share the new FP8 weights."""
+        DeepSpeed's pre-clip norm of the rest), step the masters, broadcast the new FP8 weights."""
         if self.blockwise is None or not self.blockwise.finish():  # else the hooked backward averaged them
             self.reducer.reduce()
         if max_norm:
@@ -217,7 +201,7 @@ class ZeroFP8Weights:
         for group, source in zip(self.optimizer.param_groups, self._group_sources):
             group.update({k: source[k] for k in HYPER if k in source})
         self.optimizer.step()
-        self._requantize_and_share()
+        self._requantize_and_broadcast()
         for layer in self.layers:
             layer.fp8_grad_valid.zero_()
 
@@ -243,47 +227,29 @@ class ZeroFP8Weights:
         # value = data / scale: a larger scale is a smaller gradient
         torch._foreach_div_([layer.fp8_grad_scale for layer in self.layers], coef)
 
-    def _requantize_and_share(self) -> None:
-        """Requantise the owned masters, then give every rank every owner's new E4M3 bytes and scales. Each rank's
-        share is a stream of bytes (its layers' bytes, then their scales' bytes); all_gathers of at most
-        SHARE_ROUND_BYTES of every stream at a time move them, so each link carries bytes both ways at once (a
-        broadcast per owner, as before 2026-11-27, used one way at a time) and the buffer stays world_size x
-        SHARE_ROUND_BYTES whatever the model's size."""
+    def _requantize_and_broadcast(self) -> None:
         for i, master in self.masters.items():
             self.layers[i].weight.requantize_(master, self.layers[i].margin)
-        if self.world_size == 1 or not self.layers:
-            return
-        shares = [[self.layers[i].weight for i in range(len(self.layers)) if self.owners[i] == rank]
-                  for rank in range(self.world_size)]
-        device = self.layers[0].weight._data.device
-        streams = []  # per rank: the pieces its stream is read from (this rank) or written to (the others)
-        for rank, owned in enumerate(shares):
-            pieces = [w._data.view(torch.uint8).view(-1) for w in owned]
+        # One broadcast per owner: its layers' bytes, then their scales' bytes.
+        for rank in range(self.world_size):
+            owned = [self.layers[i].weight for i in range(len(self.layers)) if self.owners[i] == rank]
+            if not owned:
+                continue
+            sizes = [w._data.numel() for w in owned]
             if rank == self.rank:
-                scales = torch.stack([w._scale.float() for w in owned]) if owned else torch.empty(0, device=device)
-                pieces.append(scales.view(torch.uint8))
-            else:  # received as bytes: the scales' offset need not be a multiple of 4
-                pieces.append(torch.empty(4 * len(owned), dtype=torch.uint8, device=device))
-            streams.append(pieces)
-        lengths = [sum(piece.numel() for piece in pieces) for pieces in streams]
-        for lo in range(0, max(lengths), SHARE_ROUND_BYTES):
-            width = min(SHARE_ROUND_BYTES, max(lengths) - lo)
-            gathered = torch.empty(self.world_size, width, dtype=torch.uint8, device=device)
-            mine = _stream_span(streams[self.rank], lo, lo + width)
-            if mine:
-                torch.cat(mine, out=gathered[self.rank, :sum(piece.numel() for piece in mine)])
-            # in place: this rank's row is its input (NCCL and gloo both take an input inside the output's own chunk)
-            all_gather_flat(gathered.view(-1), gathered[self.rank], group=self.group)
-            for rank in range(self.world_size):
-                targets = _stream_span(streams[rank], lo, lo + width) if rank != self.rank else []
-                if targets:
-                    sources = gathered[rank, :sum(piece.numel() for piece in targets)].split(
-                        [piece.numel() for piece in targets])
-                    torch._foreach_copy_(targets, list(sources))
-        for rank, owned in enumerate(shares):
-            if rank != self.rank and owned:
-                scales = streams[rank][-1].clone().view(torch.float32)  # a copy: 4-byte aligned
-                torch._foreach_copy_([w._scale for w in owned], list(scales.unbind(0)))
+                flat = torch.cat([w._data.view(torch.uint8).flatten() for w in owned]
+                                 + [torch.stack([w._scale.float() for w in owned]).view(torch.uint8)])
+            else:  # only received into: no need to pack this rank's stale copies first
+                flat = torch.empty(sum(sizes) + 4 * len(owned), dtype=torch.uint8, device=owned[0]._data.device)
+            dist.broadcast(flat, src=self._global(rank), group=self.group)
+            if rank == self.rank:
+                continue
+            parts = flat.split(sizes + [4 * len(owned)])
+            torch._foreach_copy_([w._data.view(torch.uint8) for w in owned],
+                                 [part.view(w._data.shape) for part, w in zip(parts, owned)])
+            # a copy: the scales' offset is the weights' byte count, which need not be a multiple of 4
+            scales = parts[-1].clone().view(torch.float32)
+            torch._foreach_copy_([w._scale for w in owned], list(scales.unbind(0)))
 
     # ----- what the model's weights are ----------------------------------------------------------------
     @torch.no_grad()
