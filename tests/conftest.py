@@ -146,3 +146,19 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
         nan = a.isnan()
         return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
     return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0))
+
+
+def run_interpreted(*args: str) -> dict:
+    """`python *args` with Triton's interpreter (TRITON_INTERPRET=1, in a process of its own: the variable is read
+    when a kernel is defined), the repository and tests/ importable; the JSON its last line of output holds."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(here), here, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

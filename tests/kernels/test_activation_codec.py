@@ -12,10 +12,7 @@ tests/kernels/test_kernels_compile.py compiles every launch for sm_90.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -68,11 +65,9 @@ print(json.dumps(out))
 
 def test_the_kernels_interpreted_match_their_definitions():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(os.path.dirname(HERE)), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    from conftest import run_interpreted
+
+    results = run_interpreted("-c", INTERPRETED)
     assert len(results) == 21
     failed = {case: checks for case, checks in results.items() if not all(checks.values())}
     assert not failed, failed

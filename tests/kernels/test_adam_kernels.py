@@ -10,10 +10,7 @@ host sync.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -23,12 +20,9 @@ HERE = os.path.dirname(__file__)
 
 @pytest.fixture(scope="module")
 def interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "adam_presence.py")], env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from conftest import run_interpreted
+
+    return run_interpreted(os.path.join(HERE, "adam_presence.py"))
 
 
 @pytest.mark.parametrize("states", ["e4m3_fp16", "fp32_fp32"])

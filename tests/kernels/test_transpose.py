@@ -7,10 +7,7 @@ tests/gpu/test_msamp_gpu.py runs it on a GPU.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -57,11 +54,9 @@ def test_a_strided_input_is_transposed_by_torch():
 
 def test_the_kernel_interpreted_moves_every_byte_to_its_transposed_place():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [os.path.dirname(os.path.dirname(HERE)), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    from conftest import run_interpreted
+
+    results = run_interpreted("-c", INTERPRETED)
     assert len(results) == 16 and all(results.values()), results
 
 
