@@ -12,14 +12,10 @@ tests/kernels/test_kernels_compile.py compiles every launch for sm_90.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from lowprec.kernels import activations
-
-HERE = os.path.dirname(__file__)
 
 INTERPRETED = """
 import json, torch

@@ -7,14 +7,11 @@ tests/gpu/test_msamp_gpu.py runs it on a GPU.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from lowprec.kernels.cast import _MAX_COLUMN_TILES, fp8_transpose
 
-HERE = os.path.dirname(__file__)
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 INTERPRETED = """
