@@ -916,3 +916,23 @@ def test_an_optimizer_built_on_the_original_model_is_pointed_at_the_converted_we
     inner = accelerator.unwrap_model(prepared)
     ids = {id(p) for group in optimizer.optimizer.param_groups for p in group["params"]}
     assert ids == {id(p) for p in inner.parameters()}
+
+
+@pytest.mark.parametrize("policy_reduce, applied", [(None, "bf16"), ("BF16", None)])
+def test_the_engine_gets_the_backends_gradient_dtype_not_only_the_recipes(monkeypatch, policy_reduce, applied):
+    # msamp O3 under FSDP2 on one host sets BF16 itself where the FSDP plugin's policy names no reduce dtype: that
+    # choice, not the recipe's (None), is what goes to the plugin before FSDP2 wraps the model
+    from lowprec import RunContext
+    from lowprec.planning.engines import EnginePrecision
+    from lowprec.planning.hardware import device_info
+    from lowprec.runtime import accelerator as module
+
+    context = RunContext(device=device_info("cpu"), engine="fsdp2", world_size=2,
+                         precision=EnginePrecision(grad_reduce=policy_reduce, source="a test's plugin"))
+    monkeypatch.setattr(module.Accelerator, "run_context", lambda self: context)
+    plugin = object()
+    monkeypatch.setattr(module, "engine_plugin", lambda state, engine: plugin)
+    seen = []
+    monkeypatch.setattr(module, "apply_grad_comm_dtype", lambda choice, engine, p: seen.append((choice, engine, p)))
+    Accelerator(kwargs_handlers=[FP8RecipeKwargs(backend="msamp", opt_level="O3")])
+    assert seen == [(applied, "fsdp2", plugin)]
