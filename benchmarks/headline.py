@@ -151,7 +151,19 @@ class Proxy(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.norm(x))
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        return self.loss_function(logits, ids, self.head.out_features)
+
+    # The loss as a Hugging Face causal LM computes it (FP32 logits), through the attribute those models have for
+    # it: what activation_dtype='fp8' replaces with a loss that keeps no FP32 copy of the logits (runtime/loss.py).
+    @property
+    def loss_function(self):
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        return vars(self).get("_loss_function") or ForCausalLMLoss
+
+    @loss_function.setter
+    def loss_function(self, fn):
+        self._loss_function = fn
 
 
 def _raw_te(model: Proxy) -> Proxy:
@@ -288,6 +300,7 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
     storage = activation_storage(inner)
     if storage is not None:  # FP8 activations: through Python hooks or inside the compiled graphs
         result["activations_in_graph"] = storage.in_graph
+    result["loss_function"] = f"{inner.loss_function.__module__}.{inner.loss_function.__qualname__}"
     linears = [m for m in inner.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Linear"]
     result["linears"] = len(linears)
     plan = getattr(accelerator, "precision_plan", None)

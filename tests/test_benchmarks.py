@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -153,6 +154,29 @@ def test_headline_profiles_no_configuration_when_profile_configs_names_none(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.listdir(tmp_path / "prof") == []
     assert "profile" not in json.loads(out.read_text())["widths"]["tiny"]["bf16 eager"]
+
+
+def test_headline_proxy_computes_hugging_faces_loss_which_fp8_activations_replace():
+    """The proxy's loss is Hugging Face's ForCausalLMLoss, through the attribute a Hugging Face causal LM has, so
+    that activation_dtype='fp8' replaces it as it does in a user's model (runtime/loss.py)."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import headline
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from lowprec.kernels.cross_entropy import causal_lm_loss
+    from lowprec.runtime.loss import swap_causal_lm_loss
+
+    torch.manual_seed(0)
+    model = headline.Proxy(64, 128, 1, vocab=300)
+    ids = torch.randint(0, 300, (2, 17))
+    assert model.loss_function is ForCausalLMLoss
+    reference = model(ids)
+    logits = model.head(model.norm(model.blocks[0](model.embed(ids))))
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    assert torch.allclose(reference, expected, rtol=1e-6)
+    assert swap_causal_lm_loss(model) and model.loss_function is causal_lm_loss
+    assert torch.allclose(model(ids), reference, rtol=1e-6)
 
 
 def test_headline_has_a_whole_model_mode_with_its_own_bf16():

@@ -46,6 +46,7 @@ class SavedActivations:
     linear_bytes_per_token: float
     baseline_linear_bytes_per_token: float
     per: str
+    loss: str | None = None  # what the loss keeps for backward (runtime/loss.py), where the planner knows the model
 
     def lines(self) -> list[str]:
         ratio = (self.linear_bytes_per_token / self.baseline_linear_bytes_per_token
@@ -57,6 +58,7 @@ class SavedActivations:
             f"  all Linear inputs   estimated {_size(self.linear_bytes_per_token)} per token "
             f"(BF16 AMP {_size(self.baseline_linear_bytes_per_token)}: {ratio:.2f}x)",
             f"  other tensors       {self.other_tensors}",
+            *([f"  loss                {self.loss}"] if self.loss else []),
         ]
 
 
@@ -66,11 +68,12 @@ def _size(n: float) -> str:
 
 def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, activation_dtype: str | None,
                       blocks: tuple[str, int, str] | None, compiled: bool = False,
-                      in_graph: bool = False) -> SavedActivations:
+                      in_graph: bool = False, loss: str | None = None) -> SavedActivations:
     """The section for a plan whose Linear decisions are `modules`, whose backend keeps an FP8 layer's input
     as `fp8_input`; `blocks` is (block list name, count, block class) or None; `compiled`: the model is
     compiled whole (its graph decides what is saved); `in_graph`: compiled graphs encode what they save
-    themselves (by default for a model compiled on one process; LOWPREC_FP8_ACTIVATIONS_IN_GRAPH)."""
+    themselves (by default for a model compiled on one process; LOWPREC_FP8_ACTIVATIONS_IN_GRAPH); `loss`: what
+    the model's loss keeps for backward (runtime/loss.py)."""
     hooks = activation_dtype == "fp8"
     fp8 = fp8_input
     if hooks and fp8.packable:
@@ -102,4 +105,4 @@ def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, 
                   "activation_dtype='fp8' stores them in FP8")
     return SavedActivations(fp8_linear_inputs=fp8.storage, kept_linear_inputs=kept.storage, other_tensors=others,
                             linear_bytes_per_token=this / divisor, baseline_linear_bytes_per_token=baseline / divisor,
-                            per=per)
+                            per=per, loss=loss)

@@ -35,6 +35,7 @@ from .activations_in_graph import (
     static_shape,
     traced_node,
 )
+from .loss import swap_causal_lm_loss
 from .wrapping import wrap_forward
 
 ACTIVATIONS_ATTR = "_lowprec_activation_storage"
@@ -329,7 +330,8 @@ def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=
     unwrapped model) as `_lowprec_activation_storage`, for `activation_storage(model)`. What the modules
     `keep_saved_by(module)` names save in their forward is left as it is (`Backend.keeps_saved_tensors`).
     `compiled`: the model is compiled, under `engine` (whether its graphs then encode what they save:
-    `in_graph_wanted`)."""
+    `in_graph_wanted`). A Hugging Face causal LM's default loss becomes one without FP32 copies of the logits
+    (runtime/loss.py)."""
     in_graph = in_graph_wanted(compiled, engine)
     # only an explicit request is worth a warning: by default a torch that cannot inline keeps the Python hooks
     if in_graph and not inlining_supported() and in_graph_requested():
@@ -343,6 +345,7 @@ def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=
             storage.leave_alone(module)
     wrap_forward(prepared, storage.context)
     object.__setattr__(inner, ACTIVATIONS_ATTR, storage)
+    swap_causal_lm_loss(inner)
     return storage
 
 

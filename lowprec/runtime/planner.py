@@ -18,6 +18,7 @@ from ..planning.plan import PrecisionPlan, short_dtype
 from ..planning.selection import find_blocks, select_modules
 from ..planning.speed import unmeasured_note
 from .activations_in_graph import in_graph_wanted, inlining_supported
+from .loss import loss_storage
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -112,7 +113,8 @@ def build_plan(
     in_graph = (recipe.activation_dtype == "fp8" and in_graph_wanted(context.compiled, context.engine)
                 and inlining_supported())
     plan.activations = saved_activations(plan.modules, backend.saved_linear_input(), recipe.activation_dtype, blocks,
-                                         compiled=context.compiled, in_graph=in_graph)
+                                         compiled=context.compiled, in_graph=in_graph,
+                                         loss=loss_storage(model, recipe.activation_dtype))
     plan.notes = backend.notes(plan) + backend.communication.notes()
     compiles, _ = backend.layer_compile()
     if compiles and plan.converted:

@@ -222,3 +222,33 @@ def test_compiled_graphs_encode_inside_the_graph_with_the_python_hooks_bytes_and
     # the block's inputs are stored too (the Python hooks store them): no more held than with them, and far less
     # than without
     assert graph <= 1.05 * python and graph < 0.6 * plain, (graph, python, plain)
+
+
+def test_the_chunked_loss_matches_the_upcasting_one_and_keeps_no_fp32_logits():
+    """lowprec.kernels.cross_entropy at the proxy's loss shape (4 x 2048 tokens, 32000 classes, BF16 logits): the
+    loss and gradient of `F.cross_entropy(logits.float())`, and the memory the loss and its backward add above the
+    logits (3 FP32 tensors of their shape for the upcasting loss) under the BF16 gradient and two FP32 chunks."""
+    import torch.nn.functional as F
+
+    from lowprec.kernels.cross_entropy import CHUNK_ELEMENTS, cross_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(8192, 32000, device="cuda", generator=g) * 4).bfloat16()
+    target = torch.randint(0, 32000, (8192,), device="cuda", generator=g)
+    target[:100] = -100
+    results = []
+    for fn in (cross_entropy, lambda x, t: F.cross_entropy(x.float(), t)):
+        x = logits.clone().requires_grad_()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = fn(x, target)
+        loss.backward()
+        torch.cuda.synchronize()
+        results.append((loss.detach(), x.grad, torch.cuda.max_memory_allocated() - base))
+        del x, loss
+    (loss, grad, added), (ref_loss, ref_grad, ref_added) = results
+    assert float((loss - ref_loss).abs() / ref_loss) <= 1e-6
+    assert float((grad.double() - ref_grad.double()).norm() / ref_grad.double().norm()) <= 2**-8
+    assert ref_added >= 3 * logits.numel() * 4
+    assert added <= logits.numel() * 2 + 3 * CHUNK_ELEMENTS * 4 + 2**22, (added, ref_added)

@@ -1,0 +1,118 @@
+"""Cross-entropy over a model's logits that keeps no FP32 copy of them for backward.
+
+The usual language-model loss upcasts the logits to FP32 and takes `F.cross_entropy` of that: autograd then
+keeps the FP32 log-probabilities for backward, and the backward makes two more FP32 tensors of the logits'
+shape (the log-probabilities' gradient and the FP32 logits' gradient) before casting to the logits' dtype. At a
+32000-word vocabulary and 8192 tokens those are three tensors of 0.98 GiB each, live at the start of the
+backward, when every saved activation still is: the step's peak (results/gpu/2026-11-27-h200-whole-087d663).
+
+`cross_entropy` computes the same loss chunk by chunk (rows of at most `CHUNK_ELEMENTS` values in FP32 at a
+time) and keeps for backward only the logits themselves, which the model hands back to its caller anyway, and
+one FP32 log-sum-exp per row. The backward recomputes each chunk's softmax from them and writes the gradient
+straight in the logits' dtype. Every value is computed in FP32 as the upcasting loss computes it, so the loss
+and the gradient equal the usual ones up to FP32 summation order (tests/kernels/test_cross_entropy.py). Inside
+a graph being compiled it is the usual expression, which inductor fuses without FP32 copies of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# FP32 values of the logits in flight at once (128 MiB): the forward's and the backward's temporaries
+CHUNK_ELEMENTS = 2**25
+REDUCTIONS = ("mean", "sum")
+
+
+def rows_per_chunk(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
+
+
+class _LogitsCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of 2-D `logits` against `target`, summed over the rows that are not `ignore_index` and
+    divided by their number (`mean`) or not (`sum`)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, mean: bool) -> torch.Tensor:
+        compute = torch.promote_types(logits.dtype, torch.float32)
+        rows, step = logits.shape[0], rows_per_chunk(logits.shape[1])
+        lse = torch.empty(rows, dtype=compute, device=logits.device)
+        for start in range(0, rows, step):
+            lse[start:start + step] = torch.logsumexp(logits[start:start + step].to(compute), dim=-1)
+        valid = target != ignore_index
+        picked_index = torch.where(valid, target, 0)
+        picked = logits.gather(1, picked_index[:, None]).squeeze(1).to(compute)
+        # an ignored row's logits may be anything, inf and NaN included: they never reach the loss
+        total = torch.where(valid, lse - picked, 0).sum()
+        count = valid.sum().to(compute)
+        # Not save_for_backward: the saved-tensor hooks of activation_dtype='fp8' would store these logits in
+        # FP8, whose error exp() of the log-probabilities multiplies (planning/activations.py keeps a loss's
+        # log-probabilities as they are for that reason), and the caller holds them in any case.
+        ctx.logits, ctx.version = logits, logits._version
+        ctx.lse, ctx.picked_index, ctx.valid, ctx.count, ctx.mean = lse, picked_index, valid, count, mean
+        return total / count if mean else total
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        logits = ctx.logits
+        if logits._version != ctx.version:
+            raise RuntimeError(
+                "lowprec cross_entropy: the logits were modified in place between the loss's forward and its "
+                "backward, which recomputes the softmax from them; modify a copy (logits.clone()) instead")
+        compute = ctx.lse.dtype
+        scale = grad_loss.to(compute) / ctx.count if ctx.mean else grad_loss.to(compute)
+        # 0 for ignored rows, as F.cross_entropy's gradient is: NaN or inf logits there still come out NaN
+        row_scale = torch.where(ctx.valid, scale, 0)
+        grad = torch.empty_like(logits)
+        step = rows_per_chunk(logits.shape[1])
+        for start in range(0, logits.shape[0], step):
+            stop = min(start + step, logits.shape[0])
+            # a copy in FP32 (copy=True: FP32 logits are not to be overwritten), then in place: one chunk allocated
+            probs = logits[start:stop].to(compute, copy=True).sub_(ctx.lse[start:stop, None]).exp_()
+            rows = torch.arange(stop - start, device=logits.device)
+            probs[rows, ctx.picked_index[start:stop]] -= 1
+            grad[start:stop] = probs.mul_(row_scale[start:stop, None])
+        return grad, None, None, None
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                  reduction: str = "mean") -> torch.Tensor:
+    """`F.cross_entropy(logits.float(), target, ignore_index=..., reduction=...)` for `logits` of shape
+    (..., vocabulary) and integer `target` of shape (...), returned in FP32 (FP64 logits: FP64), without the FP32
+    copies of the logits that expression keeps for backward. `reduction`: 'mean' (over the rows whose target is
+    not `ignore_index`; NaN if there are none, as torch's) or 'sum'."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"lowprec cross_entropy: reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
+    if not logits.is_floating_point():
+        raise TypeError(f"lowprec cross_entropy: logits must be a floating tensor, got {logits.dtype}")
+    if logits.dim() < 1 or target.shape != logits.shape[:-1]:
+        raise ValueError(f"lowprec cross_entropy: target of shape {tuple(target.shape)} does not match logits of "
+                         f"shape {tuple(logits.shape)} (expected {tuple(logits.shape[:-1])})")
+    if target.is_floating_point() or target.dtype == torch.bool:
+        raise TypeError(f"lowprec cross_entropy: target must be an integer tensor of class indices, got "
+                        f"{target.dtype}")
+    compute = torch.promote_types(logits.dtype, torch.float32)
+    flat, labels = logits.reshape(-1, logits.shape[-1]), target.reshape(-1).to(device=logits.device,
+                                                                                  dtype=torch.long)
+    if torch.compiler.is_compiling():
+        return F.cross_entropy(flat.to(compute), labels, ignore_index=ignore_index, reduction=reduction)
+    return _LogitsCrossEntropy.apply(flat, labels, ignore_index, reduction == "mean")
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                   num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
+                   shift_labels: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    """Hugging Face's causal-LM loss (`transformers.loss.loss_utils.ForCausalLMLoss`: tokens < n predict n,
+    the mean over the labelled tokens, or the sum divided by `num_items_in_batch` when given) computed by
+    `cross_entropy`. Keyword arguments the model passes on and that loss ignores are ignored here too."""
+    if shift_labels is None:
+        # tokens < n predict n; the last position has nothing to predict
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    flat = logits.reshape(-1, vocab_size)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = cross_entropy(flat, shift_labels.reshape(-1), ignore_index=ignore_index, reduction=reduction)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
