@@ -16,12 +16,15 @@ a graph being compiled it is the usual expression, which inductor fuses without 
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
 # FP32 values of the logits in flight at once (128 MiB): the forward's and the backward's temporaries
 CHUNK_ELEMENTS = 2**25
 REDUCTIONS = ("mean", "sum")
+_saving = threading.local()
 
 
 def rows_per_chunk(vocab: int) -> int:
@@ -45,32 +48,25 @@ class _LogitsCrossEntropy(torch.autograd.Function):
         # an ignored row's logits may be anything, inf and NaN included: they never reach the loss
         total = torch.where(valid, lse - picked, 0).sum()
         count = valid.sum().to(compute)
-        # Not save_for_backward: the saved-tensor hooks of activation_dtype='fp8' would store these logits in
-        # FP8, whose error exp() of the log-probabilities multiplies (planning/activations.py keeps a loss's
-        # log-probabilities as they are for that reason), and the caller holds them in any case.
-        ctx.logits, ctx.version = logits, logits._version
-        ctx.lse, ctx.picked_index, ctx.valid, ctx.count, ctx.mean = lse, picked_index, valid, count, mean
+        ctx.save_for_backward(logits, lse, picked_index, valid, count)
+        ctx.mean = mean
         return total / count if mean else total
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        logits = ctx.logits
-        if logits._version != ctx.version:
-            raise RuntimeError(
-                "lowprec cross_entropy: the logits were modified in place between the loss's forward and its "
-                "backward, which recomputes the softmax from them; modify a copy (logits.clone()) instead")
-        compute = ctx.lse.dtype
-        scale = grad_loss.to(compute) / ctx.count if ctx.mean else grad_loss.to(compute)
+        logits, lse, picked_index, valid, count = ctx.saved_tensors
+        compute = lse.dtype
+        scale = grad_loss.to(compute) / count if ctx.mean else grad_loss.to(compute)
         # 0 for ignored rows, as F.cross_entropy's gradient is: NaN or inf logits there still come out NaN
-        row_scale = torch.where(ctx.valid, scale, 0)
+        row_scale = torch.where(valid, scale, 0)
         grad = torch.empty_like(logits)
         step = rows_per_chunk(logits.shape[1])
         for start in range(0, logits.shape[0], step):
             stop = min(start + step, logits.shape[0])
             # a copy in FP32 (copy=True: FP32 logits are not to be overwritten), then in place: one chunk allocated
-            probs = logits[start:stop].to(compute, copy=True).sub_(ctx.lse[start:stop, None]).exp_()
+            probs = logits[start:stop].to(compute, copy=True).sub_(lse[start:stop, None]).exp_()
             rows = torch.arange(stop - start, device=logits.device)
-            probs[rows, ctx.picked_index[start:stop]] -= 1
+            probs[rows, picked_index[start:stop]] -= 1
             grad[start:stop] = probs.mul_(row_scale[start:stop, None])
         return grad, None, None, None
 
@@ -96,7 +92,19 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
                                                                                   dtype=torch.long)
     if torch.compiler.is_compiling():
         return F.cross_entropy(flat.to(compute), labels, ignore_index=ignore_index, reduction=reduction)
-    return _LogitsCrossEntropy.apply(flat, labels, ignore_index, reduction == "mean")
+    _saving.depth = getattr(_saving, "depth", 0) + 1
+    try:  # autograd packs what the Function saved before apply() returns
+        return _LogitsCrossEntropy.apply(flat, labels, ignore_index, reduction == "mean")
+    finally:
+        _saving.depth -= 1
+
+
+def saving_for_backward() -> bool:
+    """Whether the tensors autograd is saving now are this loss's (on this thread): the saved-tensor hooks of
+    activation_dtype='fp8' keep them as they are. The logits in FP8 would spoil the probabilities backward
+    recomputes from them (their error in log space becomes one in exp(); runtime/activations.py keeps a log-softmax's
+    output for the same reason), and the caller holds the logits in any case."""
+    return getattr(_saving, "depth", 0) > 0
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..kernels.activations import PackedFP8, SpanKey, groups_fit, overlapping, pack_fp8, pack_traced_fp8, unpack_fp8
+from ..kernels.cross_entropy import saving_for_backward
 from ..planning.activations import MIN_ELEMENTS
 from .activations_in_graph import (
     graph_hooks,
@@ -140,9 +141,11 @@ class FP8ActivationStorage:
         if self._is_attention_logsumexp(tensor):
             self.counts.logsumexp_kept += 1
             return tensor
-        # a log-softmax's output, or a view of it (nll_loss2d saves one for a [batch, classes, tokens] input)
-        if any(t is not None and t.grad_fn is not None and t.grad_fn.name() == "LogSoftmaxBackward0"
-               for t in (tensor, tensor._base)):
+        # a log-softmax's output, or a view of it (nll_loss2d saves one for a [batch, classes, tokens] input), or
+        # the logits lowprec's cross-entropy recomputes the probabilities from
+        if saving_for_backward() or any(
+                t is not None and t.grad_fn is not None and t.grad_fn.name() == "LogSoftmaxBackward0"
+                for t in (tensor, tensor._base)):
             self.counts.log_probabilities_kept += 1
             return tensor
         if tensor.dim() == 4:  # a query, perhaps: its rows' shape tells its log-sum-exp, saved after it
