@@ -202,7 +202,7 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
     from accelerate.utils import TorchDynamoPlugin
 
     from lowprec import Accelerator, FP8RecipeKwargs
-    from lowprec.runtime.activations import activation_storage
+    from lowprec.runtime.activations import activation_storage, models_of
 
     mode, spec = CONFIGS[label]
     cuda = torch.cuda.is_available()
@@ -300,7 +300,9 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
     storage = activation_storage(inner)
     if storage is not None:  # FP8 activations: through Python hooks or inside the compiled graphs
         result["activations_in_graph"] = storage.in_graph
-    result["loss_function"] = f"{inner.loss_function.__module__}.{inner.loss_function.__qualname__}"
+    # of the model that runs (regional compilation runs a copy of `inner`)
+    runs = next(m for m in models_of(model) if hasattr(type(m), "loss_function"))
+    result["loss_function"] = f"{runs.loss_function.__module__}.{runs.loss_function.__qualname__}"
     linears = [m for m in inner.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Linear"]
     result["linears"] = len(linears)
     plan = getattr(accelerator, "precision_plan", None)

@@ -348,7 +348,9 @@ def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=
             storage.leave_alone(module)
     wrap_forward(prepared, storage.context)
     object.__setattr__(inner, ACTIVATIONS_ATTR, storage)
-    swap_causal_lm_loss(inner)
+    # every model object of the chain: regional compilation runs a copy of the model, made before this
+    for model in models_of(prepared, inner):
+        swap_causal_lm_loss(model)
     return storage
 
 
@@ -356,14 +358,17 @@ def activation_storage(model: nn.Module) -> FP8ActivationStorage | None:
     """The FP8 activation storage of a model prepared with activation_dtype='fp8', else None: on the model, or
     on what it wraps. A wrapper (DDP, DeepSpeed) holds it as `.module`; Accelerate's regional compilation hands
     back a copy of the model with compiled blocks and keeps the model itself as `_orig_mod`, where the storage is."""
-    seen, todo = set(), [model]
+    return next((m.__dict__[ACTIVATIONS_ATTR] for m in models_of(model) if ACTIVATIONS_ATTR in m.__dict__), None)
+
+
+def models_of(*models: nn.Module) -> Iterator[nn.Module]:
+    """`models` and what they wrap, each once, outermost first: a wrapper's (DDP, DeepSpeed) `.module`, and the
+    `_orig_mod` that Accelerate's regional compilation keeps beside the copy of the model it compiles."""
+    seen, todo = set(), list(models)
     while todo:
         candidate = todo.pop(0)
         if candidate is None or id(candidate) in seen:
             continue
         seen.add(id(candidate))
-        storage = getattr(candidate, ACTIVATIONS_ATTR, None)
-        if storage is not None:
-            return storage
+        yield candidate
         todo += [candidate.__dict__.get("_orig_mod"), getattr(candidate, "module", None)]
-    return None

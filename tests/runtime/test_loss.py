@@ -89,3 +89,32 @@ def test_a_model_of_another_kind_is_left_alone():
     assert runtime_loss.KEPT_OTHER in loss_line(accelerator)
     model(torch.randn(256, 128)).float().square().mean().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_under_regional_compilation_the_model_that_runs_computes_the_chunked_loss(monkeypatch):
+    # Accelerate compiles a copy of the model block by block and keeps the model as _orig_mod: the copy runs
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import TorchDynamoPlugin
+
+    from lowprec.kernels import cross_entropy
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    calls = []
+    apply = cross_entropy._LogitsCrossEntropy.apply
+    monkeypatch.setattr(cross_entropy._LogitsCrossEntropy, "apply", lambda *a: calls.append(a[0].shape) or apply(*a))
+    recipe = FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, activation_dtype="fp8")
+    plugin = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True)
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], dynamo_plugin=plugin)
+    model = accelerator.prepare(tiny_llama())
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    accelerator.backward(loss)
+    assert calls == [torch.Size([64, 256])] and torch.isfinite(loss)
+    assert all(m.loss_function is causal_lm_loss for m in runtime_loss_models(model))
+
+
+def runtime_loss_models(model):
+    from lowprec.runtime.activations import models_of
+
+    return [m for m in models_of(model) if hasattr(type(m), "loss_function")]
