@@ -358,12 +358,13 @@ def activation_storage(model: nn.Module) -> FP8ActivationStorage | None:
     """The FP8 activation storage of a model prepared with activation_dtype='fp8', else None: on the model, or
     on what it wraps. A wrapper (DDP, DeepSpeed) holds it as `.module`; Accelerate's regional compilation hands
     back a copy of the model with compiled blocks and keeps the model itself as `_orig_mod`, where the storage is."""
-    return next((m.__dict__[ACTIVATIONS_ATTR] for m in models_of(model) if ACTIVATIONS_ATTR in m.__dict__), None)
+    return next((vars(m)[ACTIVATIONS_ATTR] for m in models_of(model) if ACTIVATIONS_ATTR in vars(m)), None)
 
 
 def models_of(*models: nn.Module) -> Iterator[nn.Module]:
-    """`models` and what they wrap, each once, outermost first: a wrapper's (DDP, DeepSpeed) `.module`, and the
-    `_orig_mod` that Accelerate's regional compilation keeps beside the copy of the model it compiles."""
+    """`models` and what they wrap, each once, outermost first: a wrapper's (DDP, DeepSpeed) `.module`, a compiled
+    model's `_orig_mod`, and the one Accelerate's regional compilation keeps beside the copy of the model it
+    compiles (a plain attribute there)."""
     seen, todo = set(), list(models)
     while todo:
         candidate = todo.pop(0)
@@ -371,4 +372,4 @@ def models_of(*models: nn.Module) -> Iterator[nn.Module]:
             continue
         seen.add(id(candidate))
         yield candidate
-        todo += [candidate.__dict__.get("_orig_mod"), getattr(candidate, "module", None)]
+        todo += [getattr(candidate, "_orig_mod", None), getattr(candidate, "module", None)]
