@@ -96,6 +96,11 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     # the same through Python hooks after each compiled graph (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0, ENVIRONMENT)
     "torchao act8 hooks": ("compiled", dict(backend="torchao", activation_dtype="fp8")),
     "msamp O2 act8 hooks": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
+    # the loss's chunks as one fused kernel each way (LOWPREC_FUSED_CROSS_ENTROPY=1, not yet the default)
+    "msamp O2 act8 fused loss": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
+    "torchao act8 fused loss": ("compiled", dict(backend="torchao", activation_dtype="fp8")),
+    # torchao's peak is its FP32 model state at the end of the backward: MS-AMP's O2 storage on its layers too
+    "torchao O2 act8": ("compiled", dict(backend="torchao", opt_level="O2", activation_dtype="fp8")),
     # the whole model as one graph (the head and the loss compiled too: inductor fuses the FP32 log-softmax that
     # regional compilation leaves to eager), against BF16 compiled the same way
     "bf16 whole": ("whole", None),
@@ -108,6 +113,8 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
 ENVIRONMENT: dict[str, dict[str, str]] = {
     "torchao act8 hooks": {"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "0"},
     "msamp O2 act8 hooks": {"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "0"},
+    "msamp O2 act8 fused loss": {"LOWPREC_FUSED_CROSS_ENTROPY": "1"},
+    "torchao act8 fused loss": {"LOWPREC_FUSED_CROSS_ENTROPY": "1"},
 }
 DEFAULT_CONFIGS = ["bf16 eager", "te", "auto", "raw te", "bf16 compiled", "torchao", "msamp O2", "auto compiled"]
 

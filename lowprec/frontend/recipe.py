@@ -109,8 +109,9 @@ class FP8RecipeKwargs(KwargsHandler):
         activation_dtype: "fp8" stores the tensors autograd saves in the model's forward (norm, activation
             function and attention inputs, residuals) in E4M3 with a power-of-2 scale per 128 values along the
             last dimension, decoded for backward (COAT / DeepSeek-V3 style); parameters and tensors under 2**14
-            elements are kept as they are. Eager or compiled (not under CUDA graphs). None ("none", "off"):
-            stored as autograd saves them.
+            elements are kept as they are. Eager or compiled (not under CUDA graphs). A Hugging Face causal
+            LM's default loss is computed without FP32 copies of the logits (the same loss and gradient;
+            lowprec.kernels.cross_entropy). None ("none", "off"): stored as autograd saves them.
         reduce_amax: delayed scaling only (te "delayed", msamp "delayed"): all-reduce (MAX) each step's
             amaxes across the data-parallel ranks before the scales are updated, so every rank scales with
             the same delayed scales (NeMo's and TE's `reduce_amax`). None: on. False: each rank keeps scales

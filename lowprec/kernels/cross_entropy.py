@@ -16,15 +16,47 @@ a graph being compiled it is the usual expression, which inductor fuses without 
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
 import torch.nn.functional as F
 
+from . import fused
+
 # FP32 values of the logits in flight at once (128 MiB): the forward's and the backward's temporaries
 CHUNK_ELEMENTS = 2**25
 REDUCTIONS = ("mean", "sum")
+FUSED_ENV = "LOWPREC_FUSED_CROSS_ENTROPY"
 _saving = threading.local()
+
+
+def fused_requested() -> bool:
+    """`LOWPREC_FUSED_CROSS_ENTROPY=1`: on CUDA, the log-sum-exps and the gradient of every row as one inductor
+    kernel each (`cuda_fused`) instead of a few torch ops a chunk over FP32 temporaries. Off until measured on a
+    GPU: the torch chunks cost 3 ms a step on the d4096 proxy (results/gpu/2026-11-27-h200-loss-e594ea3), and the
+    fused form has not run on one yet."""
+    value = os.environ.get(FUSED_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{FUSED_ENV}={value!r} is not one of '0', '1' (1: the loss's chunks as one fused kernel "
+                         "each way on CUDA; 0 or unset: torch ops)")
+    return value == "1"
+
+
+@fused.cuda_fused
+def _fused_lse(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's log-sum-exp in FP32 (FP64 for FP64 logits): one reduction kernel over the logits as they are."""
+    return torch.logsumexp(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+
+
+@fused.cuda_fused
+def _fused_grad(logits: torch.Tensor, lse: torch.Tensor, picked_index: torch.Tensor,
+                row_scale: torch.Tensor) -> torch.Tensor:
+    """(softmax - one-hot) * row_scale in the logits' dtype: one pointwise kernel, nothing in FP32 in memory."""
+    probs = torch.exp(logits.to(lse.dtype) - lse[:, None])
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    probs = torch.where(columns[None, :] == picked_index[:, None], probs - 1, probs)
+    return (probs * row_scale[:, None]).to(logits.dtype)
 
 
 def rows_per_chunk(vocab: int) -> int:
@@ -39,9 +71,13 @@ class _LogitsCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, mean: bool) -> torch.Tensor:
         compute = torch.promote_types(logits.dtype, torch.float32)
         rows, step = logits.shape[0], rows_per_chunk(logits.shape[1])
-        lse = torch.empty(rows, dtype=compute, device=logits.device)
-        for start in range(0, rows, step):
-            lse[start:start + step] = torch.logsumexp(logits[start:start + step].to(compute), dim=-1)
+        ctx.fused = fused_requested() and logits.device.type in fused.FUSED_DEVICE_TYPES
+        if ctx.fused:  # every row at once: the kernel keeps nothing in FP32 in memory
+            lse = _fused_lse(logits)
+        else:
+            lse = torch.empty(rows, dtype=compute, device=logits.device)
+            for start in range(0, rows, step):
+                lse[start:start + step] = torch.logsumexp(logits[start:start + step].to(compute), dim=-1)
         valid = target != ignore_index
         picked_index = torch.where(valid, target, 0)
         picked = logits.gather(1, picked_index[:, None]).squeeze(1).to(compute)
@@ -59,6 +95,8 @@ class _LogitsCrossEntropy(torch.autograd.Function):
         scale = grad_loss.to(compute) / count if ctx.mean else grad_loss.to(compute)
         # 0 for ignored rows, as F.cross_entropy's gradient is: NaN or inf logits there still come out NaN
         row_scale = torch.where(valid, scale, 0)
+        if ctx.fused:
+            return _fused_grad(logits, lse, picked_index, row_scale), None, None, None
         grad = torch.empty_like(logits)
         step = rows_per_chunk(logits.shape[1])
         for start in range(0, logits.shape[0], step):

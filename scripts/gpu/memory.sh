@@ -8,6 +8,7 @@
 #                                                #   (act8) and through Python hooks (act8 hooks); kernels.tgz: msamp O2's
 #                                                #   kernel tables and what is live at the peak (.peak.txt)
 #   bash scripts/gpu/memory.sh OUT headline_te   # ~2 min: eager BF16, te, te with activation_dtype='fp8'
+#   bash scripts/gpu/memory.sh OUT loss          # ~4 min: the chunked loss as torch ops and fused, torchao O2 act8
 #   bash scripts/gpu/memory.sh OUT whole         # ~6 min: the model compiled as one graph (head and loss too):
 #                                                #   BF16, torchao and msamp O2 with and without FP8 activations;
 #                                                #   (and block by block, for the peak report);
@@ -22,8 +23,8 @@
 # the machine; TE's configurations need its compiled extension (they fail alone without it). Writes
 # OUT/<date>-<gpu>-memory/: one file per part plus commit.txt; commit that folder under results/gpu/.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|whole|convergence|largest ...}; shift
-[ $# -gt 0 ] || { echo "name at least one part: headline headline_te whole convergence largest" >&2; exit 2; }
+out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|loss|whole|convergence|largest ...}; shift
+[ $# -gt 0 ] || { echo "name at least one part: headline headline_te loss whole convergence largest" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H100|H200|B200' || echo gpu)
 dir="$out/$(date -u +%Y-%m-%d)-${gpu,,}-memory"
@@ -46,6 +47,15 @@ for part in "$@"; do
       python3 benchmarks/headline.py --summarize "$dir/headline.json" > "$dir/headline.md" 2>&1
       # one file for the kernel tables and peak reports: the device tool brings back at most 8 files a call
       tar czf "$dir/kernels.tgz" -C "$dir" kernels && rm -rf "$dir/kernels" ;;
+    loss)
+      # the chunked loss of activation_dtype='fp8' as torch ops (the default) and fused (LOWPREC_FUSED_CROSS_ENTROPY=1),
+      # and torchao with MS-AMP's O2 storage besides (its peak is its FP32 model state)
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/loss.json" --configs "bf16 compiled" \
+        "msamp O2 act8" "msamp O2 act8 fused loss" "torchao act8" "torchao act8 fused loss" "torchao O2 act8" \
+        --profile-dir "$dir/loss_peaks" --profile-configs --peak-configs "msamp O2 act8 fused loss" "torchao O2 act8" \
+        > "$dir/loss.log" 2>&1 || status=1
+      python3 benchmarks/headline.py --summarize "$dir/loss.json" > "$dir/loss.md" 2>&1
+      tar czf "$dir/loss.peak.tgz" -C "$dir" loss_peaks && rm -rf "$dir/loss_peaks" ;;
     headline_te)
       # eager: BF16 and te with and without FP8 activations (TE's compiled extension needed)
       python3 benchmarks/headline.py --widths d4096 --out "$dir/headline_te.json" --configs "bf16 eager" te "te act8" \
@@ -67,7 +77,7 @@ for part in "$@"; do
     largest)
       python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
         --configs "bf16 compiled" torchao "torchao act8" "msamp O2" "msamp O2 act8" > "$dir/largest.log" 2>&1 || status=1 ;;
-    *) echo "unknown part '$part' (headline|headline_te|whole|convergence|largest)" >&2; exit 2 ;;
+    *) echo "unknown part '$part' (headline|headline_te|loss|whole|convergence|largest)" >&2; exit 2 ;;
   esac
   tail -15 "$dir/$part.log" 2>/dev/null
 done

@@ -224,13 +224,17 @@ def test_compiled_graphs_encode_inside_the_graph_with_the_python_hooks_bytes_and
     assert graph <= 1.05 * python and graph < 0.6 * plain, (graph, python, plain)
 
 
-def test_the_chunked_loss_matches_the_upcasting_one_and_keeps_no_fp32_logits():
+@pytest.mark.parametrize("fused", ["0", "1"], ids=["torch chunks", "fused"])
+def test_the_chunked_loss_matches_the_upcasting_one_and_keeps_no_fp32_logits(fused, monkeypatch):
     """lowprec.kernels.cross_entropy at the proxy's loss shape (4 x 2048 tokens, 32000 classes, BF16 logits): the
     loss and gradient of `F.cross_entropy(logits.float())`, and the memory the loss and its backward add above the
-    logits (3 FP32 tensors of their shape for the upcasting loss) under the BF16 gradient and two FP32 chunks."""
+    logits (3 FP32 tensors of their shape for the upcasting loss) under the BF16 gradient and three FP32 chunks;
+    as torch ops and fused (LOWPREC_FUSED_CROSS_ENTROPY=1)."""
     import torch.nn.functional as F
 
-    from lowprec.kernels.cross_entropy import CHUNK_ELEMENTS, cross_entropy
+    from lowprec.kernels.cross_entropy import CHUNK_ELEMENTS, FUSED_ENV, cross_entropy
+
+    monkeypatch.setenv(FUSED_ENV, fused)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(8192, 32000, device="cuda", generator=g) * 4).bfloat16()

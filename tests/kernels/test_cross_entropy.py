@@ -200,3 +200,52 @@ def test_causal_lm_loss_matches_hugging_faces(items, shifted):
     (loss, grad), (ref_loss, ref_grad) = results
     assert loss.dtype == ref_loss.dtype == torch.float32
     assert relative_error(loss, ref_loss) <= 1e-6 and relative_error(grad, ref_grad) <= 2**-8
+
+
+@pytest.fixture
+def fused_loss(fused_on_cpu, monkeypatch):
+    """LOWPREC_FUSED_CROSS_ENTROPY=1 with `cuda_fused` compiling on CPU too (inductor's CPU code for the CUDA
+    kernels); counts the calls of the fused forms."""
+    monkeypatch.setenv(ce.FUSED_ENV, "1")
+    calls = {"lse": 0, "grad": 0}
+    for name, key in (("_fused_lse", "lse"), ("_fused_grad", "grad")):
+        fn = getattr(ce, name)
+        monkeypatch.setattr(ce, name, lambda *a, _fn=fn, _key=key: calls.__setitem__(_key, calls[_key] + 1) or _fn(*a))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_fused_form_matches_the_upcasting_expression(fused_loss, dtype, reduction):
+    logits, target = sample(dtype)
+    logits.view(-1, VOCAB)[0, 3] = float("nan")  # an ignored row's NaN: out of the loss, in its gradient
+    grad_loss = torch.tensor(0.37)
+    loss, grad = ours(logits, target, grad_loss, reduction=reduction)
+    ref_loss, ref_grad = reference(logits, target, grad_loss, reduction=reduction)
+    assert fused_loss == {"lse": 1, "grad": 1}
+    assert grad.dtype == dtype and torch.isnan(grad.view(-1, VOCAB)[0, 3])
+    finite = torch.isfinite(ref_grad)
+    assert relative_error(loss, ref_loss) <= 1e-6
+    assert relative_error(grad[finite], ref_grad[finite]) <= GRAD_BOUND[dtype]
+
+
+def test_the_fused_form_keeps_a_labelled_rows_nan(fused_loss):
+    logits, target = sample(torch.bfloat16)
+    logits.view(-1, VOCAB)[10, 3] = float("nan")
+    loss, grad = ours(logits, target, torch.tensor(1.0))
+    assert torch.isnan(loss) and torch.isnan(grad.view(-1, VOCAB)[10]).all()
+
+
+def test_without_the_variable_the_torch_chunks_run(fused_on_cpu, monkeypatch):
+    monkeypatch.delenv(ce.FUSED_ENV, raising=False)
+    monkeypatch.setattr(ce, "_fused_grad", lambda *a: pytest.fail("the fused form ran"))
+    logits, target = sample(torch.bfloat16)
+    ours(logits, target, torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
+def test_a_bad_fused_variable_is_refused_naming_it(value, monkeypatch):
+    monkeypatch.setenv(ce.FUSED_ENV, value)
+    logits, target = sample(torch.float32)
+    with pytest.raises(ValueError, match=f"LOWPREC_FUSED_CROSS_ENTROPY='{value}' is not one of '0', '1'"):
+        ce.cross_entropy(logits, target)
