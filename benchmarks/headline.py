@@ -101,6 +101,7 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     "torchao act8 fused loss": ("compiled", dict(backend="torchao", activation_dtype="fp8")),
     # torchao's peak is its FP32 model state at the end of the backward: MS-AMP's O2 storage on its layers too
     "torchao O2 act8": ("compiled", dict(backend="torchao", opt_level="O2", activation_dtype="fp8")),
+    "te O2 act8": ("eager", dict(backend="te", opt_level="O2", activation_dtype="fp8")),
     # the whole model as one graph (the head and the loss compiled too: inductor fuses the FP32 log-softmax that
     # regional compilation leaves to eager), against BF16 compiled the same way
     "bf16 whole": ("whole", None),
