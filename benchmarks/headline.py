@@ -161,8 +161,10 @@ class Proxy(nn.Module):
         logits = self.head(self.norm(x))
         return self.loss_function(logits, ids, self.head.out_features)
 
-    # The loss as a Hugging Face causal LM computes it (FP32 logits), through the attribute those models have for
+    # The loss as a Hugging Face causal LM computes it (FP32 logits), through the attributes those models have for
     # it: what activation_dtype='fp8' replaces with a loss that keeps no FP32 copy of the logits (runtime/loss.py).
+    loss_type = "ForCausalLM"
+
     @property
     def loss_function(self):
         from transformers.loss.loss_utils import ForCausalLMLoss
@@ -210,7 +212,8 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
     from accelerate.utils import TorchDynamoPlugin
 
     from lowprec import Accelerator, FP8RecipeKwargs
-    from lowprec.runtime.activations import activation_storage, models_of
+    from lowprec.runtime.activations import activation_storage
+    from lowprec.runtime.wrapping import models_of
 
     mode, spec = CONFIGS[label]
     cuda = torch.cuda.is_available()

@@ -34,8 +34,8 @@ _saving = threading.local()
 def fused_requested() -> bool:
     """`LOWPREC_FUSED_CROSS_ENTROPY=1`: on CUDA, the log-sum-exps and the gradient of every row as one inductor
     kernel each (`cuda_fused`) instead of a few torch ops a chunk over FP32 temporaries. Off until measured on a
-    GPU: the torch chunks cost 3 ms a step on the d4096 proxy (results/gpu/2026-11-27-h200-loss-e594ea3), and the
-    fused form has not run on one yet."""
+    GPU: the torch chunks cost about 3 ms a step on the d4096 proxy (an estimate across two machines,
+    results/gpu/2026-11-27-h200-loss-e594ea3), and the fused form has not run on one yet."""
     value = os.environ.get(FUSED_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"{FUSED_ENV}={value!r} is not one of '0', '1' (1: the loss's chunks as one fused kernel "
@@ -71,7 +71,8 @@ class _LogitsCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int, mean: bool) -> torch.Tensor:
         compute = torch.promote_types(logits.dtype, torch.float32)
         rows, step = logits.shape[0], rows_per_chunk(logits.shape[1])
-        ctx.fused = fused_requested() and logits.device.type in fused.FUSED_DEVICE_TYPES
+        # only where it compiles: as plain torch, the fused form's one pass over every row is FP32 copies of them all
+        ctx.fused = fused_requested() and fused.fuses(logits)
         if ctx.fused:  # every row at once: the kernel keeps nothing in FP32 in memory
             lse = _fused_lse(logits)
         else:
@@ -90,6 +91,11 @@ class _LogitsCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        if torch.is_grad_enabled():  # backward(create_graph=True): its gradient is computed, not recorded
+            raise RuntimeError(
+                "lowprec cross_entropy has no double backward (create_graph=True, e.g. a gradient penalty): "
+                "compute this loss with F.cross_entropy(logits.float(), ...) (for a Hugging Face model under "
+                "activation_dtype='fp8', set model.loss_function to your own before prepare())")
         logits, lse, picked_index, valid, count = ctx.saved_tensors
         compute = lse.dtype
         scale = grad_loss.to(compute) / count if ctx.mean else grad_loss.to(compute)

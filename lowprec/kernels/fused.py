@@ -32,6 +32,13 @@ def fp8_codegen(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
+def fuses(tensor: torch.Tensor | None) -> bool:
+    """Whether a `cuda_fused` function whose first tensor argument is `tensor` runs compiled: on a device type in
+    FUSED_DEVICE_TYPES (a CUDA one with Triton and FP8 code generation), no graph being traced."""
+    return (tensor is not None and tensor.device.type in FUSED_DEVICE_TYPES and not torch.compiler.is_compiling()
+            and not (tensor.is_cuda and not (triton_available() and fp8_codegen(tensor.device.index or 0))))
+
+
 def cuda_fused(fn: F) -> F:
     """`fn` compiled by inductor (dynamic shapes) when its first tensor argument is on a CUDA device with
     Triton and FP8 code generation (a device type in FUSED_DEVICE_TYPES) and no graph is being traced; `fn`
@@ -43,8 +50,7 @@ def cuda_fused(fn: F) -> F:
     def wrapper(*args, **kwargs):
         nonlocal compiled
         first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if (first is None or first.device.type not in FUSED_DEVICE_TYPES or torch.compiler.is_compiling()
-                or (first.is_cuda and not (triton_available() and fp8_codegen(first.device.index or 0)))):
+        if not fuses(first):
             return fn(*args, **kwargs)
         if compiled is None:
             # not fullgraph: past dynamo's recompile limit (many dtypes and ranks) a call runs eager, not fails

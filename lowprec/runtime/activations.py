@@ -37,7 +37,7 @@ from .activations_in_graph import (
     traced_node,
 )
 from .loss import swap_causal_lm_loss
-from .wrapping import wrap_forward
+from .wrapping import models_of, wrap_forward
 
 ACTIVATIONS_ATTR = "_lowprec_activation_storage"
 # Autograd nodes of views between a saved tensor and the cast it views
@@ -358,18 +358,5 @@ def activation_storage(model: nn.Module) -> FP8ActivationStorage | None:
     """The FP8 activation storage of a model prepared with activation_dtype='fp8', else None: on the model, or
     on what it wraps. A wrapper (DDP, DeepSpeed) holds it as `.module`; Accelerate's regional compilation hands
     back a copy of the model with compiled blocks and keeps the model itself as `_orig_mod`, where the storage is."""
-    return next((vars(m)[ACTIVATIONS_ATTR] for m in models_of(model) if ACTIVATIONS_ATTR in vars(m)), None)
-
-
-def models_of(*models: nn.Module) -> Iterator[nn.Module]:
-    """`models` and what they wrap, each once, outermost first: a wrapper's (DDP, DeepSpeed) `.module`, a compiled
-    model's `_orig_mod`, and the one Accelerate's regional compilation keeps beside the copy of the model it
-    compiles (a plain attribute there)."""
-    seen, todo = set(), list(models)
-    while todo:
-        candidate = todo.pop(0)
-        if candidate is None or id(candidate) in seen:
-            continue
-        seen.add(id(candidate))
-        yield candidate
-        todo += [getattr(candidate, "_orig_mod", None), getattr(candidate, "module", None)]
+    return next((m.__dict__[ACTIVATIONS_ATTR] for m in models_of(model)
+                 if ACTIVATIONS_ATTR in getattr(m, "__dict__", {})), None)

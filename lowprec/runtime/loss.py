@@ -12,17 +12,23 @@ from __future__ import annotations
 from torch import nn
 
 from ..kernels.cross_entropy import causal_lm_loss
+from .wrapping import models_of
 
 HF_LOSS = ("transformers.loss.loss_utils", "ForCausalLMLoss")
 SWAPPED = ("Hugging Face's causal-LM loss without FP32 copies of the logits: their softmax recomputed chunk by "
-           "chunk in backward from the logits the model returns (lowprec.kernels.cross_entropy)")
+           "chunk in backward from the logits the model returns (lowprec.kernels.cross_entropy); inside a graph "
+           "compiled with the loss, the usual upcasting expression, which inductor compiles")
 KEPT_OTHER = "the model's own (lowprec computes a Hugging Face ForCausalLMLoss only)"
 KEPT_PLAIN = ("as the model computes it (Hugging Face's keeps FP32 log-probabilities of the logits' shape); "
               "activation_dtype='fp8' computes it without FP32 copies")
 
 
 def _is_hf_causal_lm_loss(model: nn.Module) -> bool:
-    if "_loss_function" in vars(model):  # set by the user (or already by lowprec): theirs stays
+    if "_loss_function" in getattr(model, "__dict__", {}):  # set by the user (or already by lowprec): theirs stays
+        return False
+    # a causal LM's loss type (PreTrainedModel sets it from the class name): a bare decoder has none, and reading its
+    # loss_function would warn that None is unrecognized
+    if getattr(model, "loss_type", None) != "ForCausalLM":
         return False
     fn = getattr(type(model), "loss_function", None)
     if not isinstance(fn, property):
@@ -43,6 +49,7 @@ def loss_storage(model: nn.Module, activation_dtype: str | None) -> str:
     """The plan's line on what the loss keeps for backward."""
     if activation_dtype != "fp8":
         return KEPT_PLAIN
-    if vars(model).get("_loss_function") is causal_lm_loss or _is_hf_causal_lm_loss(model):
+    if any(getattr(m, "__dict__", {}).get("_loss_function") is causal_lm_loss or _is_hf_causal_lm_loss(m)
+           for m in models_of(model)):
         return SWAPPED
     return KEPT_OTHER

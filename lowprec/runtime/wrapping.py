@@ -1,10 +1,11 @@
 """Wrappers around the methods of prepared objects: a model's forward in the backend's FP8 context, and a
-replacement optimizer's step marked the way LR schedulers expect."""
+replacement optimizer's step marked the way LR schedulers expect; and the models a prepared model wraps."""
 
 from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -38,3 +39,19 @@ def track_step_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
 
     wrapper._wrapped_by_lr_sched = True
     optimizer.step = wrapper
+
+
+def models_of(*models: nn.Module) -> Iterator[nn.Module]:
+    """`models` and what they wrap, each once, outermost first: a wrapper's (DDP, DeepSpeed) `.module`, a compiled
+    model's `_orig_mod`, the one Accelerate's regional compilation keeps beside the copy of the model it
+    compiles (a plain attribute there), and a PEFT model's base model (`get_base_model()`)."""
+    seen, todo = set(), list(models)
+    while todo:
+        candidate = todo.pop(0)
+        if candidate is None or id(candidate) in seen:
+            continue
+        seen.add(id(candidate))
+        yield candidate
+        base = getattr(candidate, "get_base_model", None)
+        todo += [getattr(candidate, "_orig_mod", None), getattr(candidate, "module", None),
+                 base() if callable(base) else None]

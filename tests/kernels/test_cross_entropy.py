@@ -171,7 +171,15 @@ def test_a_target_out_of_range_raises():
         ce.cross_entropy(logits, target)
 
 
-def test_inside_a_compiled_graph_it_is_the_upcasting_expression():
+def test_a_double_backward_is_refused():
+    logits, target = sample(torch.float32)
+    x = logits.requires_grad_()
+    with pytest.raises(RuntimeError, match="cross_entropy has no double backward"):
+        torch.autograd.grad(ce.cross_entropy(x, target), x, create_graph=True)
+
+
+def test_inside_a_compiled_graph_it_is_the_upcasting_expression(monkeypatch):
+    monkeypatch.setattr(ce._LogitsCrossEntropy, "apply", lambda *a: pytest.fail("the Function ran in the graph"))
     logits, target = sample(torch.bfloat16)
     one = torch.tensor(1.0)
     compiled = torch.compile(lambda x, t: ce.cross_entropy(x, t), backend="aot_eager", fullgraph=True)
@@ -241,6 +249,17 @@ def test_without_the_variable_the_torch_chunks_run(fused_on_cpu, monkeypatch):
     monkeypatch.setattr(ce, "_fused_grad", lambda *a: pytest.fail("the fused form ran"))
     logits, target = sample(torch.bfloat16)
     ours(logits, target, torch.tensor(1.0))
+
+
+def test_where_the_fused_form_would_not_compile_the_torch_chunks_run(monkeypatch):
+    # run as plain torch, the fused form would hold FP32 copies of every row's logits at once
+    monkeypatch.setenv(ce.FUSED_ENV, "1")  # requested, but on a CPU without fused_on_cpu: nothing compiles
+    monkeypatch.setattr(ce, "_fused_grad", lambda *a: pytest.fail("the fused form ran"))
+    monkeypatch.setattr(ce, "_fused_lse", lambda *a: pytest.fail("the fused form ran"))
+    logits, target = sample(torch.bfloat16)
+    loss, grad = ours(logits, target, torch.tensor(1.0))
+    ref_loss, ref_grad = reference(logits, target, torch.tensor(1.0))
+    assert relative_error(loss, ref_loss) <= 1e-6 and relative_error(grad, ref_grad) <= GRAD_BOUND[torch.bfloat16]
 
 
 @pytest.mark.parametrize("value", ["yes", "2", "true"])

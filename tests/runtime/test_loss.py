@@ -115,6 +115,42 @@ def test_under_regional_compilation_the_model_that_runs_computes_the_chunked_los
 
 
 def runtime_loss_models(model):
-    from lowprec.runtime.activations import models_of
+    from lowprec.runtime.wrapping import models_of
 
     return [m for m in models_of(model) if hasattr(type(m), "loss_function")]
+
+
+class PeftLike(nn.Module):
+    """A wrapper as PEFT's PeftModel is to this code: the Hugging Face model behind `get_base_model()`, not at
+    `.module` or `_orig_mod`."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.base_model = nn.ModuleDict({"model": model})
+
+    def get_base_model(self) -> nn.Module:
+        return self.base_model["model"]
+
+    def forward(self, *args, **kwargs):
+        return self.get_base_model()(*args, **kwargs)
+
+
+def test_a_wrapped_models_loss_is_swapped_and_the_plan_says_so():
+    model = tiny_llama()
+    accelerator, prepared = prepare(PeftLike(model), "fp8", backend="torchao")
+    assert model.loss_function is causal_lm_loss
+    assert runtime_loss.SWAPPED in loss_line(accelerator)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(prepared(input_ids=ids, labels=ids).loss)
+
+
+def test_a_model_with_no_causal_lm_loss_type_is_left_alone_without_a_warning(recwarn):
+    from transformers import LlamaModel
+
+    from lowprec.demo.model import PRESETS, llama_config
+
+    decoder = LlamaModel(llama_config(PRESETS["tiny"]))
+    assert not runtime_loss.swap_causal_lm_loss(decoder)
+    assert "_loss_function" not in vars(decoder)
+    assert runtime_loss.loss_storage(decoder, "fp8") == runtime_loss.KEPT_OTHER
+    assert not [w for w in recwarn if "loss_type" in str(w.message)]
