@@ -13,7 +13,9 @@
 # HEADLINE_ARGS replaces the headline's default arguments (d4096, every default configuration);
 # PYTEST_ARGS adds pytest options (-k, -x, ...). VERIFY_BUDGET_S (default 570) bounds the whole script,
 # set-up included, so that it ends inside one device call: the headline gets what the suite leaves and
-# keeps every configuration that finished (its JSON is rewritten after each one).
+# keeps every configuration that finished (its JSON is rewritten after each one). The suite needs about 290 s of it
+# (the TE extension compiles beside it): below VERIFY_BUDGET_S=450 it is cut. PACK=1 packs the folder into
+# <folder>.tgz at the end, for a call that also brings back files of its own (the device tool brings back 8 a call).
 set -uo pipefail
 start=$(date +%s)
 out=${1:?usage: bash scripts/gpu/verify.sh OUT [COMMIT]}
@@ -22,6 +24,9 @@ cd "$(dirname "$0")/../.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H100|H200|B200|A100|L40S' || echo gpu)
 dir="$out/$(date -u +%Y-%m-%d)-${gpu,,}-verify"
 mkdir -p "$dir"
+if [ $(( ${VERIFY_BUDGET_S:-570} - ${HEADLINE_RESERVE_S:-150} )) -lt 290 ]; then
+  echo "verify.sh: warning: VERIFY_BUDGET_S - HEADLINE_RESERVE_S leaves the suite under the ~290 s it needs" >&2
+fi
 setup_pid=""
 if [ ! -f /tmp/site/.lowprec-setup-done ]; then
   # setup.sh installs the wheels, then compiles TE's torch extension in /tmp/tebuild (~2.5 minutes on all
@@ -80,4 +85,7 @@ echo "headline: $left s left"
 timeout "$left" python3 benchmarks/headline.py ${HEADLINE_ARGS:---widths d4096} --out "$dir/headline.json" \
   > "$dir/headline.log" 2>&1 || echo "headline exit $? (124: cut off by the budget)" | tee -a "$dir/headline.log"
 python3 benchmarks/headline.py --summarize "$dir/headline.json" | tee "$dir/headline.md"
+if [ -n "${PACK:-}" ]; then  # one file: the device tool brings back at most 8 files a call (the folder has 8)
+  tar czf "$dir.tgz" -C "$(dirname "$dir")" "$(basename "$dir")" && rm -rf "$dir"
+fi
 exit $rc

@@ -154,3 +154,32 @@ def test_a_model_with_no_causal_lm_loss_type_is_left_alone_without_a_warning(rec
     assert "_loss_function" not in vars(decoder)
     assert runtime_loss.loss_storage(decoder, "fp8") == runtime_loss.KEPT_OTHER
     assert not [w for w in recwarn if "loss_type" in str(w.message)]
+
+
+def test_training_with_the_chunked_loss_follows_hugging_faces_loss_curve():
+    # the same run twice, with and without the swap (deterministic on CPU): the losses agree step by step within
+    # FP32 summation order, compounded over the steps
+    from lowprec.demo.data import Windows, stdlib_corpus
+
+    corpus = stdlib_corpus(max_bytes=2**20)
+    curves = []
+    for keep_hf in (False, True):
+        model = tiny_llama()
+        if keep_hf:
+            from transformers.loss.loss_utils import ForCausalLMLoss
+
+            model.loss_function = ForCausalLMLoss  # set before prepare(): lowprec keeps it
+        accelerator, prepared = prepare(model, "fp8", backend="torchao")
+        optimizer = accelerator._optimizers[0]
+        loader = torch.utils.data.DataLoader(Windows(corpus.train, 64, 8 * 12, seed=0), batch_size=8)
+        losses = []
+        for ids in loader:
+            loss = prepared(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        curves.append(losses)
+    ours, theirs = curves
+    assert len(ours) == 12 and ours[-1] < ours[0] - 0.5
+    assert max(abs(a - b) / b for a, b in zip(ours, theirs)) <= 1e-4, (ours, theirs)
