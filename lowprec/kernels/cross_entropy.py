@@ -1,18 +1,19 @@
 """Cross-entropy over a model's logits that keeps no FP32 copy of them for backward.
 
-The usual language-model loss upcasts the logits to FP32 and takes `F.cross_entropy` of that: autograd then
-keeps the FP32 log-probabilities for backward, and the backward makes two more FP32 tensors of the logits'
-shape (the log-probabilities' gradient and the FP32 logits' gradient) before casting to the logits' dtype. At a
-32000-word vocabulary and 8192 tokens those are three tensors of 0.98 GiB each, live at the start of the
-backward, when every saved activation still is: the step's peak (results/gpu/2026-11-27-h200-whole-087d663).
+The usual language-model loss upcasts the logits to FP32 and takes `F.cross_entropy` of that: autograd then keeps
+the FP32 log-probabilities for backward, and the backward makes two more FP32 tensors of the logits' shape (the
+log-probabilities' gradient and the FP32 logits' gradient) before casting to the logits' dtype. At a 32000-word
+vocabulary and 8192 tokens those are three tensors of 0.98 GiB each, live at the start of the backward, when every
+saved activation still is: the step's peak (results/gpu/2026-11-27-h200-whole-087d663).
 
-`cross_entropy` computes the same loss chunk by chunk (rows of at most `CHUNK_ELEMENTS` values in FP32 at a
-time) and keeps for backward only the logits themselves, which the model hands back to its caller anyway, and
-one FP32 log-sum-exp per row. The backward recomputes each chunk's softmax from them and writes the gradient
-straight in the logits' dtype. Every value is computed in FP32 as the upcasting loss computes it, so the loss
-and the gradient equal the usual ones up to FP32 summation order (tests/kernels/test_cross_entropy.py). Inside
-a graph being compiled it is the usual expression, which inductor fuses: a whole-model graph's peak held no FP32
-tensor of the logits' shape (results/gpu/2026-11-27-h200-whole-087d663).
+`cross_entropy` computes the same loss chunk by chunk (rows of at most `CHUNK_ELEMENTS` values in FP32 at a time)
+and keeps for backward only the logits themselves, which the model hands back to its caller anyway, and one FP32
+log-sum-exp per row. The backward recomputes each chunk's softmax from them and writes the gradient straight in the
+logits' dtype. On CUDA the chunks are one inductor kernel each way, every row at once (`fused_requested`;
+`LOWPREC_FUSED_CROSS_ENTROPY=0`: torch ops). Every value is computed in FP32 as the upcasting loss computes it, so
+the loss and the gradient equal the usual ones up to FP32 summation order (tests/kernels/test_cross_entropy.py).
+Inside a graph being compiled it is the usual expression, which inductor fuses: a whole-model graph's peak held no
+FP32 tensor of the logits' shape (results/gpu/2026-11-27-h200-whole-087d663).
 """
 
 from __future__ import annotations
@@ -33,15 +34,15 @@ _saving = threading.local()
 
 
 def fused_requested() -> bool:
-    """`LOWPREC_FUSED_CROSS_ENTROPY=1`: on CUDA, the log-sum-exps and the gradient of every row as one inductor
-    kernel each (`cuda_fused`) instead of a few torch ops a chunk over FP32 temporaries. Off until measured on a
-    GPU: the torch chunks cost about 3 ms a step on the d4096 proxy (an estimate across two machines,
-    results/gpu/2026-11-27-h200-loss-e594ea3), and the fused form has not run on one yet."""
+    """Whether the loss runs fused where it can (`cuda_fused`: on CUDA, the log-sum-exps and the gradient of every
+    row as one inductor kernel each, instead of a few torch ops a chunk over FP32 temporaries): yes unless
+    `LOWPREC_FUSED_CROSS_ENTROPY=0`. On the d4096 proxy the fused form took 4.8 ms off msamp O2's step at the same
+    peak (results/gpu/2026-11-27-h200-memory-8951179)."""
     value = os.environ.get(FUSED_ENV, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{FUSED_ENV}={value!r} is not one of '0', '1' (1: the loss's chunks as one fused kernel "
-                         "each way on CUDA; 0 or unset: torch ops)")
-    return value == "1"
+        raise ValueError(f"{FUSED_ENV}={value!r} is not one of '0', '1' (1 or unset: the loss's chunks as one fused "
+                         "kernel each way on CUDA; 0: torch ops)")
+    return value != "0"
 
 
 @fused.cuda_fused
