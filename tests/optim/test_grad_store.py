@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from conftest import same_bytes
 from torch import nn
 
 from lowprec.optim import LowBitAdamW
@@ -155,3 +156,60 @@ def test_buffers_follow_the_module_and_stay_out_of_checkpoints():
 def test_bad_store_dtype():
     with pytest.raises(ValueError, match="GradStore dtype=torch.float16"):
         GradStore(nn.Linear(4, 4), torch.float16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["e4m3", "bf16"])
+def test_the_fused_accumulation_gives_the_definitions_bytes_with_one_graph_per_store_dtype(fused_on_cpu, dtype):
+    """On CUDA a store's accumulation runs compiled (`cuda_fused`); inductor's CPU code stands in for it and must
+    give the definition's bytes, scale and amax: over weights of many shapes, an empty store and a full one, a
+    scale that clipping divided, and gradients with inf and NaN."""
+    from torch._dynamo.utils import counters
+
+    from lowprec.optim.grad_store import accumulated
+
+    graphs = counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(0)
+    for i, shape in enumerate([(64, 32), (33, 7), (1, 1), (128, 96), (5, 4096)]):
+        stored = (torch.randn(shape, generator=g) * 100).clamp(-448, 448).to(dtype)
+        grad = torch.randn(shape, generator=g).bfloat16() * 2.0 ** (i - 2)
+        if i == 3:
+            grad[0, 0], grad[1, 1] = float("inf"), float("nan")
+        for scale in (torch.tensor(1.0), torch.tensor(2.0**-3), torch.tensor(0.37)):  # 0.37: a clipped scale
+            for valid in (torch.tensor(0.0), torch.tensor(1.0)):
+                got, want = accumulated(stored, scale, valid, grad), accumulated.eager(stored, scale, valid, grad)
+                assert got[0].dtype == dtype and got[0].shape == shape
+                assert same_bytes(got[0], want[0]), (shape, scale, valid)
+                assert torch.equal(got[1], want[1]) and same_bytes(got[2], want[2])
+                if i == 3:
+                    # E4M3 has no inf: it becomes NaN, never a saturated 448; BF16 keeps it
+                    assert (torch.isnan if dtype == E4M3 else torch.isinf)(got[0][0, 0]) and torch.isnan(got[0][1, 1])
+                    assert torch.isnan(got[2])
+                    assert torch.equal(got[1], scale if dtype == E4M3 else torch.tensor(1.0))  # not a NaN scale
+    assert 1 <= counters["stats"]["unique_graphs"] - graphs <= 3  # not one per shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["e4m3", "bf16"])
+def test_micro_batches_accumulate_alike_fused_and_eager(fused_on_cpu, dtype):
+    layer, reference = pair(2)
+    store, reference_store = GradStore(layer, dtype), GradStore(reference, dtype)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        grads = [torch.randn(32, 64) * 2.0**k for k in range(4)]
+    for grad in grads:
+        store.accumulate(grad)  # compiled
+        accumulate_eager(reference_store, grad)
+    assert same_bytes(store.fp8_grad_data, reference_store.fp8_grad_data)
+    assert torch.equal(store.fp8_grad_scale, reference_store.fp8_grad_scale)
+    assert torch.equal(store.fp8_grad_amax, reference_store.fp8_grad_amax)
+    backward(layer, x)
+    assert store.fp8_grad_valid.item() == 1 and layer.weight.grad is None
+
+
+def accumulate_eager(store: GradStore, grad: torch.Tensor) -> None:
+    from lowprec.optim.grad_store import accumulated
+
+    data, scale, amax = accumulated.eager(store.fp8_grad_data, store.fp8_grad_scale, store.fp8_grad_valid, grad)
+    store.fp8_grad_data.copy_(data)
+    store.fp8_grad_scale.copy_(scale)
+    store.fp8_grad_amax.copy_(amax)
+    store.fp8_grad_valid.fill_(1.0)
