@@ -17,11 +17,10 @@ Per tensor, as MS-AMP's `nn/functional.py` does it:
 Every scale is a power of two (`lowprec.kernels.scaling.compute_scale`). The three GEMMs are
 `torch._scaled_mm` on FP8 GPUs and the same math in FP32 elsewhere (emulation).
 
-The weight gradient never becomes a `.grad`: autograd gets None for the weight and the layer keeps
-the gradient in its FP8 buffer (`fp8_grad_data` with `fp8_grad_scale`), accumulating micro-batches
-by dequantise + add + requantise. `lowprec.optim.LowBitAdamW` reads it from there; the backend's
-reducer averages it across ranks in FP8. All state lives in buffers that the autograd function
-updates in place, so the layer compiles as one graph with `torch.compile`.
+The weight gradient never becomes a `.grad`: autograd gets None for the weight and the layer keeps the gradient in
+its FP8 buffer (`fp8_grad_data` with `fp8_grad_scale`), accumulating micro-batches by dequantise + add + requantise.
+`lowprec.optim.LowBitAdamW` reads it from there; the backend's reducer averages it across ranks in FP8. All state
+lives in buffers that the autograd function updates in place, so the layer compiles as one graph (torch.compile).
 
 Deliberate difference from MS-AMP: the stored FP16 weight is the true weight, not a value
 pre-multiplied by a scale, so every PyTorch tool (initialisers, tied weights, `state_dict`) sees a
@@ -182,10 +181,11 @@ class _FP8LinearFunction(torch.autograd.Function):
             grad_x = grad_x.to(x_dtype).reshape(shape)
         if not ctx.needs_input_grad[1]:  # frozen weight
             return (grad_x,) + (None,) * 10
-        # dW = dY^T X: inner dimension = tokens, which FP8 GEMMs need in multiples of 16. O3 under FSDP2 hands it to
-        # autograd, which would cast it to the weight's dtype: the GEMM writes that dtype itself where it has FP32's
-        # range (BF16); an FP16 one goes through FP32, whose cast turns an overflow into inf, never a finite max.
-        out_dtype = w_dtype if grad_data is None and w_dtype in (torch.bfloat16, torch.float32) else torch.float32
+        # dW = dY^T X: inner dimension = tokens, which FP8 GEMMs need in multiples of 16. Written in a dtype of FP32's
+        # range (an FP16 overflow would be a finite max): the output gradient's (as MS-AMP) when stored in E4M3, the
+        # weight's when O3's FSDP2 takes it from autograd (FP32 ones were live at O2's peak: h200-memory-8951179).
+        keep = grad_out.dtype if grad_data is not None else w_dtype
+        out_dtype = keep if keep in (torch.bfloat16, torch.float32) else torch.float32
         wgrad = scaled_gemm(_pad_cols(gqt, 16), _pad_cols(xqt, 16).t(), inv_g, inv_x, out_dtype,
                             emulate=emulate, fast_accum=False)
         if grad_data is None:  # O3: FSDP2 takes the gradient from autograd and reduce-scatters it
