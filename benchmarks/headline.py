@@ -414,10 +414,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile_dir:
         os.makedirs(args.profile_dir, exist_ok=True)
     cuda = torch.cuda.is_available()
+    # COMMIT first (verify.sh and memory.sh pass it): the device's copy of the tree may carry a stale .git, whose HEAD
+    # was an older commit's (results/gpu/2026-11-27-h200-memory-62ecff5)
+    commit = os.environ.get("COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
-        commit = ""
+        pass
     results: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                      "commit": commit, "argv": argv, "steps": args.steps, "warmup": args.warmup, "widths": {}}
     for name in ("accelerate", "torchao", "transformer_engine"):

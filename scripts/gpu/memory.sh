@@ -21,7 +21,8 @@
 # Several parts may be named in one call, within the device's 8 files a call: headline and whole together write
 # 9 with commit.txt (run whole in a call of its own, or with headline_te). The set-up (.gpubundle/setup.sh, see verify.sh) must have run on
 # the machine; TE's configurations need its compiled extension (they fail alone without it). Writes
-# OUT/<date>-<gpu>-memory/: one file per part plus commit.txt; commit that folder under results/gpu/.
+# OUT/<date>-<gpu>-memory/: one file per part plus commit.txt; commit that folder under results/gpu/. Set COMMIT=<hash>
+# (the tree's commit) on the device: its copy of the tree may carry a stale .git.
 set -uo pipefail
 out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|loss|whole|convergence|largest ...}; shift
 [ $# -gt 0 ] || { echo "name at least one part: headline headline_te loss whole convergence largest" >&2; exit 2; }
@@ -31,8 +32,11 @@ dir="$out/$(date -u +%Y-%m-%d)-${gpu,,}-memory"
 mkdir -p "$dir"
 export PYTHONUNBUFFERED=1
 # COMMIT first: the device copy of the tree may carry a stale .git
-if [ -n "${COMMIT:-}" ]; then echo "$COMMIT" > "$dir/commit.txt"
-else git rev-parse HEAD > "$dir/commit.txt" 2>/dev/null || echo unknown > "$dir/commit.txt"; fi
+if [ -n "${COMMIT:-}" ]; then echo "$COMMIT" > "$dir/commit.txt"; export COMMIT  # headline.py's JSON names it too
+else
+  echo "memory.sh: COMMIT is not set: commit.txt says what git rev-parse says, which may be a stale .git's" >&2
+  git rev-parse HEAD > "$dir/commit.txt" 2>/dev/null || echo unknown > "$dir/commit.txt"
+fi
 status=0
 for part in "$@"; do
   echo "== $part"
