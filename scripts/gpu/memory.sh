@@ -15,6 +15,8 @@
 #                                                #   whole.peak.tgz: what is live at the peak
 #   bash scripts/gpu/memory.sh OUT convergence   # ~7 min: lowprec bench --convergence (300 steps, proxy):
 #                                                #   held-out loss of each FP8-activation configuration vs BF16
+#                                                #   (CONVERGENCE_CONFIGS: others, e.g. "bf16
+#                                                #   torchao:tensorwise:O2,activation_dtype=fp8", ~2 min each)
 #   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
 #                                                #   configuration trains at batch 4 x 2048
 #
@@ -76,11 +78,12 @@ for part in "$@"; do
       tar czf "$dir/whole.peak.tgz" -C "$dir" whole_peaks && rm -rf "$dir/whole_peaks" ;;
     convergence)
       python3 -m lowprec.cli bench --convergence --steps 300 --size proxy --no-raw --no-progress --out "$dir/convergence" \
-        --configs bf16 msamp:delayed:O2 msamp:delayed:O2,activation_dtype=fp8 torchao:tensorwise,activation_dtype=fp8 \
+        --configs ${CONVERGENCE_CONFIGS:-bf16 msamp:delayed:O2 msamp:delayed:O2,activation_dtype=fp8 \
+        torchao:tensorwise,activation_dtype=fp8} \
         > "$dir/convergence.log" 2>&1 || status=1 ;;
     largest)
       python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
-        --configs "bf16 compiled" torchao "torchao act8" "msamp O2" "msamp O2 act8" > "$dir/largest.log" 2>&1 || status=1 ;;
+        --configs "bf16 compiled" torchao "torchao act8" "torchao O2 act8" "msamp O2" "msamp O2 act8" > "$dir/largest.log" 2>&1 || status=1 ;;
     *) echo "unknown part '$part' (headline|headline_te|loss|whole|convergence|largest)" >&2; exit 2 ;;
   esac
   tail -15 "$dir/$part.log" 2>/dev/null
