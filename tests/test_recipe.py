@@ -339,9 +339,22 @@ def test_optimizer_states_overrides_its_level_like_every_storage_knob():
     assert backend_spec("msamp").storage(r.replace(optimizer_states=None))["optimizer_states"] == "fp32"
 
 
-def test_optimizer_states_and_fp8_weights_both_choose_the_optimizer():
-    with pytest.raises(ValueError, match="fp8_weights=True and optimizer_states='fp8' both choose the optimizer"):
-        FP8RecipeKwargs(backend="te", fp8_weights=True, optimizer_states="fp8")
+def test_opt_level_and_fp8_weights_both_choose_the_weights_and_the_optimizer():
+    with pytest.raises(ValueError, match="fp8_weights=True and opt_level='O2' both choose the weights and the"):
+        FP8RecipeKwargs(backend="te", fp8_weights=True, opt_level="O2")
+
+
+@pytest.mark.parametrize("value, expected", [("fp8", "fp8"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32"),
+                                             (("e4m3", "bf16"), "e4m3+bf16")])
+def test_optimizer_states_with_fp8_weights_are_fused_adams_moments(value, expected):
+    assert FP8RecipeKwargs(backend="te", fp8_weights=True, optimizer_states=value).optimizer_states == expected
+
+
+@pytest.mark.parametrize("value", ["e5m2+fp16", ("e4m3", "e5m2")])
+def test_optimizer_states_fused_adam_cannot_keep_are_refused_by_name(value):
+    with pytest.raises(ValueError, match=r"optimizer_states='.*' with fp8_weights=True: TE's FusedAdam keeps Adam's "
+                                         r"moments in 'fp32', 'bf16', 'fp16', 'e4m3' .* not 'e5m2'"):
+        FP8RecipeKwargs(backend="te", fp8_weights=True, optimizer_states=value)
 
 
 @pytest.mark.parametrize("value", ["none", "None", "O0", ""])

@@ -239,13 +239,24 @@ class BackendSpec:
                 f"{self.written(recipe, 'weight_dtype')}: {weight} weights have no FP32 master copy to hold it; "
                 "use weight_dtype='fp32', or weight_grad_dtype 'bf16' / 'fp8'"
             )
-        if recipe.fp8_weights and (recipe.opt_level is not None or recipe.optimizer_states is not None):
-            chosen = (f"opt_level={recipe.opt_level!r}" if recipe.opt_level is not None
-                      else f"optimizer_states={recipe.optimizer_states!r}")
+        if recipe.fp8_weights and recipe.opt_level is not None:
             raise ValueError(
-                f"{field}.fp8_weights=True and {chosen} both choose the optimizer "
-                "(TE FusedAdam with FP32 masters vs lowprec's low-bit Adam); set one of them"
+                f"{field}.fp8_weights=True and opt_level={recipe.opt_level!r} both choose the weights and the "
+                "optimizer (TE FusedAdam with FP32 masters vs MS-AMP's FP16 weights and lowprec's low-bit Adam); set "
+                "one of them (optimizer_states sets the moments FusedAdam keeps with fp8_weights)"
             )
+        if recipe.fp8_weights and recipe.optimizer_states is not None:
+            from ..optim.levels import FUSED_ADAM_STATE_DTYPES, SHORT_NAMES, state_pair
+
+            unsupported = [SHORT_NAMES[d] for d in state_pair(recipe.optimizer_states)
+                           if d not in FUSED_ADAM_STATE_DTYPES]
+            if unsupported:
+                raise ValueError(
+                    f"{field}.optimizer_states={recipe.optimizer_states!r} with fp8_weights=True: TE's FusedAdam keeps "
+                    f"Adam's moments in {', '.join(repr(SHORT_NAMES[d]) for d in FUSED_ADAM_STATE_DTYPES)} (e4m3: its "
+                    f"uint8 FP8), not {' / '.join(map(repr, sorted(set(unsupported))))}; use 'fp32', 'bf16', 'fp16', "
+                    "'fp8' (e4m3+fp16) or a pair of those"
+                )
         if recipe.fp8_weights and (weight is not None or grad is not None):
             chosen = " and ".join(self.written(recipe, k) for k, v in (("weight_dtype", weight),
                                                                          ("weight_grad_dtype", grad)) if v is not None)

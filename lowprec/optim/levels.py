@@ -32,6 +32,12 @@ LEVEL_ROWS: dict[str, dict[str, str]] = {
     "O3": {"weight_dtype": "fp16", "weight_grad_dtype": "fp8", "optimizer_states": "fp8"},
 }
 LEVEL_STATES = {level: row["optimizer_states"] for level, row in LEVEL_ROWS.items()}
+# The moments TransformerEngine's FusedAdam keeps (its exp_avg_dtype / exp_avg_sq_dtype; FP8 E4M3 is its uint8, one
+# FP32 scale per tensor): what optimizer_states may choose where FusedAdam is the optimizer (te's fp8_weights).
+FUSED_ADAM_STATE_DTYPES: dict[torch.dtype, torch.dtype] = {
+    torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.float16: torch.float16,
+    torch.float8_e4m3fn: torch.uint8,
+}
 LEVEL_STATE_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
     level: STATE_PRESETS[LEVEL_STATES[level]] for level in LEVEL_ROWS
 }

@@ -242,6 +242,10 @@ class FusedAdam(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
                                       weight_decay=weight_decay))
         self.adam_w_mode = 1 if adam_w_mode else 0
+        for dtype in (exp_avg_dtype, exp_avg_sq_dtype):  # TE's own check
+            if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):
+                raise RuntimeError("FusedAdam only supports fp32/fp16/bf16/fp8 optimizer states.")
+        self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
         self.master_weights, self.master_weight_dtype = master_weights, master_weight_dtype
         self.scaled_state: dict[tuple[int, str], torch.Tensor] = {}  # (id(param), state name) -> value
 

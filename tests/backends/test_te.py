@@ -681,7 +681,25 @@ def test_fp8_weights_in_the_plan():
     share = 64 * 64 / sum(p.numel() for p in model.parameters())
     assert plan.bytes_per_param["weight"] == pytest.approx(share * 1 + (1 - share) * 4)
     assert plan.bytes_per_param["master_weight"] == pytest.approx(share * 4)
-    assert "fp8_weights: Adam/AdamW is replaced by TE FusedAdam(master_weights=True)" in plan.notes
+    assert "fp8_weights: Adam/AdamW is replaced by TE FusedAdam(master_weights=True), moments FP32+FP32" in plan.notes
+    assert plan.bytes_per_param["optimizer_states"] == 8.0
+    assert plan.tensor("optimizer_states").dtype == "FP32+FP32"
+
+
+@pytest.mark.parametrize("states, dtype, nbytes, how", [
+    ("fp8", "FP8 E4M3+FP16", 3.0, "unscaled to FP32 copies for each step's kernel"),
+    ("bf16", "BF16+BF16", 4.0, "read by its kernel as stored"),
+    ("fp32", "FP32+FP32", 8.0, "unscaled"),
+])
+@pytest.mark.parametrize("engine", ["single", "fsdp2"])
+def test_fp8_weights_plan_shows_fused_adams_moments(states, dtype, nbytes, how, engine):
+    model = nn.ModuleDict({"a": nn.Linear(64, 64), "norm": nn.LayerNorm(64)})
+    plan, backend = te_plan(model, "current", engine=engine, fp8_weights=True, optimizer_states=states)
+    row = plan.tensor("optimizer_states")
+    assert row.dtype == dtype and "TE FusedAdam" in row.scaling and how in row.scaling
+    n = backend.context.world_size if engine == "fsdp2" else 1
+    assert plan.bytes_per_param["optimizer_states"] == pytest.approx(nbytes / n)
+    assert f"moments {dtype}" in plan.notes[next(i for i, x in enumerate(plan.notes) if x.startswith("fp8_weights:"))]
 
 
 def test_plan_of_a_model_with_nothing_to_convert():
@@ -841,6 +859,19 @@ def test_fp8_weights_refuses_adam_settings_fused_adam_lacks(fake_te, kwargs, nam
     backend, model, plan = fp8_weights_setup()
     with pytest.raises(ValueError, match=f"FusedAdam, which has no {named}; set {named}=False or fp8_weights=False"):
         backend.wrap_optimizer(torch.optim.AdamW(model.parameters(), **kwargs), plan)
+
+
+@pytest.mark.parametrize("states, m, v", [(None, torch.float32, torch.float32), ("fp8", torch.uint8, torch.float16),
+                                          ("bf16", torch.bfloat16, torch.bfloat16),
+                                          ("e4m3+bf16", torch.uint8, torch.bfloat16)])
+def test_fp8_weights_give_fused_adam_the_moments_optimizer_states_chooses(fake_te, states, m, v):
+    backend = te_backend("current", fp8_weights=True, optimizer_states=states)
+    model = nn.Sequential(nn.Linear(64, 64))
+    plan = build_plan(model, backend.recipe, context=backend.context, backend=backend)
+    optimizer = torch.optim.AdamW(model.parameters())
+    backend.check_optimizer(optimizer)  # FusedAdam's rules, not lowprec's low-bit Adam's
+    new = backend.wrap_optimizer(optimizer, plan)
+    assert type(new) is fake_te.optimizers.FusedAdam and (new.exp_avg_dtype, new.exp_avg_sq_dtype) == (m, v)
 
 
 def test_fp8_weights_seeds_fp32_masters_from_the_weights_before_quantisation(fake_te):

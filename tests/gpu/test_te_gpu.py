@@ -339,7 +339,7 @@ class _Block(nn.Module):
         return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
 
 
-def _fsdp2_losses(recipe: str, fp8_weights: bool, steps: int = 20) -> dict:
+def _fsdp2_losses(recipe: str, fp8_weights: bool, steps: int = 20, optimizer_states: str | None = None) -> dict:
     """A world of one: the lowprec backend's hooks around `fully_shard` of each block and the root, as
     Accelerate's FSDP2 preparation calls them (BF16 MixedPrecisionPolicy, Accelerate's default for lowprec)."""
     from types import SimpleNamespace
@@ -355,7 +355,7 @@ def _fsdp2_losses(recipe: str, fp8_weights: bool, steps: int = 20) -> dict:
     model = nn.Sequential(_Block(), _Block()).cuda()
     teacher = torch.randn(512, 512, device="cuda") / 512**0.5
     recipe = FP8RecipeKwargs(backend="te", recipe=recipe, fp8_weights=fp8_weights, skip_first_last=False,
-                             skip_slow_shapes=False)
+                             skip_slow_shapes=False, optimizer_states=optimizer_states)
     context = RunContext(device=device_info(torch.device("cuda")), engine="fsdp2", world_size=1)
     backend = create_backend(recipe, context)
     plan = build_plan(model, recipe, context=context, backend=backend)
@@ -437,3 +437,37 @@ def test_fp8_weights_under_fsdp2(monkeypatch, recipe):
     # another's (the data_ptr collapse fsdp.py avoids), is far outside 3%.
     for step, (x, y) in enumerate(zip(a, b)):
         assert abs(x - y) / y < 0.03, (step, a, b)
+
+
+@pytest.mark.parametrize("states, moments", [("bf16", (torch.bfloat16, torch.bfloat16)),
+                                             ("fp8", (torch.uint8, torch.float16))])
+def test_fp8_weights_with_low_precision_moments_under_fsdp2(states, moments):
+    """optimizer_states with fp8_weights: TE's FusedAdam keeps its moments in BF16 (read by its kernel as stored) or
+    FP8 E4M3 + FP16 (one FP32 scale per tensor), on FSDP2's shards (world of one); the run follows FP32 moments'."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        low = _fsdp2_losses("current", fp8_weights=True, optimizer_states=states)
+        optimizer = low["optimizer"]
+        assert (optimizer.exp_avg_dtype, optimizer.exp_avg_sq_dtype) == moments
+        for w in low["weights"]:
+            m = optimizer.state[w]["exp_avg"]
+            m = m._local_tensor if isinstance(m, DTensor) else m
+            assert isinstance(m, Float8Tensor) if states == "fp8" else m.dtype == torch.bfloat16
+            assert m.shape == w._local_tensor.shape  # the shard's moments, not the unsharded weight's
+        full = _fsdp2_losses("current", fp8_weights=True)
+    finally:
+        dist.destroy_process_group()
+    a, b = low["losses"], full["losses"]
+    assert all(v == v and v < float("inf") for v in a) and a[-1] < 0.5 * a[0], a
+    # the same model and data; only the moments' rounding differs (BF16: 8 bits; E4M3: 3 bits of exp_avg)
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) / y < 0.05, (step, a, b)

@@ -19,6 +19,7 @@ from ...utils.modules import own_class
 from ..base import Backend, BackendUnavailableError, RunContext
 from ..torchao import _is_mha_projection
 from .fsdp import FP8_WEIGHT_DTYPE, TECommunication, fp8_weights_problem
+from .optimizer import TEOptimizerPrecision, fused_adam_state_dtypes
 from .storage import TEWeightStorage
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ COMPILED_NOTE = (
 class TEBackend(Backend):
     spec = backend_spec("te")
     storage_part = TEWeightStorage  # fp8_weights: FP8-only weights, FP32 masters in FusedAdam
+    optimizer_part = TEOptimizerPrecision  # fp8_weights: optimizer_states are FusedAdam's moments
     communication_part = TECommunication  # fp8_weights under FSDP2: around Accelerate's preparation (fsdp.py)
 
     def __init__(self, recipe, context):
@@ -272,6 +274,7 @@ class TEBackend(Backend):
             groups,
             lr=defaults["lr"], betas=defaults["betas"], eps=defaults["eps"], weight_decay=defaults["weight_decay"],
             adam_w_mode=bool(decoupled), master_weights=True, master_weight_dtype=torch.float32,
+            **fused_adam_state_dtypes(self.optimizer_states),
         )
         seeded = 0
         if self.gathers_fp8_weights:
@@ -354,13 +357,15 @@ class TEBackend(Backend):
         if self.recipe_name == "delayed":
             notes.append("DelayedScaling: checkpoints keep scales and amax histories without pickle; not compilable")
         if self.recipe.fp8_weights:
-            notes.append("fp8_weights: Adam/AdamW is replaced by TE FusedAdam(master_weights=True)")
+            moments = self.optimizer_state_precision(plan.param_dtype).dtype
+            notes.append(f"fp8_weights: Adam/AdamW is replaced by TE FusedAdam(master_weights=True), moments {moments}")
         if self.gathers_fp8_weights:
             n = self.context.world_size
+            m = self.optimizer_precision.state_bytes(torch.float32)
             notes.append(f"fp8_weights under FSDP2: model state {plan.model_state_bytes_per_param:.3g} bytes/param per "
-                         f"rank over {n} ranks (FP8 Linears: (1 + 4 + 4 + 8)/N: FP8 weight, FP32 gradient, FP32 "
-                         "master and FP32 Adam moments, all sharded); TE's Float8Tensor shards are all-gathered as "
-                         "FP8 bytes, the rest as FSDP2's mixed-precision policy says")
+                         f"rank over {n} ranks (FP8 Linears: (1 + 4 + 4 + {m:g})/N: FP8 weight, FP32 gradient, FP32 "
+                         f"master and {moments} Adam moments, all sharded); TE's Float8Tensor shards are all-gathered "
+                         "as FP8 bytes, the rest as FSDP2's mixed-precision policy says")
         if self.context.compiled and (plan.converted or self._kept_only_because_compiled(plan)):
             notes.append(COMPILED_NOTE)
         return notes

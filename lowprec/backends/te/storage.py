@@ -52,9 +52,8 @@ class TEWeightStorage(WeightStorage):
             out["master_weight"] = share * 4
             if self.owner.gathers_fp8_weights:
                 # FSDP2 shards everything, per rank: FP8 weight shards, FP32 gradient shards (the FP8
-                # weights are nominally FP32, fsdp.py), FP32 master shards, FusedAdam's FP32 moments
+                # weights are nominally FP32, fsdp.py), FP32 master shards, FusedAdam's moments (optimizer.py)
                 n = self.owner.context.world_size
                 out["weight_grad"] = share * 4 + (1 - share) * out["weight_grad"]
-                out["optimizer_states"] = 8.0
                 out = {k: v / n for k, v in out.items()}
         return out

@@ -1,0 +1,63 @@
+"""TE's optimizer-state precision. With `fp8_weights`, TE's FusedAdam is the optimizer (it holds the FP32 masters
+that requantise the FP8-only weights after each step) and `optimizer_states` chooses the dtypes it keeps Adam's
+moments in, its `exp_avg_dtype` / `exp_avg_sq_dtype`; without, lowprec's low-bit Adam, as for every backend.
+
+What TE's FusedAdam does with each (transformer_engine/pytorch/optimizers/fused_adam.py): BF16 moments (both) go to
+its kernel as they are; FP16 and FP8 ones, each with one FP32 scale per tensor, are unscaled to FP32 copies for the
+step's kernel and scaled back after it, so a step holds FP32 moments of a parameter group for its duration.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..parts import OptimizerPrecision
+
+if TYPE_CHECKING:
+    from ...planning.plan import TensorPrecision
+
+FP32_MOMENTS_BYTES = 8.0  # FusedAdam's default: exp_avg and exp_avg_sq in FP32
+
+
+def fused_adam_state_dtypes(states: str | None) -> dict[str, torch.dtype]:
+    """FusedAdam's `exp_avg_dtype` / `exp_avg_sq_dtype` for `optimizer_states` (None: its FP32 default). The recipe
+    refused what FusedAdam cannot keep (E5M2) when it was made."""
+    from ...optim.levels import FUSED_ADAM_STATE_DTYPES, state_pair
+
+    if states is None:
+        return {"exp_avg_dtype": torch.float32, "exp_avg_sq_dtype": torch.float32}
+    m, v = state_pair(states)
+    return {"exp_avg_dtype": FUSED_ADAM_STATE_DTYPES[m], "exp_avg_sq_dtype": FUSED_ADAM_STATE_DTYPES[v]}
+
+
+class TEOptimizerPrecision(OptimizerPrecision):
+    @property
+    def fused_adam(self) -> bool:
+        return bool(self.owner.recipe.fp8_weights)
+
+    def check(self, optimizer: torch.optim.Optimizer) -> None:
+        # with fp8_weights the adapter's wrap_optimizer checks what FusedAdam takes, not lowprec's low-bit Adam
+        if not self.fused_adam:
+            super().check(optimizer)
+
+    def row(self, param_dtype: str) -> TensorPrecision:
+        if not self.fused_adam:
+            return super().row(param_dtype)
+        from ...optim.levels import state_description
+        from ...planning.plan import TensorPrecision
+
+        states = self.owner.optimizer_states
+        if states is None:
+            return TensorPrecision("optimizer_states", "FP32+FP32", "TE FusedAdam's default")
+        dtypes = fused_adam_state_dtypes(states)
+        how = ("read by its kernel as stored" if set(dtypes.values()) == {torch.bfloat16} else
+               "one FP32 scale per tensor; unscaled to FP32 copies for each step's kernel")
+        return TensorPrecision("optimizer_states", state_description(states),
+                               f"optimizer_states={states!r}: TE FusedAdam, {how}")
+
+    def state_bytes(self, param_dtype: torch.dtype) -> float:
+        if self.fused_adam and self.owner.optimizer_states is None:
+            return FP32_MOMENTS_BYTES
+        return super().state_bytes(param_dtype)
