@@ -156,6 +156,9 @@ def main() -> None:
     p.add_argument("--fp8-weights", action="store_true", help="FP8RecipeKwargs(fp8_weights=True) (te)")
     p.add_argument("--activation-dtype", choices=["fp8"], default=None,
                    help="FP8RecipeKwargs(activation_dtype=...): the tensors autograd saves stored in FP8 (issue 32)")
+    p.add_argument("--optimizer-states", default=None,
+                   help="FP8RecipeKwargs(optimizer_states=...): 'bf16', 'fp8', ... (with --fp8-weights: TE FusedAdam's "
+                        "moments)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="small")
     p.add_argument("--out", required=True)
@@ -163,8 +166,9 @@ def main() -> None:
                    help="write one step's CUDA kernels (torch.profiler, by self time) to this file (rank 0; "
                         "NAME.rankR.txt for the others) and each rank's Chrome trace beside it")
     args = p.parse_args()
-    if args.backend == "bf16" and (args.activation_dtype or args.fp8_weights):
-        p.error("--activation-dtype and --fp8-weights are FP8RecipeKwargs fields: backend 'bf16' has no recipe")
+    if args.backend == "bf16" and (args.activation_dtype or args.fp8_weights or args.optimizer_states):
+        p.error("--activation-dtype, --fp8-weights and --optimizer-states are FP8RecipeKwargs fields: backend 'bf16' "
+                "has no recipe")
     time_fp8_reductions()
 
     from lowprec.demo.data import Windows, stdlib_corpus
@@ -195,7 +199,7 @@ def main() -> None:
         else:
             recipe = FP8RecipeKwargs(backend=args.backend, recipe=args.recipe or None, opt_level=args.opt_level,
                                      grad_comm_dtype=args.grad_comm_dtype, fp8_weights=args.fp8_weights or None,
-                                     activation_dtype=args.activation_dtype,
+                                     activation_dtype=args.activation_dtype, optimizer_states=args.optimizer_states,
                                      compile_fp8_layers=None if args.compile_fp8_layers is None
                                      else args.compile_fp8_layers == "true")
             accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
@@ -370,6 +374,7 @@ def main() -> None:
                 "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled, "fp8_weights": args.fp8_weights,
                 "weight_row": plan.tensor("weight").dtype if plan else None,
                 "activation_dtype": args.activation_dtype,
+                "optimizer_states_row": plan.tensor("optimizer_states").dtype if plan else None,
                 "saved_activations": plan.activations.lines() if plan and plan.activations else None,
                 "host_syncs_in_a_step": syncs, **kernels, **evidence,
             }, fh, indent=1)
