@@ -414,9 +414,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile_dir:
         os.makedirs(args.profile_dir, exist_ok=True)
     cuda = torch.cuda.is_available()
-    # COMMIT first (verify.sh and memory.sh pass it): the device's copy of the tree may carry a stale .git, whose HEAD
-    # was an older commit's (results/gpu/2026-11-27-h200-memory-62ecff5)
-    commit = os.environ.get("COMMIT", "")
+    # LOWPREC_COMMIT first (verify.sh and memory.sh set it): the device's copy of the tree may carry a stale .git,
+    # whose HEAD was an older commit's (results/gpu/2026-11-27-h200-memory-62ecff5)
+    commit = os.environ.get("LOWPREC_COMMIT", "")
     try:
         commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:

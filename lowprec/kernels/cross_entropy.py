@@ -9,11 +9,13 @@ saved activation still is: the step's peak (results/gpu/2026-11-27-h200-whole-08
 `cross_entropy` computes the same loss chunk by chunk (rows of at most `CHUNK_ELEMENTS` values in FP32 at a time)
 and keeps for backward only the logits themselves, which the model hands back to its caller anyway, and one FP32
 log-sum-exp per row. The backward recomputes each chunk's softmax from them and writes the gradient straight in the
-logits' dtype. On CUDA the chunks are one inductor kernel each way, every row at once (`fused_requested`;
-`LOWPREC_FUSED_CROSS_ENTROPY=0`: torch ops). Every value is computed in FP32 as the upcasting loss computes it, so
-the loss and the gradient equal the usual ones up to FP32 summation order (tests/kernels/test_cross_entropy.py).
-Inside a graph being compiled it is the usual expression, which inductor fuses: a whole-model graph's peak held no
-FP32 tensor of the logits' shape (results/gpu/2026-11-27-h200-whole-087d663).
+logits' dtype. On CUDA the chunks are one inductor kernel each way, every row at once, wherever `fused.cuda_fused`
+compiles (Triton, and sm_89 or newer, whose inductor code holds FP8: an A100 runs the torch chunks)
+(`fused_requested`; `LOWPREC_FUSED_CROSS_ENTROPY=0`: torch ops). Every value is computed in FP32 as the upcasting
+loss computes it, so the loss and the gradient equal the usual ones up to FP32 summation order
+(tests/kernels/test_cross_entropy.py). Inside a graph being compiled it is the usual expression, which inductor
+fuses: a whole-model graph's peak held no FP32 tensor of the logits' shape
+(results/gpu/2026-11-27-h200-whole-087d663).
 """
 
 from __future__ import annotations

@@ -100,8 +100,8 @@ def accumulate_into(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
 
 
 # A store's hook runs in autograd's backward, outside any compiled graph. As eager ops the accumulation was a
-# dozen passes over FP32 temporaries of the weight's shape: on the d4096 proxy torchao's and te's O2 ran 26 ms a
-# step slower than without the stores, with four 0.49 GiB temporaries live at the peak
+# dozen passes over FP32 temporaries of the weight's shape: on the d4096 proxy torchao's and te's O2 ran 22-26 ms a
+# step slower than their default storage (fused: torchao 2-3 ms, te 8 ms), four 0.49 GiB temporaries live at the peak
 # (results/gpu/2026-11-27-h200-memory-8951179). Fused, it reads the stored bytes and the gradient twice (the amax,
 # then the cast) and writes the new bytes once.
 @cuda_fused

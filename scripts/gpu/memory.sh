@@ -34,7 +34,7 @@ dir="$out/$(date -u +%Y-%m-%d)-${gpu,,}-memory"
 mkdir -p "$dir"
 export PYTHONUNBUFFERED=1
 # COMMIT first: the device copy of the tree may carry a stale .git
-if [ -n "${COMMIT:-}" ]; then echo "$COMMIT" > "$dir/commit.txt"; export COMMIT  # headline.py's JSON names it too
+if [ -n "${COMMIT:-}" ]; then echo "$COMMIT" > "$dir/commit.txt"; export LOWPREC_COMMIT=$COMMIT  # headline.py's JSON
 else
   echo "memory.sh: COMMIT is not set: commit.txt says what git rev-parse says, which may be a stale .git's" >&2
   git rev-parse HEAD > "$dir/commit.txt" 2>/dev/null || echo unknown > "$dir/commit.txt"

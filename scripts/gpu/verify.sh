@@ -82,7 +82,7 @@ cat "$dir/.suite1" "$dir/.suite2"; rm -f "$dir/.suite1" "$dir/.suite2"
 echo "GPU suite: exit $rc in $(( $(date +%s) - t0 )) s"
 left=$(( ${VERIFY_BUDGET_S:-570} - ($(date +%s) - start) ))
 echo "headline: $left s left"
-COMMIT=$commit timeout "$left" python3 benchmarks/headline.py ${HEADLINE_ARGS:---widths d4096} --out "$dir/headline.json" \
+LOWPREC_COMMIT=$commit timeout "$left" python3 benchmarks/headline.py ${HEADLINE_ARGS:---widths d4096} --out "$dir/headline.json" \
   > "$dir/headline.log" 2>&1 || echo "headline exit $? (124: cut off by the budget)" | tee -a "$dir/headline.log"
 python3 benchmarks/headline.py --summarize "$dir/headline.json" | tee "$dir/headline.md"
 if [ -n "${PACK:-}" ]; then  # one file: the device tool brings back at most 8 files a call (the folder has 8)

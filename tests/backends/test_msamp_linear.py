@@ -607,6 +607,27 @@ def test_an_fsdp2_gathered_weights_gradient_comes_out_in_its_dtype_at_fp8_accura
     assert 20 < sqnr(reference, layer.weight.grad) < 40
 
 
+@pytest.mark.parametrize("act_dtype, gemm_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                                                   (torch.float32, torch.float32)], ids=["bf16", "fp16", "fp32"])
+def test_a_stored_weight_gradient_is_computed_in_the_output_gradients_dtype_where_it_has_fp32s_range(
+        act_dtype, gemm_dtype, monkeypatch):
+    # O1/O2 keep the weight gradient in E4M3: the GEMM writes it in the output gradient's dtype, as MS-AMP does, where
+    # that dtype has FP32's range (BF16: half the bytes of an FP32 one live in the backward); FP16, whose overflow
+    # would be a finite max, goes through FP32
+    import lowprec.backends.msamp.linear as linear_module
+
+    asked = []
+    real = linear_module.scaled_gemm
+    monkeypatch.setattr(linear_module, "scaled_gemm", lambda *a, **k: asked.append(a[4]) or real(*a, **k))
+    linear = reference_linear(bias=False)
+    layer = fp8(linear, weight_dtype=torch.float32)
+    x, g = torch.randn(32, 128).to(act_dtype), torch.randn(32, 64).to(act_dtype)
+    layer(x).backward(g)
+    assert asked[-1] == gemm_dtype  # the backward's last GEMM: the weight gradient
+    reference = g.float().t() @ x.float()
+    assert sqnr(reference, layer.weight_grad()) > 20  # one E4M3 rounding of the inputs and of the stored gradient
+
+
 @pytest.mark.parametrize("weight_dtype", ["fp16", "bf16"])
 def test_current_scales_fused_give_the_definitions_training_step(weight_dtype, fused_on_cpu, monkeypatch):
     # an eager layer on CUDA computes each current scale (warm-up inputs and gradients, an O2 weight's every forward)

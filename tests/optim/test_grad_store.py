@@ -158,11 +158,13 @@ def test_bad_store_dtype():
         GradStore(nn.Linear(4, 4), torch.float16)
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["e4m3", "bf16"])
-def test_the_fused_accumulation_gives_the_definitions_bytes_with_one_graph_per_store_dtype(fused_on_cpu, dtype):
+def test_the_fused_accumulation_gives_the_definitions_bytes_with_few_graphs(fused_on_cpu, dtype, grad_dtype):
     """On CUDA a store's accumulation runs compiled (`cuda_fused`); inductor's CPU code stands in for it and must
     give the definition's bytes, scale and amax: over weights of many shapes, an empty store and a full one, a
-    scale that clipping divided, and gradients with inf and NaN."""
+    scale that clipping divided, and gradients with inf and NaN, in each dtype a layer hands its store (BF16 and
+    FP16 under autocast, FP32 from FP32 weights)."""
     from torch._dynamo.utils import counters
 
     from lowprec.optim.grad_store import accumulated
@@ -171,7 +173,7 @@ def test_the_fused_accumulation_gives_the_definitions_bytes_with_one_graph_per_s
     g = torch.Generator().manual_seed(0)
     for i, shape in enumerate([(64, 32), (33, 7), (1, 1), (128, 96), (5, 4096)]):
         stored = (torch.randn(shape, generator=g) * 100).clamp(-448, 448).to(dtype)
-        grad = torch.randn(shape, generator=g).bfloat16() * 2.0 ** (i - 2)
+        grad = (torch.randn(shape, generator=g) * 2.0 ** (i - 2)).to(grad_dtype)
         if i == 3:
             grad[0, 0], grad[1, 1] = float("inf"), float("nan")
         for scale in (torch.tensor(1.0), torch.tensor(2.0**-3), torch.tensor(0.37)):  # 0.37: a clipped scale
