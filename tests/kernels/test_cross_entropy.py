@@ -251,19 +251,17 @@ def test_without_the_variable_the_fused_form_runs_where_it_compiles(fused_loss, 
     assert fused_loss == {"lse": 1, "grad": 1}
 
 
-def test_with_the_variable_0_the_torch_chunks_run(fused_on_cpu, monkeypatch):
-    monkeypatch.setenv(ce.FUSED_ENV, "0")
-    monkeypatch.setattr(ce, "_fused_grad", lambda *a: pytest.fail("the fused form ran"))
-    monkeypatch.setattr(ce, "_fused_lse", lambda *a: pytest.fail("the fused form ran"))
-    logits, target = sample(torch.bfloat16)
-    loss, grad = ours(logits, target, torch.tensor(1.0))
-    ref_loss, ref_grad = reference(logits, target, torch.tensor(1.0))
-    assert relative_error(loss, ref_loss) <= 1e-6 and relative_error(grad, ref_grad) <= GRAD_BOUND[torch.bfloat16]
-
-
-def test_where_the_fused_form_would_not_compile_the_torch_chunks_run(monkeypatch):
-    # run as plain torch, the fused form would hold FP32 copies of every row's logits at once
-    monkeypatch.delenv(ce.FUSED_ENV, raising=False)  # the default, but on a CPU without fused_on_cpu: nothing compiles
+@pytest.mark.parametrize("variable, compiles", [("0", True), (None, False)],
+                         ids=["LOWPREC_FUSED_CROSS_ENTROPY=0", "default where nothing compiles"])
+def test_the_torch_chunks_run_when_asked_or_where_the_fused_form_would_not_compile(variable, compiles, request,
+                                                                                    monkeypatch):
+    # where nothing compiles, the fused form run as plain torch would hold FP32 copies of every row's logits at once
+    if compiles:
+        request.getfixturevalue("fused_on_cpu")
+    if variable is None:
+        monkeypatch.delenv(ce.FUSED_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ce.FUSED_ENV, variable)
     monkeypatch.setattr(ce, "_fused_grad", lambda *a: pytest.fail("the fused form ran"))
     monkeypatch.setattr(ce, "_fused_lse", lambda *a: pytest.fail("the fused form ran"))
     logits, target = sample(torch.bfloat16)
