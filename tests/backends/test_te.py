@@ -689,7 +689,8 @@ def test_fp8_weights_in_the_plan():
 @pytest.mark.parametrize("states, dtype, nbytes, how", [
     ("fp8", "FP8 E4M3+FP16", 3.0, "unscaled to FP32 copies for each step's kernel"),
     ("bf16", "BF16+BF16", 4.0, "read by its kernel as stored"),
-    ("fp32", "FP32+FP32", 8.0, "unscaled"),
+    ("fp32", "FP32+FP32", 8.0, "FP32, its default"),
+    ("e4m3+bf16", "FP8 E4M3+BF16", 3.0, "unscaled to FP32 copies for each step's kernel"),
 ])
 @pytest.mark.parametrize("engine", ["single", "fsdp2"])
 def test_fp8_weights_plan_shows_fused_adams_moments(states, dtype, nbytes, how, engine):

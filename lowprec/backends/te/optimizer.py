@@ -51,9 +51,10 @@ class TEOptimizerPrecision(OptimizerPrecision):
         states = self.owner.optimizer_states
         if states is None:
             return TensorPrecision("optimizer_states", "FP32+FP32", "TE FusedAdam's default")
-        dtypes = fused_adam_state_dtypes(states)
-        how = ("read by its kernel as stored" if set(dtypes.values()) == {torch.bfloat16} else
-               "one FP32 scale per tensor; unscaled to FP32 copies for each step's kernel")
+        kinds = set(fused_adam_state_dtypes(states).values())
+        how = ("FP32, its default" if kinds == {torch.float32} else "read by its kernel as stored"
+               if kinds == {torch.bfloat16} else "one FP32 scale per tensor; unscaled to FP32 copies for each step's "
+               "kernel")
         return TensorPrecision("optimizer_states", state_description(states),
                                f"optimizer_states={states!r}: TE FusedAdam, {how}")
 
