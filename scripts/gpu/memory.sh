@@ -18,7 +18,8 @@
 #                                                #   (CONVERGENCE_CONFIGS: others, e.g. "bf16
 #                                                #   torchao:tensorwise:O2,activation_dtype=fp8", ~2 min each)
 #   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
-#                                                #   configuration trains at batch 4 x 2048
+#                                                #   configuration trains at batch 4 x 2048 (LARGEST_CONFIGS:
+#                                                #   others, ';'-separated, e.g. "bf16 compiled;torchao O2 act8")
 #
 # Several parts may be named in one call, within the device's 8 files a call: headline and whole together write
 # 9 with commit.txt (run whole in a call of its own, or with headline_te). The set-up (.gpubundle/setup.sh, see verify.sh) must have run on
@@ -40,6 +41,8 @@ else
   git rev-parse HEAD > "$dir/commit.txt" 2>/dev/null || echo unknown > "$dir/commit.txt"
 fi
 status=0
+# largest: headline configuration names (LARGEST_CONFIGS, a ';'-separated list, chooses others: each takes ~1.5 min)
+IFS=';' read -ra LARGEST_CONFIGS <<< "${LARGEST_CONFIGS:-bf16 compiled;torchao;torchao act8;msamp O2;msamp O2 act8}"
 for part in "$@"; do
   echo "== $part"
   case "$part" in
@@ -83,7 +86,7 @@ for part in "$@"; do
         > "$dir/convergence.log" 2>&1 || status=1 ;;
     largest)
       python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
-        --configs "bf16 compiled" torchao "torchao act8" "torchao O2 act8" "msamp O2" "msamp O2 act8" > "$dir/largest.log" 2>&1 || status=1 ;;
+        --configs "${LARGEST_CONFIGS[@]}" > "$dir/largest.log" 2>&1 || status=1 ;;
     *) echo "unknown part '$part' (headline|headline_te|loss|whole|convergence|largest)" >&2; exit 2 ;;
   esac
   tail -15 "$dir/$part.log" 2>/dev/null
