@@ -72,11 +72,12 @@ MEGATRON = Section(
                   "set it, lowprec's do not"),
         Knob("use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16",
              ("use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype"), where=(MB,),
-             example={"backend": "te", "fp8_weights": True, "optimizer_states": "bf16"},
+             example={"backend": "te", "recipe": "current", "fp8_weights": True, "optimizer_states": "bf16"},
              note="Megatron-Bridge's `OptimizerConfig`, not `MixedPrecisionConfig`: Adam's moments in TE's FusedAdam. "
                   "`optimizer_states` takes the pair (exp_avg, exp_avg_sq): `'bf16'`, `'fp16'`, `'fp8'` (Megatron's "
                   "`torch.uint8` + `torch.float16`), `('e4m3', 'bf16')`, ... With `fp8_weights=True` TE's FusedAdam "
-                  "keeps them, as in Megatron; otherwise lowprec's LowBitAdam(W), with power-of-two scales "
+                  "keeps them, as in Megatron (BF16 pairs not with `recipe='delayed'`, whose FP8-weight kernel takes "
+                  "FP32 moments); otherwise lowprec's LowBitAdam(W), with power-of-two scales "
                   "([optimizer-states.md](optimizer-states.md))"),
         Knob("reuse_grad_buf_for_mxfp8_param_ag=True", ("reuse_grad_buf_for_mxfp8_param_ag",), where=(MB,),
              not_offered="a buffer reuse of Megatron's FP8 parameter all-gather under MXFP8, which lowprec does not "

@@ -59,7 +59,8 @@ class FP8RecipeKwargs(KwargsHandler):
             the storage knobs on their layers).
         optimizer_states: storage of Adam's moments, for any backend: "fp32", "bf16", "fp16", "fp8"
             (MS-AMP's E4M3 exp_avg + FP16 exp_avg_sq, 3 bytes/param instead of 8), or a pair such as
-            ("e4m3", "e4m3"). Adam/AdamW passed to prepare() becomes lowprec.optim.LowBitAdam(W).
+            ("e4m3", "e4m3"). Adam/AdamW passed to prepare() becomes lowprec.optim.LowBitAdam(W); with te's
+            fp8_weights, these are TE FusedAdam's moments instead (no "e5m2"; not both "bf16" with recipe "delayed").
             None: the level's states, else the optimizer's own (the parameters' dtype).
         include: fnmatch patterns of module names to convert; None converts every candidate.
         exclude: fnmatch patterns of module names to keep in high precision.

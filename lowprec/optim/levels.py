@@ -138,9 +138,25 @@ def low_bit_optimizer(optimizer: torch.optim.Optimizer, choice, *, backend: str,
 def built_states(optimizer: torch.optim.Optimizer, param_dtype: str) -> str:
     """What `optimizer` stores its moments in, as the plan writes it ('FP8 E4M3+FP16', 'FP32+FP32').
 
-    A LowBitAdam(W) says per group; torch's own optimizers keep states in the parameters' dtype.
+    A LowBitAdam(W) says per group; TE's FusedAdam with master weights in its `exp_avg_dtype` / `exp_avg_sq_dtype`
+    (uint8: FP8 E4M3); torch's own optimizers keep states in the parameters' dtype.
     """
+    moments = fused_adam_moments(optimizer)
+    if moments is not None:
+        return state_description(moments)
     if not isinstance(optimizer, LowBitAdamW):
         return f"{param_dtype}+{param_dtype}"
     kinds = {state_description((g["exp_avg_dtype"], g["exp_avg_sq_dtype"])) for g in optimizer.param_groups}
     return " / ".join(sorted(kinds))
+
+
+def fused_adam_moments(optimizer: torch.optim.Optimizer) -> tuple[torch.dtype, torch.dtype] | None:
+    """(exp_avg, exp_avg_sq) storage of TE's FusedAdam keeping master weights (te's fp8_weights), E4M3 for its uint8;
+    None for any other optimizer."""
+    if not getattr(optimizer, "master_weights", False):
+        return None
+    dtypes = (getattr(optimizer, "exp_avg_dtype", None), getattr(optimizer, "exp_avg_sq_dtype", None))
+    from_fused_adam = {v: k for k, v in FUSED_ADAM_STATE_DTYPES.items()}
+    if not all(d in from_fused_adam for d in dtypes):
+        return None
+    return from_fused_adam[dtypes[0]], from_fused_adam[dtypes[1]]

@@ -875,6 +875,70 @@ def test_fp8_weights_give_fused_adam_the_moments_optimizer_states_chooses(fake_t
     assert type(new) is fake_te.optimizers.FusedAdam and (new.exp_avg_dtype, new.exp_avg_sq_dtype) == (m, v)
 
 
+@pytest.mark.parametrize("recipe, states, model_dtype", [("delayed", None, torch.float32),
+                                                         ("delayed", None, torch.bfloat16),
+                                                         ("delayed", "fp8", torch.float32),
+                                                         ("current", "bf16", torch.float32),
+                                                         ("current", "e4m3+bf16", torch.bfloat16)])
+def test_fused_adam_built_with_fp8_weights_matches_its_plan(fake_te, recipe, states, model_dtype):
+    # prepare() checks the optimizer it built against the plan: FusedAdam's moments are its exp_avg_dtype /
+    # exp_avg_sq_dtype (uint8: E4M3), whatever the parameters' dtype
+    backend = te_backend(recipe, fp8_weights=True, optimizer_states=states)
+    model = nn.Sequential(nn.Linear(64, 64)).to(model_dtype)
+    plan = build_plan(model, backend.recipe, context=backend.context, backend=backend)
+    new = backend.wrap_optimizer(torch.optim.AdamW(model.parameters()), plan)
+    plan.verify_optimizer(new)  # no PlanMismatchError
+
+
+def test_a_user_fused_adam_without_master_weights_keeps_the_parameters_dtype_rule(fake_te):
+    from lowprec.optim.levels import built_states
+
+    optimizer = fake_te.optimizers.FusedAdam(nn.Linear(4, 4).parameters(), exp_avg_dtype=torch.bfloat16)
+    assert built_states(optimizer, "FP32") == "FP32+FP32"  # not lowprec's: no plan row of its own
+
+
+@pytest.mark.parametrize("states", ["bf16", ("bf16", "bf16")])
+def test_bf16_moments_with_delayed_fp8_weights_are_refused_naming_what_works(states):
+    # TE's FP8-weight Adam kernel for delayed scaling takes FP32 moments; both-BF16 ones reach it as stored
+    with pytest.raises(ValueError, match="recipe='delayed', fp8_weights=True, optimizer_states='bf16'.*use "
+                                         "recipe='current', or optimizer_states 'fp16', 'fp8'"):
+        te_backend("delayed", fp8_weights=True, optimizer_states=states)
+
+
+class _Shard:
+    """A parameter as FSDP2 leaves it, for `empty_shard_problem`: its global shape and a one-dimensional mesh."""
+
+    def __init__(self, *shape: int, world: int):
+        self.shape, self.device_mesh = torch.Size(shape), type("Mesh", (), {"ndim": 1, "size": lambda _, d: world})()
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@pytest.mark.parametrize("moments, shapes, world, refused", [
+    ((torch.float16, torch.float16), [(64, 8), (8,)], 2, False),
+    ((torch.uint8, torch.float16), [(64, 8), (1,)], 2, True),  # a Linear(h, 1)'s bias: rank 1 holds nothing
+    ((torch.uint8, torch.float16), [(5, 3)], 4, True),  # the ranks hold 2, 2, 1 and 0 rows
+    ((torch.uint8, torch.float16), [(3, 3)], 4, True),  # 1, 1, 1 and 0
+    ((torch.uint8, torch.float16), [(3, 3)], 2, False),  # 2 and 1
+    ((torch.bfloat16, torch.float32), [(1,)], 2, False),  # BF16 and FP32 moments are not rescaled from an aminmax
+])
+def test_fp16_and_fp8_moments_refuse_fsdp2_shards_empty_on_a_rank(moments, shapes, world, refused):
+    from types import SimpleNamespace
+
+    from lowprec.backends.te.fsdp import empty_shard_problem
+
+    optimizer = SimpleNamespace(exp_avg_dtype=moments[0], exp_avg_sq_dtype=moments[1],
+                                param_groups=[{"params": [_Shard(*s, world=world) for s in shapes]}])
+    problem = empty_shard_problem(optimizer)
+    assert (problem is not None) == refused
+    if refused:
+        assert "have no elements on this rank" in problem and "use optimizer_states 'fp32', 'bf16'" in problem
+
+
 def test_fp8_weights_seeds_fp32_masters_from_the_weights_before_quantisation(fake_te):
     backend, model, plan = fp8_weights_setup()
     # What convert() records for each FP8-only weight it builds; it builds them on the GPU only.

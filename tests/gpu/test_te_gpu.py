@@ -361,6 +361,7 @@ def _fsdp2_losses(recipe: str, fp8_weights: bool, steps: int = 20, optimizer_sta
     plan = build_plan(model, recipe, context=context, backend=backend)
     model = backend.convert(model, plan)
     optimizer = backend.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), plan)
+    plan.verify_optimizer(optimizer)  # as prepare() does: the moments FusedAdam keeps are the plan's
     plugin = SimpleNamespace(cpu_ram_efficient_loading=False, cpu_offload=OffloadPolicy())
     backend.before_engine_prepare([model, optimizer], SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)))
     names = {id(p): n for n, p in model.named_parameters()}
@@ -443,9 +444,10 @@ def _trains_and_follows(a: list[float], b: list[float], bound: float) -> None:
         assert abs(x - y) / y < bound, (step, a, b)
 
 
-@pytest.mark.parametrize("states, moments", [("bf16", (torch.bfloat16, torch.bfloat16)),
-                                             ("fp8", (torch.uint8, torch.float16))])
-def test_fp8_weights_with_low_precision_moments_under_fsdp2(states, moments):
+@pytest.mark.parametrize("recipe, states, moments", [("current", "bf16", (torch.bfloat16, torch.bfloat16)),
+                                                     ("current", "fp8", (torch.uint8, torch.float16)),
+                                                     ("delayed", "fp8", (torch.uint8, torch.float16))])
+def test_fp8_weights_with_low_precision_moments_under_fsdp2(recipe, states, moments):
     """optimizer_states with fp8_weights: TE's FusedAdam keeps its moments in BF16 (read by its kernel as stored) or
     FP8 E4M3 + FP16 (one FP32 scale per tensor), on FSDP2's shards (world of one); the run follows FP32 moments'."""
     import socket
@@ -459,7 +461,7 @@ def test_fp8_weights_with_low_precision_moments_under_fsdp2(states, moments):
         port = s.getsockname()[1]
     dist.init_process_group("nccl", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
     try:
-        low = _fsdp2_losses("current", fp8_weights=True, optimizer_states=states)
+        low = _fsdp2_losses(recipe, fp8_weights=True, optimizer_states=states)
         optimizer = low["optimizer"]
         assert (optimizer.exp_avg_dtype, optimizer.exp_avg_sq_dtype) == moments
         for w in low["weights"]:
@@ -467,7 +469,7 @@ def test_fp8_weights_with_low_precision_moments_under_fsdp2(states, moments):
             m = m._local_tensor if isinstance(m, DTensor) else m
             assert isinstance(m, Float8Tensor) if states == "fp8" else m.dtype == torch.bfloat16
             assert m.shape == w._local_tensor.shape  # the shard's moments, not the unsharded weight's
-        full = _fsdp2_losses("current", fp8_weights=True)
+        full = _fsdp2_losses(recipe, fp8_weights=True)
     finally:
         dist.destroy_process_group()
     # the same model and data; only the moments' rounding differs (BF16: 8 bits; E4M3: 3 bits of exp_avg)

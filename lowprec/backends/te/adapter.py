@@ -19,7 +19,7 @@ from ...utils.modules import own_class
 from ..base import Backend, BackendUnavailableError, RunContext
 from ..torchao import _is_mha_projection
 from .fsdp import FP8_WEIGHT_DTYPE, TECommunication, fp8_weights_problem
-from .optimizer import TEOptimizerPrecision, fused_adam_state_dtypes
+from .optimizer import TEOptimizerPrecision, fused_adam_state_dtypes, moments_problem
 from .storage import TEWeightStorage
 
 if TYPE_CHECKING:
@@ -62,6 +62,9 @@ class TEBackend(Backend):
             problem = fp8_weights_problem(self.recipe_name, context.engine, self.recipe.reduce_amax)
             if problem is not None:
                 raise BackendUnavailableError(problem)
+            problem = moments_problem(self.recipe_name, self.optimizer_states)
+            if problem is not None:
+                raise ValueError(problem)
         # TE's own check reads the local GPU: only ask when planning for it and TE is there to ask
         if (self.recipe_name == "block" and not self.emulated and torch.cuda.is_available()
                 and context.device.type == "cuda" and self.availability()[0]):

@@ -4,7 +4,7 @@ TE's `Float8Tensor` (the weight `quantized_model_init` builds) carries FSDP2's a
 `fsdp_pre_all_gather` hands FSDP2 the shard's uint8 data and keeps the per-tensor scale as metadata,
 `fsdp_post_all_gather` rebuilds a `Float8Tensor` around the gathered bytes (TE 2.20.2,
 pytorch/tensor/float8_tensor.py:943-1052). TE's `FusedAdam(master_weights=True)` steps DTensor parameters
-with `Float8Tensor` shards: FP32 master and moment shards, the shard requantised after each step
+with `Float8Tensor` shards: FP32 master shards and moment shards (optimizer.py), the shard requantised after each step
 (pytorch/optimizers/fused_adam.py:397-450, 678-710, 894-897). That is Megatron-Bridge's `fp8_param_gather`.
 
 Which recipes (`FSDP2_RECIPES`): per-tensor scaling only. The gathered tensor takes the scale of the rank
@@ -171,6 +171,10 @@ class TECommunication(GradientCommunication):
             opt.set_scaled_state(weight, "master_param", shard.to(local.device, torch.float32))
             seeded += 1
         log.info("lowprec: %d FP32 master shards of FP8-only weights seeded after FSDP2 sharding", seeded)
+        for opt in {id(o): o for o, *_ in held}.values():
+            problem = empty_shard_problem(opt)
+            if problem is not None:
+                raise ValueError(problem)
         if skipped or (held and self.masters):
             warnings.warn(
                 "lowprec: some FP8-only weights' FP32 masters start from their FP8 values: "
@@ -179,3 +183,30 @@ class TECommunication(GradientCommunication):
             )
         self.masters.clear()
         super().install(model)
+
+
+def empty_shard_problem(optimizer) -> str | None:
+    """Why TE's FusedAdam cannot step `optimizer`'s parameters, or None: FP16 and FP8 moments are rescaled from their
+    `torch.aminmax` after each step, which fails on a rank whose FSDP2 shard of a parameter is empty (dim 0 smaller
+    than the world: a Linear(h, 1)'s bias). Decided from the global shapes, so that every rank refuses alike."""
+    scaled = {torch.float16, torch.uint8} & {getattr(optimizer, "exp_avg_dtype", None),
+                                             getattr(optimizer, "exp_avg_sq_dtype", None)}
+    if not scaled:
+        return None
+    empty = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if _empty_on_a_rank(p)]
+    if not empty:
+        return None
+    return (f"FP8RecipeKwargs(fp8_weights=True, optimizer_states=...) under FSDP2: {len(empty)} parameter(s) of shapes "
+            f"{', '.join(map(str, empty[:4]))} have no elements on this rank (dim 0 below the world size), and TE's "
+            "FusedAdam rescales FP16 and FP8 moments from their aminmax, which an empty shard has not; use "
+            "optimizer_states 'fp32', 'bf16' (recipe='current') or 'bf16+fp32'")
+
+
+def _empty_on_a_rank(param) -> bool:
+    """Whether FSDP2's dim-0 shard of `param` is empty on some rank (each rank holds ceil(rows / n) rows, the last
+    ones fewer or none)."""
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return param.numel() == 0
+    rows, n = (param.shape[0] if param.dim() else 1), mesh.size(mesh.ndim - 1)
+    return param.numel() == 0 or -(-rows // n) * (n - 1) >= rows

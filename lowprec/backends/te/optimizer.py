@@ -32,6 +32,19 @@ def fused_adam_state_dtypes(states: str | None) -> dict[str, torch.dtype]:
     return {"exp_avg_dtype": FUSED_ADAM_STATE_DTYPES[m], "exp_avg_sq_dtype": FUSED_ADAM_STATE_DTYPES[v]}
 
 
+def moments_problem(recipe_name: str, states: str | None) -> str | None:
+    """Why FusedAdam cannot keep `states` under TE's `recipe_name` with fp8_weights, or None. Both moments in BF16
+    go to its kernels as stored, and the kernel that steps delayed-scaling FP8 weights (`multi_tensor_adam_fp8`)
+    takes FP32 moments only; any other choice is unscaled to FP32 for it."""
+    if recipe_name == "delayed" and states is not None and set(fused_adam_state_dtypes(states).values()) == {
+            torch.bfloat16}:
+        return (f"FP8RecipeKwargs(backend='te', recipe='delayed', fp8_weights=True, optimizer_states={states!r}): "
+                "TE's FusedAdam hands BF16 moments to its kernel as stored, and its kernel for delayed-scaling FP8 "
+                "weights takes FP32 moments only; use recipe='current', or optimizer_states 'fp16', 'fp8' or a pair "
+                "that is not both 'bf16'")
+    return None
+
+
 class TEOptimizerPrecision(OptimizerPrecision):
     @property
     def fused_adam(self) -> bool:
@@ -53,8 +66,8 @@ class TEOptimizerPrecision(OptimizerPrecision):
             return TensorPrecision("optimizer_states", "FP32+FP32", "TE FusedAdam's default")
         kinds = set(fused_adam_state_dtypes(states).values())
         how = ("FP32, its default" if kinds == {torch.float32} else "read by its kernel as stored"
-               if kinds == {torch.bfloat16} else "one FP32 scale per tensor; unscaled to FP32 copies for each step's "
-               "kernel")
+               if kinds == {torch.bfloat16} else "unscaled to FP32 copies for each step's kernel (FP16 and FP8 "
+               "moments with one FP32 scale per tensor)")
         return TensorPrecision("optimizer_states", state_description(states),
                                f"optimizer_states={states!r}: TE FusedAdam, {how}")
 
