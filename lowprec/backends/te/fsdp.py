@@ -197,7 +197,7 @@ def empty_shard_problem(optimizer) -> str | None:
     if not empty:
         return None
     return (f"FP8RecipeKwargs(fp8_weights=True, optimizer_states=...) under FSDP2: {len(empty)} parameter(s) of shapes "
-            f"{', '.join(map(str, empty[:4]))} have no elements on this rank (dim 0 below the world size), and TE's "
+            f"{', '.join(map(str, empty[:4]))} have no elements on some rank (dim 0 below the world size), and TE's "
             "FusedAdam rescales FP16 and FP8 moments from their aminmax, which an empty shard has not; use "
             "optimizer_states 'fp32', 'bf16' (recipe='current') or 'bf16+fp32'")
 
