@@ -396,6 +396,19 @@ def test_fp8_weights_needs_adam():
         backend.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), plan)
 
 
+@pytest.mark.parametrize("optimizer, match", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), "needs master weights.*got SGD"),
+    (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "FusedAdam, which has no amsgrad"),
+])
+@pytest.mark.parametrize("states", [None, "fp8"])
+def test_fp8_weights_refuse_an_optimizer_fused_adam_cannot_replace_before_conversion(optimizer, match, states):
+    # prepare() asks check_optimizer before it converts the model: a refusal then leaves the user's model untouched
+    backend = te_backend("current", fp8_weights=True, optimizer_states=states)
+    with pytest.raises(ValueError, match=match):
+        backend.check_optimizer(optimizer(nn.Linear(8, 8).parameters()))
+    backend.check_optimizer(torch.optim.AdamW(nn.Linear(8, 8).parameters()))
+
+
 # ---- module selection and the plan ------------------------------------------------------------------
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_linear_alignment_is_decided_per_module(recipe):

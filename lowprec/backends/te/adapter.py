@@ -19,7 +19,7 @@ from ...utils.modules import own_class
 from ..base import Backend, BackendUnavailableError, RunContext
 from ..torchao import _is_mha_projection
 from .fsdp import FP8_WEIGHT_DTYPE, TECommunication, fp8_weights_problem
-from .optimizer import TEOptimizerPrecision, fused_adam_state_dtypes, moments_problem
+from .optimizer import TEOptimizerPrecision, check_fused_adam_source, fused_adam_state_dtypes, moments_problem
 from .storage import TEWeightStorage
 
 if TYPE_CHECKING:
@@ -253,20 +253,8 @@ class TEBackend(Backend):
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, plan: PrecisionPlan) -> torch.optim.Optimizer:
         if not self.recipe.fp8_weights:
             return super().wrap_optimizer(optimizer, plan)
-        if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-            raise ValueError(
-                "FP8RecipeKwargs(fp8_weights=True) needs master weights: lowprec moves torch.optim.Adam / AdamW to "
-                f"TransformerEngine's FusedAdam(master_weights=True); got {type(optimizer).__name__}"
-            )
+        check_fused_adam_source(optimizer)
         defaults = optimizer.defaults
-        unsupported = [k for k in ("amsgrad", "maximize") if defaults.get(k)]
-        if unsupported:
-            # FusedAdam has neither: dropping them would silently train another optimizer
-            raise ValueError(
-                f"FP8RecipeKwargs(fp8_weights=True) moves {type(optimizer).__name__} to TransformerEngine's FusedAdam, "
-                f"which has no {' / '.join(unsupported)}; set {', '.join(k + '=False' for k in unsupported)} or "
-                "fp8_weights=False"
-            )
         fused_adam = self._te().optimizers.FusedAdam
         decoupled = isinstance(optimizer, torch.optim.AdamW) or defaults.get("decoupled_weight_decay", False)
         # Keep the hyper-parameters and keys others added (a scheduler's initial_lr); drop torch's

@@ -32,6 +32,23 @@ def fused_adam_state_dtypes(states: str | None) -> dict[str, torch.dtype]:
     return {"exp_avg_dtype": FUSED_ADAM_STATE_DTYPES[m], "exp_avg_sq_dtype": FUSED_ADAM_STATE_DTYPES[v]}
 
 
+def check_fused_adam_source(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError if `optimizer` cannot become TE's FusedAdam(master_weights=True) as it is (fp8_weights)."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        raise ValueError(
+            "FP8RecipeKwargs(fp8_weights=True) needs master weights: lowprec moves torch.optim.Adam / AdamW to "
+            f"TransformerEngine's FusedAdam(master_weights=True); got {type(optimizer).__name__}"
+        )
+    unsupported = [k for k in ("amsgrad", "maximize") if optimizer.defaults.get(k)]
+    if unsupported:
+        # FusedAdam has neither: dropping them would silently train another optimizer
+        raise ValueError(
+            f"FP8RecipeKwargs(fp8_weights=True) moves {type(optimizer).__name__} to TransformerEngine's FusedAdam, "
+            f"which has no {' / '.join(unsupported)}; set {', '.join(k + '=False' for k in unsupported)} or "
+            "fp8_weights=False"
+        )
+
+
 def moments_problem(recipe_name: str, states: str | None) -> str | None:
     """Why FusedAdam cannot keep `states` under TE's `recipe_name` with fp8_weights, or None. Both moments in BF16
     go to its kernels as stored, and the kernel that steps delayed-scaling FP8 weights (`multi_tensor_adam_fp8`)
@@ -51,8 +68,10 @@ class TEOptimizerPrecision(OptimizerPrecision):
         return bool(self.owner.recipe.fp8_weights)
 
     def check(self, optimizer: torch.optim.Optimizer) -> None:
-        # with fp8_weights the adapter's wrap_optimizer checks what FusedAdam takes, not lowprec's low-bit Adam
-        if not self.fused_adam:
+        # before the model is converted: with fp8_weights, what FusedAdam takes, not lowprec's low-bit Adam
+        if self.fused_adam:
+            check_fused_adam_source(optimizer)
+        else:
             super().check(optimizer)
 
     def row(self, param_dtype: str) -> TensorPrecision:
