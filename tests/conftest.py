@@ -140,6 +140,19 @@ def fused_on_cpu(monkeypatch):
     torch._dynamo.reset()
 
 
+def causal_lm_losses(accelerator, model, optimizer, loader) -> list[float]:
+    """One pass of a Hugging Face causal LM over `loader` (token ids, labels = ids) through `accelerator`: each
+    step's loss."""
+    losses = []
+    for ids in loader:
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same bytes, but for the sign bit of a NaN (inductor's CPU code gives NaN's other sign)."""
     if a.dtype == torch.float8_e4m3fn:

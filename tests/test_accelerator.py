@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from conftest import causal_lm_losses
 from torch import nn
 
 from lowprec import Accelerator, FP8RecipeKwargs
@@ -326,13 +327,7 @@ def test_tiny_llama_trains_through_accelerate():
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     plan = accelerator.precision_plan
     assert len(plan.converted) == 2 * 7 + 1  # every projection and the head
-    losses = []
-    for ids in loader:
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = causal_lm_losses(accelerator, model, optimizer, loader)
     assert losses[-1] < losses[0] - 1.0, losses
     fp8_modules = [n for n, m in accelerator.unwrap_model(model).named_modules() if is_fp8(m)]
     assert sorted(fp8_modules) == sorted(d.fqn for d in plan.converted)

@@ -38,6 +38,7 @@ FUSED_ADAM_STATE_DTYPES: dict[torch.dtype, torch.dtype] = {
     torch.float32: torch.float32, torch.bfloat16: torch.bfloat16, torch.float16: torch.float16,
     torch.float8_e4m3fn: torch.uint8,
 }
+_FROM_FUSED_ADAM = {v: k for k, v in FUSED_ADAM_STATE_DTYPES.items()}
 LEVEL_STATE_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
     level: STATE_PRESETS[LEVEL_STATES[level]] for level in LEVEL_ROWS
 }
@@ -156,7 +157,6 @@ def fused_adam_moments(optimizer: torch.optim.Optimizer) -> tuple[torch.dtype, t
     if not getattr(optimizer, "master_weights", False):
         return None
     dtypes = (getattr(optimizer, "exp_avg_dtype", None), getattr(optimizer, "exp_avg_sq_dtype", None))
-    from_fused_adam = {v: k for k, v in FUSED_ADAM_STATE_DTYPES.items()}
-    if not all(d in from_fused_adam for d in dtypes):
+    if not all(d in _FROM_FUSED_ADAM for d in dtypes):
         return None
-    return from_fused_adam[dtypes[0]], from_fused_adam[dtypes[1]]
+    return _FROM_FUSED_ADAM[dtypes[0]], _FROM_FUSED_ADAM[dtypes[1]]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import causal_lm_losses
 from torch import nn
 
 from lowprec import Accelerator, FP8RecipeKwargs
@@ -172,14 +173,7 @@ def test_training_with_the_chunked_loss_follows_hugging_faces_loss_curve():
         accelerator, prepared = prepare(model, "fp8", backend="torchao")
         optimizer = accelerator._optimizers[0]
         loader = torch.utils.data.DataLoader(Windows(corpus.train, 64, 8 * 12, seed=0), batch_size=8)
-        losses = []
-        for ids in loader:
-            loss = prepared(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-        curves.append(losses)
+        curves.append(causal_lm_losses(accelerator, prepared, optimizer, loader))
     ours, theirs = curves
     assert len(ours) == 12 and ours[-1] < ours[0] - 0.5
     assert max(abs(a - b) / b for a, b in zip(ours, theirs)) <= 1e-4, (ours, theirs)
