@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -118,13 +119,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "for judging FP8 in that head)")
     p.add_argument("--out", default=None, help="directory for results.json/.md and the plots")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time, spread over the GPUs (default 1). Above 1 the runs share GPUs and CPUs: "
+                        "losses and peak memory are each run's own, speeds are not compared")
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 2:
         p.error("--steps must be at least 2")
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: give at least 1 (runs at a time)")
     return args
 
 
-def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool) -> dict:
+def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool, gpu: int | None = None) -> dict:
     name = config["name"].replace(":", "_").replace(",", "_").replace("=", "-")
     path = os.path.join(out, f"{arch}_{name}.json")
     cmd = [sys.executable, "-m", "lowprec.demo.run", "--arch", arch, *common, "--json", path, "--no-progress"]
@@ -139,7 +145,8 @@ def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool) -> 
             cmd += [f"--{flag}", value] if key in VALUE_OPTIONS else [f"--{'' if value else 'no-'}{flag}"]
         if raw and config["backend"] == "torchao" and not config["opt_level"]:
             cmd.append("--raw")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return {"config": config["name"], "arch": arch, "error": proc.stderr.strip().splitlines()[-1:] or ["?"],
                 "command": " ".join(cmd)}
@@ -149,8 +156,9 @@ def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool) -> 
     return result
 
 
-def summarise(results: list[dict]) -> list[dict]:
-    """Per run: the ratios against the BF16 run of the same model class."""
+def summarise(results: list[dict], speeds: bool = True) -> list[dict]:
+    """Per run: the ratios against the BF16 run of the same model class (speeds=False: runs that shared a
+    device, whose speeds are not compared)."""
     base = {r["arch"]: r for r in results if r.get("config") == "bf16" and "error" not in r}
     rows = []
     for r in results:
@@ -170,7 +178,7 @@ def summarise(results: list[dict]) -> list[dict]:
                    state_bytes=state, heldout_loss=r["heldout_loss"], emulated=r["emulated"],
                    overhead_vs_raw=r.get("overhead_vs_raw"))
         if b is not None:
-            row["speedup"] = None if r["emulated"] else r["tokens_per_s"] / b["tokens_per_s"]
+            row["speedup"] = None if r["emulated"] or not speeds else r["tokens_per_s"] / b["tokens_per_s"]
             if r.get("peak_memory_kind") == "cuda max_memory_allocated":
                 row["peak_vs_bf16"] = r["peak_memory_bytes"] / b["peak_memory_bytes"]
             row["heldout_delta"] = (r["heldout_loss"] - b["heldout_loss"]) / b["heldout_loss"]
@@ -276,17 +284,28 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"lowprec bench: {len(jobs)} runs ({size}, {steps} steps each, {'compiled' if compiled else 'eager'}) "
           f"on {device}, each in its own process; results in {out}", flush=True)
-    results = []
-    bar = tqdm(jobs, disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
-    for arch, config in bar:
-        bar.set_description(f"{arch} {config['name']}")
-        results.append(run_one(config, arch, common, out, raw=not args.no_raw))
-    rows = summarise(results)
+    bar = tqdm(total=len(jobs), disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
+    gpus = torch.cuda.device_count() if cuda else 0
+
+    def one(index: int) -> dict:
+        arch, config = jobs[index]
+        gpu = index % gpus if gpus and args.jobs > 1 else None
+        result = run_one(config, arch, common, out, raw=not args.no_raw, gpu=gpu)
+        bar.update(1)
+        return result
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # each run is a process: threads only wait
+        results = list(pool.map(one, range(len(jobs))))
+    bar.close()
+    rows = summarise(results, speeds=args.jobs == 1)
     header = (f"lowprec bench: {size} ({PRESETS[size].note}), {steps} steps, "
-              f"{'compiled' if compiled else 'eager'}, {device}, torch {torch.__version__}")
+              f"{'compiled' if compiled else 'eager'}, {device}, torch {torch.__version__}"
+              + ("" if args.jobs == 1 else f", {args.jobs} runs at a time over {max(gpus, 1)} device(s): speeds not "
+                 "compared"))
     table = markdown(rows, header)
     with open(os.path.join(out, "results.json"), "w") as fh:
         json.dump({"size": size, "steps": steps, "tokens": args.tokens, "compiled": compiled, "device": device,
+                   "jobs": args.jobs,
                    "torch": torch.__version__,
                    "convergence": args.convergence, "rows": rows, "runs": results}, fh, indent=1)
     with open(os.path.join(out, "results.md"), "w") as fh:

@@ -13,7 +13,8 @@ because pass 2 overwrites them. Pass 2 turns each amax into its power-of-two sca
 and writes the parameter and the requantised moments. Pass 1 reads the parameter only for Adam's
 L2 decay, where the moments depend on it. With unscaled states (FP32/BF16) pass 2 runs alone. The
 gradient may itself be FP8 with a scale (the weight gradient of `FP8Linear`); it is dequantised in
-registers, never materialised.
+registers, never materialised. An FP16 or BF16 parameter is written back with stochastic rounding
+where the optimizer asks for it (`lowprec.kernels.rounding`), from a per-tensor seed of step and position.
 
 Launching one kernel per tensor with the scale arithmetic in torch cost about twenty small ops per
 tensor and left the FP8-state step 1.5x slower than torch's fused AdamW; this version is 0.96-0.97x
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .rounding import ROUNDED_DTYPES, rounding_seed, rounding_seeds
 from .scaling import format_max
 
 SCALED = (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -49,6 +51,7 @@ class AdamItem:
     # is 0, the kernels leave the parameter, its states and their scales as they were, and the step count
     # ("step", then a device tensor that `count_present_steps` advances) is not advanced either.
     valid: torch.Tensor | None = None
+    ordinal: int = 0  # the parameter's position in its optimizer: with the step, its rounding seed
 
 
 def _float_bits(value: float) -> tuple[int, int]:
@@ -122,12 +125,14 @@ def _hyper_on_device(items: list[AdamItem], lr: float, beta1: float, beta2: floa
     return torch.stack([lr / (1 - torch.pow(beta1, steps)), (1 - torch.pow(beta2, steps)).sqrt()], dim=1).float()
 
 
-def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bool) -> None:
+def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bool,
+                            stochastic_rounding: bool = False) -> None:
     """One Adam(W) update, in place, of every parameter in `items` and of its states.
 
     All items share a device and the dtypes of parameter, gradient, gradient scale and states, and
     either all have a presence flag (`valid`, then a device step count) or none (`LowBitAdamW` buckets
-    them); tensors are contiguous. Scales are updated in place.
+    them); tensors are contiguous. Scales are updated in place. `stochastic_rounding` (FP16/BF16 parameters)
+    writes each parameter rounded at random up or down, unbiased, instead of to nearest.
     """
     if not items:
         return
@@ -140,7 +145,8 @@ def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bo
     g_valid = first.valid is not None
     beta1, beta2 = group["betas"]
     lr = float(group["lr"])
-    ptrs, sizes, hyper = [], [], []  # the kernels read 7 pointers per tensor in this order
+    rounds = stochastic_rounding and first.param.dtype in ROUNDED_DTYPES
+    ptrs, sizes, hyper, seeds = [], [], [], []  # the kernels read 7 pointers per tensor in this order
     for item in items:
         state = item.state
         ptrs.append([
@@ -153,6 +159,7 @@ def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bo
         if not g_valid:
             step = float(state["step"])
             hyper.append([lr / (1 - beta1**step), (1 - beta2**step) ** 0.5])
+            seeds.append(rounding_seed(step, item.ordinal))
     aligned = all(ptr % 16 == 0 for row in ptrs for ptr in row[:4])  # views into flat buffers may not be
     ptr_table = _to_device(ptrs, torch.int64, device)
     size_table = _to_device(sizes, torch.int64, device)
@@ -163,6 +170,12 @@ def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bo
     else:
         valid_table = size_table  # not read (G_VALID=False)
         hyper_table = _to_device(hyper, torch.float32, device)
+    seed_table = size_table  # not read without P_SR
+    if rounds and g_valid:  # the step counts live on the device: the seeds are computed there, with no sync
+        steps = torch.stack([item.state["step"] for item in items])
+        seed_table = rounding_seeds(steps, _to_device([item.ordinal for item in items], torch.int64, device))
+    elif rounds:
+        seed_table = _to_device(seeds, torch.int64, device)
     chunks, starts = _chunks(tuple(sizes), device)
     grid = (chunks.shape[0],)
     if not grid[0]:  # every tensor empty
@@ -186,8 +199,9 @@ def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bo
                                    BLOCK=1024)
     m_exp, m_mant = _float_bits(format_max(m_dtype)) if m_scaled else (0, 0)
     v_exp, v_mant = _float_bits(format_max(v_dtype)) if v_scaled else (0, 0)
-    update_pass[grid](ptr_table, size_table, chunks, valid_table, scratch, hyper_table, lr, beta1, beta2, group["eps"],
-                      group["weight_decay"],
+    update_pass[grid](ptr_table, size_table, chunks, valid_table, scratch, hyper_table, seed_table, lr, beta1, beta2,
+                      group["eps"], group["weight_decay"], P_SR=rounds,
+                      P_MAX=format_max(first.param.dtype) if rounds else 0.0,
                       M_MAX=format_max(m_dtype) if m_scaled else 0.0, M_MAX_EXP=m_exp, M_MAX_MANT=m_mant,
                       V_MAX=format_max(v_dtype) if v_scaled else 0.0, V_MAX_EXP=v_exp, V_MAX_MANT=v_mant,
                       **types)

@@ -81,6 +81,18 @@ def _moments(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, g_inv, m_inv, v_inv, beta1,
     return p, m, v
 
 @triton.jit
+def stochastic_round(x, seed, offs, P_TY: tl.constexpr, P_MAX: tl.constexpr):
+    # lowprec.kernels.rounding.stochastic_round: down is x rounded toward zero, up the next value away from
+    # zero (its bits + 1: sign and magnitude), up with probability (x - down) / (up - down). Beyond the largest
+    # finite value, inf and NaN: to nearest, as the cast is.
+    down = x.to(P_TY, fp_downcast_rounding="rtz")
+    up = (down.to(tl.int16, bitcast=True) + 1).to(P_TY, bitcast=True)
+    low = down.to(tl.float32)
+    frac = (x - low) / (up.to(tl.float32) - low)
+    rounded = tl.where(tl.rand(seed, offs) < frac, up, down)
+    return tl.where(tl.abs(x) <= P_MAX, rounded, x.to(P_TY))
+
+@triton.jit
 def amax_pass(ptrs, sizes, chunks, valid, partials, beta1, beta2, weight_decay,
               P_TY: tl.constexpr, G_TY: tl.constexpr, M_TY: tl.constexpr, V_TY: tl.constexpr,
               G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
@@ -138,7 +150,8 @@ def reduce_pass(ptrs, starts, partials, scratch, M_SCALED: tl.constexpr, V_SCALE
         tl.store(row + 3, tl.load(tl.load(base + 6).to(tl.pointer_type(tl.float32))))
 
 @triton.jit
-def update_pass(ptrs, sizes, chunks, valid, scratch, hyper, lr, beta1, beta2, eps, weight_decay,
+def update_pass(ptrs, sizes, chunks, valid, scratch, hyper, seeds, lr, beta1, beta2, eps, weight_decay,
+                P_SR: tl.constexpr, P_MAX: tl.constexpr,
                 P_TY: tl.constexpr, G_TY: tl.constexpr, M_TY: tl.constexpr, V_TY: tl.constexpr,
                 G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
                 M_MAX: tl.constexpr, M_MAX_EXP: tl.constexpr, M_MAX_MANT: tl.constexpr,
@@ -151,6 +164,9 @@ def update_pass(ptrs, sizes, chunks, valid, scratch, hyper, lr, beta1, beta2, ep
     bias2_sqrt = tl.load(hyper + 2 * t + 1)
     row = scratch + 4 * t
     first = (k == 0) & present  # an absent gradient leaves the scales as they were too
+    seed = 0
+    if P_SR:
+        seed = tl.load(seeds + t)
     g_inv = 1.0
     m_inv = 1.0
     v_inv = 1.0
@@ -177,7 +193,10 @@ def update_pass(ptrs, sizes, chunks, valid, scratch, hyper, lr, beta1, beta2, ep
             p = p * (1.0 - lr * weight_decay)
         denom = tl.sqrt(v) / bias2_sqrt + eps
         p = p - step_size * (m / denom)
-        tl.store(p_ptr + offs, p.to(P_TY), mask=mask)
+        if P_SR:
+            tl.store(p_ptr + offs, stochastic_round(p, seed, offs, P_TY, P_MAX), mask=mask)
+        else:
+            tl.store(p_ptr + offs, p.to(P_TY), mask=mask)
         # saturate like torch.clamp, which keeps a NaN (PTX min/max would replace it by the bound)
         if M_SCALED:
             m = tl.clamp(m * m_new, -M_MAX, M_MAX, propagate_nan=tl.PropagateNan.ALL)

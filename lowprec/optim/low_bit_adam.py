@@ -8,7 +8,10 @@ amax, as MS-AMP does). A step follows MS-AMP's LBAdamW:
 2. update the parameter in FP32 from the updated states (AdamW, or Adam with L2),
 3. choose new power-of-two scales from the updated states' amax and requantise them.
 
-MS-AMP O1 uses FP32/FP32, O2 uses E4M3 `exp_avg` and FP16 `exp_avg_sq`.
+MS-AMP O1 uses FP32/FP32, O2 uses E4M3 `exp_avg` and FP16 `exp_avg_sq`. An FP16 or BF16 parameter (the
+levels' weights, which have no FP32 master) is written back with stochastic rounding by default
+(`lowprec.kernels.rounding`); MS-AMP rounds to nearest, which loses every update below half a step of the
+format, and with it most of the last steps of a decayed learning rate.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..kernels.adam import SCALED, AdamItem, bucket_key, count_present_steps, fused_low_bit_adam_step
+from ..kernels.rounding import ROUNDED_DTYPES, rounding_generator, rounding_seed, stochastic_round
 from ..kernels.scaling import compute_scale, format_max, tensor_amax
 from ..utils.tensors import local_data
 
@@ -58,6 +63,10 @@ def _decode(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return stored.float() / scale if stored.dtype in SCALED else stored.float()
 
 
+# Group keys that are the run's choice, not the checkpoint's: kept by load_state_dict, dropped for torch's Adam.
+_OWN_KEYS = ("exp_avg_dtype", "exp_avg_sq_dtype", "stochastic_rounding")
+
+
 def plain_adam_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A LowBitAdamW checkpoint as torch's Adam/AdamW stores one: FP32 moments (each dequantised with its
     scale) and no scales or lowprec-only group keys. Anything else is returned as it is. Loaded as it was,
@@ -74,7 +83,7 @@ def plain_adam_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
                 state[key] = _decode(state[key], scale.to(state[key].device))
         new_states[pid] = state
     # "fused" too: LowBitAdamW's (None: when available) is not torch's switch of the same name
-    groups = [{k: v for k, v in group.items() if k not in ("exp_avg_dtype", "exp_avg_sq_dtype", "fused")}
+    groups = [{k: v for k, v in group.items() if k not in _OWN_KEYS + ("fused",)}
               for group in state_dict["param_groups"]]
     return {**state_dict, "state": new_states, "param_groups": groups}
 
@@ -88,6 +97,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         exp_avg_dtype, exp_avg_sq_dtype: storage of the moments (see module docstring).
         maximize: maximise the objective instead.
         fused: use the fused GPU kernel for CUDA parameters (default: when available).
+        stochastic_rounding: write FP16/BF16 parameters back rounded stochastically (unbiased: updates
+            below the format's resolution add up in expectation); False rounds to nearest, as MS-AMP does.
+            FP32 parameters are written exactly either way.
     """
 
     _decoupled = True
@@ -104,7 +116,10 @@ class LowBitAdamW(torch.optim.Optimizer):
         *,
         maximize: bool = False,
         fused: bool | None = None,
+        stochastic_rounding: bool = True,
     ):
+        if not isinstance(stochastic_rounding, bool):
+            raise ValueError(f"{type(self).__name__}.stochastic_rounding={stochastic_rounding!r}: use True or False")
         if isinstance(lr, torch.Tensor) or not 0.0 <= lr:
             raise ValueError(f"{type(self).__name__}.lr={lr!r} must be a float >= 0")
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
@@ -117,7 +132,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
             exp_avg_dtype=state_dtype("exp_avg_dtype", exp_avg_dtype),
             exp_avg_sq_dtype=state_dtype("exp_avg_sq_dtype", exp_avg_sq_dtype),
-            maximize=maximize, fused=fused,
+            maximize=maximize, fused=fused, stochastic_rounding=stochastic_rounding,
         )
         super().__init__(params, defaults)
         self._fp8_layers: dict[int, Any] = {}  # id(weight) -> layer holding its FP8 gradient
@@ -180,9 +195,12 @@ class LowBitAdamW(torch.optim.Optimizer):
             fn()
         fp8_layers = self._fp8_layers
         fp8_present = None  # read from the device once, and only where an FP8 gradient's update runs unfused
+        # each parameter's position seeds its rounding: the same on every rank that holds it
+        ordinal = -1
         for group in self.param_groups:
             buckets: dict[tuple, list[AdamItem]] = {}  # one fused launch per bucket
             for p in group["params"]:
+                ordinal += 1
                 layer = fp8_layers.get(id(p))
                 if layer is not None:
                     grad, grad_scale, valid = layer.fp8_grad_data, layer.fp8_grad_scale, layer.fp8_grad_valid
@@ -206,15 +224,16 @@ class LowBitAdamW(torch.optim.Optimizer):
                 if fused:
                     # the kernels take pointers: FSDP2's DTensor shards (and wrapped weights) by their bytes
                     local_state = {k: local_data(v) if k != "step" else v for k, v in state.items()}
-                    item = AdamItem(local_data(p), local_data(grad), grad_scale, local_state, valid)
+                    item = AdamItem(local_data(p), local_data(grad), grad_scale, local_state, valid, ordinal)
                     buckets.setdefault(bucket_key(item), []).append(item)
                 else:
                     dense = grad.float() if grad_scale is None else grad.float() / grad_scale
-                    self._reference_step(p, dense, state, group)
+                    self._reference_step(p, dense, state, group, ordinal)
             for items in buckets.values():
                 if items[0].valid is not None:
                     count_present_steps(items)
-                fused_low_bit_adam_step(items, group, decoupled=self._decoupled)
+                fused_low_bit_adam_step(items, group, decoupled=self._decoupled,
+                                        stochastic_rounding=self._rounds(items[0].param, group))
         return loss
 
     def _use_fused(self, p: torch.Tensor, grad: torch.Tensor, group: dict) -> bool:
@@ -226,7 +245,12 @@ class LowBitAdamW(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__}(fused=True) needs Triton on a CUDA device")
         return triton_available() and p.is_contiguous() and grad.is_contiguous()
 
-    def _reference_step(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    @staticmethod
+    def _rounds(p: torch.Tensor, group: dict) -> bool:
+        # .get: a group a subclass or a caller built without the key rounds as the default does
+        return p.dtype in ROUNDED_DTYPES and group.get("stochastic_rounding", True)
+
+    def _reference_step(self, p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, ordinal: int = 0) -> None:
         """The FP32 update in plain torch: the definition the fused kernel must match."""
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
@@ -244,7 +268,13 @@ class LowBitAdamW(torch.optim.Optimizer):
         bias1, bias2 = 1 - beta1**step, 1 - beta2**step
         denom = (v.sqrt() / bias2**0.5).add_(eps)
         param.addcdiv_(m, denom, value=-lr / bias1)
-        p.copy_(param)
+        if self._rounds(p, group):
+            generator = rounding_generator(rounding_seed(step, ordinal), p.device)
+            # a DTensor (FSDP2) on its local shard: the random numbers are this rank's, for the values it holds
+            target, value = (p.to_local(), param.to_local()) if isinstance(p, DTensor) else (p, param)
+            target.copy_(stochastic_round(value, p.dtype, generator))
+        else:
+            p.copy_(param)
         state["exp_avg"], state["exp_avg_scale"] = _encode(m, group["exp_avg_dtype"], state["exp_avg_scale"])
         state["exp_avg_sq"], state["exp_avg_sq_scale"] = _encode(v, group["exp_avg_sq_dtype"],
                                                                  state["exp_avg_sq_scale"])
@@ -256,7 +286,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         more than E4M3's rounding), rather than keeping the checkpoint's precision behind the plan's back."""
         # torch casts floating-point states to the parameter's dtype on load: an FP32 moment or a
         # scale of 2**35 would become FP16 (inf). Take the saved tensors as they are instead.
-        own = [{key: group[key] for key in ("exp_avg_dtype", "exp_avg_sq_dtype")} for group in self.param_groups]
+        own = [{key: group[key] for key in _OWN_KEYS if key in group} for group in self.param_groups]
         # Checked before anything changes: torch's load replaces the groups and states first, and an SGD
         # checkpoint refused after it left SGD's groups behind (the next step failed on 'step')
         for pid, entry in state_dict.get("state", {}).items():
@@ -308,6 +338,7 @@ class LowBitAdam(LowBitAdamW):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, exp_avg_dtype: Any = torch.float32,
-                 exp_avg_sq_dtype: Any = torch.float32, *, maximize: bool = False, fused: bool | None = None):
+                 exp_avg_sq_dtype: Any = torch.float32, *, maximize: bool = False, fused: bool | None = None,
+                 stochastic_rounding: bool = True):
         super().__init__(params, lr, betas, eps, weight_decay, exp_avg_dtype, exp_avg_sq_dtype,
-                         maximize=maximize, fused=fused)
+                         maximize=maximize, fused=fused, stochastic_rounding=stochastic_rounding)

@@ -16,7 +16,9 @@
 #   bash scripts/gpu/memory.sh OUT convergence   # ~7 min: lowprec bench --convergence (300 steps, proxy):
 #                                                #   held-out loss of each FP8-activation configuration vs BF16
 #                                                #   (CONVERGENCE_CONFIGS: others, e.g. "bf16
-#                                                #   torchao:tensorwise:O2,activation_dtype=fp8", ~2 min each)
+#                                                #   torchao:tensorwise:O2,activation_dtype=fp8", ~4.5 min each;
+#                                                #   CONVERGENCE_JOBS=5: five at a time over the machine's GPUs,
+#                                                #   losses and peaks each run's own, speeds not compared)
 #   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
 #                                                #   configuration trains at batch 4 x 2048 (LARGEST_CONFIGS:
 #                                                #   others, ';'-separated, e.g. "bf16 compiled;torchao O2 act8")
@@ -81,6 +83,7 @@ for part in "$@"; do
       tar czf "$dir/whole.peak.tgz" -C "$dir" whole_peaks && rm -rf "$dir/whole_peaks" ;;
     convergence)
       python3 -m lowprec.cli bench --convergence --steps 300 --size proxy --no-raw --no-progress --out "$dir/convergence" \
+        --jobs "${CONVERGENCE_JOBS:-1}" \
         --configs ${CONVERGENCE_CONFIGS:-bf16 msamp:delayed:O2 msamp:delayed:O2,activation_dtype=fp8 \
         torchao:tensorwise,activation_dtype=fp8} \
         > "$dir/convergence.log" 2>&1 || status=1 ;;

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lowprec.demo.bench import available_configs, markdown, parse_config, summarise
+from lowprec.demo.bench import available_configs, markdown, parse_args, parse_config, summarise
 
 pytest.importorskip("torchao")
 pytest.importorskip("transformers")
@@ -94,6 +94,18 @@ def test_ratios_are_against_the_bf16_run_of_the_same_model_class():
     assert "| llama | torchao:tensorwise | 130 | 1.300x |" in table and "failed: te missing" in table
 
 
+def test_runs_that_shared_devices_compare_losses_and_memory_but_not_speed():
+    rows = summarise([run("llama", "bf16", 100.0, 2.0), run("llama", "msamp:delayed:O2", 130.0, 2.02)], speeds=False)
+    assert rows[1]["speedup"] is None and rows[1]["heldout_delta"] == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1"])
+def test_jobs_below_one_are_refused_by_name(jobs, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--jobs", jobs])
+    assert f"--jobs {jobs}: give at least 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("emulated", [True, False])
 def test_an_emulated_overhead_says_it_is_no_fp8_figure(emulated):
     fp8 = {**run("llama", "torchao:tensorwise", 20.0, 2.0, emulated=emulated), "overhead_vs_raw": 6.2}
@@ -109,7 +121,7 @@ def test_bench_runs_each_configuration_in_its_own_process(tmp_path):
     env.update(TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "lowprec.cli", "bench", "--size", "tiny", "--steps", "4", "--no-progress",
            "--configs", "torchao:tensorwise", "torchao:tensorwise,skip_first_last=true",
-           "msamp:delayed:O2,activation_dtype=fp8", "--out", str(tmp_path)]
+           "msamp:delayed:O2,activation_dtype=fp8", "--out", str(tmp_path), "--jobs", "2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
@@ -120,6 +132,7 @@ def test_bench_runs_each_configuration_in_its_own_process(tmp_path):
     runs = {r["config"]: r for r in result["runs"]}
     assert len({r["pid"] for r in result["runs"]}) == 4  # four processes
     assert result["tokens"] == "bytes" and all(r["vocab_size"] == 256 for r in result["runs"])
+    assert result["jobs"] == 2 and all(r.get("speedup") is None for r in result["rows"])  # two at a time: no speeds
     kept = runs["torchao:tensorwise,skip_first_last=true"]  # the head (and first Linear) in BF16: not the default
     assert kept["plan"]["options"]["skip_first_last"] is True
     assert "modules: 13 of 15 Linear layers in FP8" in kept["plan_text"] and kept["raw"]["fp8_layers"] == 13

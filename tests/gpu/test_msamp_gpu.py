@@ -98,7 +98,10 @@ def test_fused_adam_matches_reference(states, param_dtype, cls):
     params = [torch.randn(1000, 300, device="cuda").to(param_dtype), torch.randn(77, device="cuda").to(param_dtype)]
     fused = [p.clone().requires_grad_() for p in params]
     plain = [p.clone().requires_grad_() for p in params]
-    kw = dict(lr=1e-3, weight_decay=1e-2, exp_avg_dtype=states[0], exp_avg_sq_dtype=states[1])
+    # rounded to nearest: stochastic rounding draws other random numbers in the kernel than in the reference
+    # (test_fused_adam_rounds_stochastically_to_a_neighbour_without_bias tests it)
+    kw = dict(lr=1e-3, weight_decay=1e-2, exp_avg_dtype=states[0], exp_avg_sq_dtype=states[1],
+              stochastic_rounding=False)
     opt_f, opt_r = optimizer_cls(fused, fused=True, **kw), optimizer_cls(plain, fused=False, **kw)
     for step in range(6):
         grads = [torch.randn_like(p, dtype=torch.float32) * 10 ** (step % 3 - 1) for p in params]
@@ -152,7 +155,7 @@ def test_fused_adam_buckets_mixed_dtypes_empty_tensors_and_nan_gradients():
     fused = [p.clone().requires_grad_() for p in base[:-1]] + [unaligned.requires_grad_()]
     plain = [p.clone().requires_grad_() for p in base]
     assert fused[-1].data_ptr() % 16
-    kw = dict(lr=1e-3, weight_decay=0.1, exp_avg_dtype="e4m3", exp_avg_sq_dtype="fp16")
+    kw = dict(lr=1e-3, weight_decay=0.1, exp_avg_dtype="e4m3", exp_avg_sq_dtype="fp16", stochastic_rounding=False)
     opt_f, opt_r = LowBitAdamW(fused, fused=True, **kw), LowBitAdamW(plain, fused=False, **kw)
     for step in range(4):
         grads = [torch.randn_like(p, dtype=torch.float32) for p in base]
@@ -172,8 +175,9 @@ def test_fused_adam_buckets_mixed_dtypes_empty_tensors_and_nan_gradients():
             assert (a.float()[finite] - b.float()[finite]).abs().max() < kw["lr"] + 1.6e-2
 
 
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.float16], ids=["fp32", "fp16_rounded"])
 @pytest.mark.parametrize("states", [("e4m3", "fp16"), ("fp32", "fp32")], ids=["e4m3_fp16", "fp32_fp32"])
-def test_absent_fp8_gradients_are_skipped_on_the_device_with_no_host_sync(states):
+def test_absent_fp8_gradients_are_skipped_on_the_device_with_no_host_sync(states, param_dtype):
     # The FP8 gradient stores' presence flags are read by the kernels, not the host: a step over stores that
     # got no gradient leaves them as torch leaves a parameter whose .grad is None, bitwise, and CUDA's sync
     # debug mode ('error') raises on any host sync inside the step (tests/kernels/adam_presence.py).
@@ -183,10 +187,26 @@ def test_absent_fp8_gradients_are_skipped_on_the_device_with_no_host_sync(states
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels"))
     from adam_presence import PRESENCE, compare
 
-    r = compare("cuda", states, sync_mode="error")
+    # FP16: stochastic rounding, seeded on the device for the stores, on the host for .grad: the same seeds
+    r = compare("cuda", states, sync_mode="error", param_dtype=param_dtype)
     expected = [float(sum(column)) for column in zip(*PRESENCE)] + [float(len(PRESENCE))]
     assert r["steps"] == expected and r["plain_steps"] == expected
     assert all(r["params_equal"]) and all(r["states_equal"]), r
+
+
+def test_fused_adam_rounds_stochastically_to_a_neighbour_without_bias():
+    # tests/kernels/adam_rounding.py: one of the two neighbours of the FP32 update; updates below half a step
+    # of the format, all lost rounded to nearest, add up to their sum in expectation
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels"))
+    from adam_rounding import check
+
+    for dtype, r in check("cuda", n=1 << 20).items():
+        assert r["neighbours"] and r["both_ways"], dtype
+        assert abs(r["mean_error"]) < 6 * r["sigma"], (dtype, r)
+        assert not r["nearest_moved"], dtype
 
 
 # ---- FP8Linear on tensor cores --------------------------------------------------------------------

@@ -21,14 +21,17 @@ PRESENCE = [(1, 1, 0, 1), (1, 0, 1, 1), (0, 0, 1, 1), (1, 1, 0, 0), (1, 1, 1, 1)
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 
 
-def compare(device: str, states: tuple[str, str] = ("e4m3", "fp16"), sync_mode: str | None = None) -> dict:
-    """`sync_mode` ('error' on a GPU) is CUDA's sync debug mode while the flagged optimizer steps."""
+def compare(device: str, states: tuple[str, str] = ("e4m3", "fp16"), sync_mode: str | None = None,
+            param_dtype: torch.dtype = torch.float32) -> dict:
+    """`sync_mode` ('error' on a GPU) is CUDA's sync debug mode while the flagged optimizer steps. FP16 parameters
+    are rounded stochastically: from seeds computed on the device for the flagged ones, on the host for the others,
+    which must be the same numbers."""
     from lowprec.optim import LowBitAdamW
 
     torch.manual_seed(0)
-    flagged = [torch.nn.Parameter(torch.randn(s, device=device)) for s in SHAPES]
+    flagged = [torch.nn.Parameter(torch.randn(s, device=device).to(param_dtype)) for s in SHAPES]
     plain = [torch.nn.Parameter(w.detach().clone()) for w in flagged]
-    plain_extra = torch.nn.Parameter(torch.randn(7, device=device))  # a .grad parameter beside the stores
+    plain_extra = torch.nn.Parameter(torch.randn(7, device=device).to(param_dtype))  # a .grad parameter beside them
     flagged_extra = torch.nn.Parameter(plain_extra.detach().clone())
     layers = [SimpleNamespace(weight=w, fp8_grad_data=torch.zeros(w.shape, dtype=E4M3, device=device),
                               fp8_grad_scale=torch.ones((), device=device),
@@ -46,8 +49,8 @@ def compare(device: str, states: tuple[str, str] = ("e4m3", "fp16"), sync_mode: 
             layer.fp8_grad_data.copy_(q)
             layer.fp8_grad_scale.copy_(scale)
             layer.fp8_grad_valid.fill_(float(here))
-            param.grad = q.float() / scale if here else None  # exact: a power-of-two scale
-        extra = torch.randn(7, device=device)
+            param.grad = (q.float() / scale).to(param_dtype) if here else None  # exact: a power-of-two scale
+        extra = torch.randn(7, device=device).to(param_dtype)
         flagged_extra.grad, plain_extra.grad = extra.clone(), extra.clone()
         opt_plain.step()
         if sync_mode:
@@ -68,4 +71,5 @@ def compare(device: str, states: tuple[str, str] = ("e4m3", "fp16"), sync_mode: 
 
 
 if __name__ == "__main__":
-    print(json.dumps({"e4m3_fp16": compare("cpu"), "fp32_fp32": compare("cpu", ("fp32", "fp32"))}))
+    print(json.dumps({"e4m3_fp16": compare("cpu"), "fp32_fp32": compare("cpu", ("fp32", "fp32")),
+                      "fp16_params": compare("cpu", param_dtype=torch.float16)}))

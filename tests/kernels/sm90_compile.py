@@ -90,6 +90,12 @@ def record_adam(launches: dict) -> None:
         for view in views:
             view.grad = torch.randn_like(view)
         opt.step()
+        # an FP16 parameter rounded to nearest (stochastic_rounding=False): the update's plain store (P_SR=False)
+        half = torch.nn.Parameter(torch.randn(64, 32, dtype=torch.float16))
+        opt = LowBitAdamW([half], lr=1e-3, fused=True, stochastic_rounding=False)
+        opt._use_fused = lambda p, grad, group: True
+        half.grad = torch.randn_like(half)
+        opt.step()
         adam.pow2_scale(torch.ones(4), torch.float8_e4m3fn, torch.ones(4))
     finally:
         adam._get_kernels = lambda: real

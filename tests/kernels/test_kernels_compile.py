@@ -56,7 +56,9 @@ def test_every_launched_specialisation_compiles_for_sm90(compiled, kernel):
 def test_the_adam_launches_cover_every_gradient_and_state_form(compiled):
     updates = [key for key in compiled if key.startswith("update_pass(")]
     for form in ("G_VALID=True", "G_VALID=False", "G_TY=fp8e4nv", "M_TY=fp8e4nv", "V_TY=fp8e5", "P_TY=bf16",
-                 "DECOUPLED=False", "MAXIMIZE=True", "ALIGNED=False", "ALIGNED=True"):
+                 "DECOUPLED=False", "MAXIMIZE=True", "ALIGNED=False", "ALIGNED=True",
+                 "P_SR=True, P_MAX=65504.0, P_TY=fp16", "P_SR=True, P_MAX=3.3895313892515355e+38, P_TY=bf16",
+                 "P_SR=False, P_MAX=0.0, P_TY=fp16"):
         assert any(form in key for key in updates), form
 
 

@@ -178,7 +178,8 @@ def test_scaled_state_fills_the_top_octave_of_its_format(dtype):
 @pytest.mark.parametrize("m_dtype,v_dtype", [(FP32, FP32), (E4M3, FP16)])
 @pytest.mark.parametrize("param_dtype", [FP16, BF16])
 def test_low_precision_params_are_updated_in_fp32_then_rounded(param_dtype, m_dtype, v_dtype):
-    """No master weight: each step updates p.float() in FP32 and rounds once into p's dtype.
+    """No master weight: each step updates p.float() in FP32 and rounds once into p's dtype (to nearest
+    here, as MS-AMP does; tests/optim/test_stochastic_rounding.py tests the default, stochastic rounding).
 
     Reference: torch AdamW on an FP32 shadow that is re-rounded to `param_dtype` after each step.
     With FP32 states the two agree to one ulp of the parameter format (FP32 rounding-order ties);
@@ -190,7 +191,8 @@ def test_low_precision_params_are_updated_in_fp32_then_rounded(param_dtype, m_dt
     w = torch.randn(8, 8, generator=gen).to(param_dtype)
     p = nn.Parameter(w.clone())
     shadow = nn.Parameter(w.float())
-    opt = LowBitAdamW([p], lr=lr, weight_decay=1e-3, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype)
+    opt = LowBitAdamW([p], lr=lr, weight_decay=1e-3, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype,
+                      stochastic_rounding=False)
     ref = torch.optim.AdamW([shadow], lr=lr, weight_decay=1e-3)
     for _ in range(steps):
         g = torch.randn(8, 8, generator=gen).to(param_dtype)
@@ -489,7 +491,7 @@ def test_fp8_weight_gradient_drives_the_update():
     it, dequantised (value / scale). Reference: torch AdamW on an FP32 shadow of the FP16 weight,
     fed `layer.weight_grad()` and re-rounded to FP16 after each step, as LowBitAdamW does."""
     layer = _fp8_layer()
-    opt = LowBitAdamW(layer.parameters(), lr=1e-2, weight_decay=1e-2)
+    opt = LowBitAdamW(layer.parameters(), lr=1e-2, weight_decay=1e-2, stochastic_rounding=False)
     opt.attach_fp8_grads([layer])
     shadow = nn.Parameter(layer.weight.detach().float())
     bias = nn.Parameter(layer.bias.detach().clone())

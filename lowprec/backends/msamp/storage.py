@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ...kernels.rounding import ROUNDED_DTYPES, ROUNDING
 from ...optim.grad_store import clear_in_zero_grad, ignore_in_ddp
 from ..parts import WeightStorage
 
@@ -108,7 +109,10 @@ class MSAMPStorage(WeightStorage):
                 TensorPrecision("weight_grad", f"FP8 E4M3 (Linear), {rest} (rest)", per_step),
             ]
         else:
-            mine = [TensorPrecision("weight", f"{wdt} (Linear), {hp} (rest)"), TensorPrecision("master_weight", "N/A"),
+            rounding = ROUNDING if owner.weight_dtype in ROUNDED_DTYPES else ""
+            mine = [TensorPrecision("weight", f"{wdt} (Linear), {hp} (rest)",
+                                    f"updated in place by LowBitAdam(W) in FP32 math{rounding}, no master copy"),
+                    TensorPrecision("master_weight", "N/A"),
                     TensorPrecision("weight_grad", f"FP8 E4M3 (Linear), {hp} (rest)", per_step)]
         by_kind = {row.kind: row for row in mine}
         return [by_kind.get(row.kind, row) for row in rows]

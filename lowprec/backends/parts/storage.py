@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ...kernels.rounding import ROUNDED_DTYPES, ROUNDING
 from ..context import BackendUnavailableError
 
 if TYPE_CHECKING:
@@ -241,8 +242,8 @@ class WeightStorage:
                                       f"FP8 all_gather, {reduction_timing()}; the rest by DDP")
             elif row.kind == "weight" and weight is not None:
                 row = TensorPrecision("weight", f"{weight_name} (FP8 Linear), {row.dtype} (rest)",
-                                      f"{why('weight_dtype')}: updated in place by LowBitAdam(W) in FP32 math, "
-                                      "no master copy")
+                                      f"{why('weight_dtype')}: updated in place by LowBitAdam(W) in FP32 math"
+                                      f"{ROUNDING if weight in ROUNDED_DTYPES else ''}, no master copy")
             elif row.kind == "weight_grad" and (store is not None or weight is not None):
                 kept = {torch.float8_e4m3fn: "FP8 E4M3", torch.bfloat16: "BF16"}.get(store, weight_name)
                 if store is None:
