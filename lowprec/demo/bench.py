@@ -199,7 +199,8 @@ def markdown(rows: list[dict], header: str) -> str:
             lines.append(f"| {r['arch']} | {r['config']} | failed: {r['error']} |" + " |" * 10)
             continue
         peak_ratio = "" if r.get("peak_vs_bf16") is None else f"{r['peak_vs_bf16']:.3f}x"
-        speed = "n/a (emulated)" if r.get("speedup") is None else f"{r['speedup']:.3f}x"
+        speed = (f"{r['speedup']:.3f}x" if r.get("speedup") is not None
+                 else "n/a (emulated)" if r.get("emulated") else "not compared" if "heldout_delta" in r else "")
         delta = "" if "heldout_delta" not in r else f"{100 * r['heldout_delta']:+.2f}%"
         over = "" if r.get("overhead_vs_raw") is None else f"{100 * r['overhead_vs_raw']:+.1f}%"
         if over and r["emulated"]:

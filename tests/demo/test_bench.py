@@ -97,6 +97,7 @@ def test_ratios_are_against_the_bf16_run_of_the_same_model_class():
 def test_runs_that_shared_devices_compare_losses_and_memory_but_not_speed():
     rows = summarise([run("llama", "bf16", 100.0, 2.0), run("llama", "msamp:delayed:O2", 130.0, 2.02)], speeds=False)
     assert rows[1]["speedup"] is None and rows[1]["heldout_delta"] == pytest.approx(0.01)
+    assert "| 130 | not compared |" in markdown(rows, "header")  # not "emulated": a GPU's run that shared it
 
 
 @pytest.mark.parametrize("jobs", ["0", "-1"])

@@ -1,0 +1,50 @@
+"""One `lowprec.demo.run` training with the FP8 activation storage told to leave alone what the named kinds of
+module save (`--keep attention mlp norm`), to find which saved tensors cost `activation_dtype="fp8"` its
+convergence (results/gpu/2026-11-28-h200x2-convergence-d103418: +12-14% held-out loss on the d4096 proxy).
+
+    python3 scripts/gpu/act8_bisect.py --keep attention -- --variant fp8 --backend msamp --opt-level O2 \
+        --activation-dtype fp8 --size proxy --steps 300 --no-compile --json OUT.json
+
+The kinds are told by class name, as Hugging Face's decoders name them (LlamaAttention, LlamaMLP, LlamaRMSNorm):
+`FP8ActivationStorage.leave_alone` on each, which acts where the Python hooks see the module's forward, so eager
+(`--no-compile`, or LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0 with no compiled region around the module). A diagnostic:
+the library itself has no such option until a measurement says which default is right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+SUFFIXES = {"attention": ("Attention",), "mlp": ("MLP",), "norm": ("RMSNorm", "LayerNorm")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--keep", nargs="*", choices=sorted(SUFFIXES), default=[],
+                   help="kinds of module whose saved tensors stay as autograd saves them")
+    p.add_argument("run_args", nargs=argparse.REMAINDER, help="-- then lowprec.demo.run's arguments")
+    args = p.parse_args(argv)
+    run_args = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
+    suffixes = tuple(s for kind in args.keep for s in SUFFIXES[kind])
+
+    from lowprec.demo import run as demo
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    if suffixes:
+        init = FP8ActivationStorage.__init__
+
+        def leaving_alone(self, model, *a, **k):
+            init(self, model, *a, **k)
+            for module in model.modules():
+                if type(module).__name__.endswith(suffixes):
+                    self.leave_alone(module)
+
+        FP8ActivationStorage.__init__ = leaving_alone
+    result = demo.run(demo.parse_args(run_args))
+    print(f"act8_bisect keep={','.join(args.keep) or '-'} heldout_loss={result['heldout_loss']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
