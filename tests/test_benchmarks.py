@@ -399,7 +399,7 @@ def test_multi_sh_names_a_sixth_field_flag_it_does_not_know(tmp_path, cell, flag
 
 @pytest.mark.slow
 def test_act8_bisect_runs_every_variant_and_tabulates_them_against_bf16(tmp_path):
-    # scripts/gpu/act8_bisect.sh at the CPU's size: eight processes, each with its JSON, and the summary table
+    # scripts/gpu/act8_bisect.sh at the CPU's size: nine processes, each with its JSON, and the summary table
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(SIZE="tiny", STEPS="2", COMMIT="test", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
@@ -407,9 +407,10 @@ def test_act8_bisect_runs_every_variant_and_tabulates_them_against_bf16(tmp_path
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = (tmp_path / "act8-bisect" / "summary.md").read_text()
-    for name in ("bf16", "act8", "act8_torchloss", "act8_hooks", "eager_act8", "eager_attention", "eager_mlp",
-                 "eager_norm"):
+    for name in ("bf16", "act8", "act8_torchloss", "act8_hooks", "act8_keep_fp32", "eager_act8", "eager_attention",
+                 "eager_mlp", "eager_norm"):
         assert f"| {name} |" in summary, (name, summary, (tmp_path / "act8-bisect" / f"{name}.log").read_text()[-2000:])
     assert "| bf16 | " in summary and "+0.00%" in summary and "no result" not in summary
     kept = (tmp_path / "act8-bisect" / "eager_attention.log").read_text()
     assert "act8_bisect keep=attention heldout_loss=" in kept
+    assert "act8_bisect keep=traced-fp32 heldout_loss=" in (tmp_path / "act8-bisect" / "act8_keep_fp32.log").read_text()

@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--keep", nargs="*", choices=sorted(SUFFIXES), default=[],
                    help="kinds of module whose saved tensors stay as autograd saves them")
+    p.add_argument("--keep-traced-fp32", action="store_true",
+                   help="inside compiled graphs, leave FP32 saved tensors (the residual stream the norms save) as "
+                        "they are: on two CPU cores this closed the in-graph form's gap "
+                        "(results/cpu/2026-11-28-act8-gap)")
     p.add_argument("run_args", nargs=argparse.REMAINDER, help="-- then lowprec.demo.run's arguments")
     args = p.parse_args(argv)
     run_args = args.run_args[1:] if args.run_args[:1] == ["--"] else args.run_args
@@ -41,8 +45,18 @@ def main(argv: list[str] | None = None) -> int:
                     self.leave_alone(module)
 
         FP8ActivationStorage.__init__ = leaving_alone
+    if args.keep_traced_fp32:
+        import torch
+
+        pack_traced = FP8ActivationStorage.pack_traced
+
+        def keeping_fp32(self, tensor):
+            return tensor if tensor.dtype == torch.float32 else pack_traced(self, tensor)
+
+        FP8ActivationStorage.pack_traced = keeping_fp32
     result = demo.run(demo.parse_args(run_args))
-    print(f"act8_bisect keep={','.join(args.keep) or '-'} heldout_loss={result['heldout_loss']:.4f}")
+    kept = ",".join(args.keep + (["traced-fp32"] if args.keep_traced_fp32 else [])) or "-"
+    print(f"act8_bisect keep={kept} heldout_loss={result['heldout_loss']:.4f}")
     return 0
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Which part of activation_dtype="fp8" costs its convergence (+12-14% held-out loss after 300 steps on the d4096
-# proxy: results/gpu/2026-11-28-h200x2-convergence-d103418)? Eight 300-step msamp O2 trainings at once over the
-# machine's GPUs (~8 minutes on two H200s; losses and peaks are each run's own, speeds are not compared):
+# proxy: results/gpu/2026-11-28-h200x2-convergence-d103418)? Nine 300-step msamp O2 trainings at once over the
+# machine's GPUs (~8 minutes on two H200s, five runs on one of them: ~100 GB; losses and peaks are each run's own,
+# speeds are not compared):
 #
 #   bash scripts/gpu/act8_bisect.sh OUT          # the set-up (.gpubundle wheels in /tmp/site) must have run
 #
@@ -9,6 +10,8 @@
 #   act8            compiled, activation_dtype="fp8" as it is (the graphs encode, the loss fused)
 #   act8_torchloss  ... with the loss as torch ops (LOWPREC_FUSED_CROSS_ENTROPY=0)
 #   act8_hooks      ... encoded by the Python hooks after each graph (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0)
+#   act8_keep_fp32  ... inside the graphs, the FP32 tensors (residual stream) left as they are (act8_bisect.py
+#                   --keep-traced-fp32: on two CPU cores this closed the gap, results/cpu/2026-11-28-act8-gap)
 #   eager_act8      eager, activation_dtype="fp8"; then eager with what the named modules save left alone:
 #   eager_attention, eager_mlp, eager_norm      (scripts/gpu/act8_bisect.py --keep)
 #
@@ -35,6 +38,7 @@ launch bf16 - -m lowprec.demo.run --variant bf16 $common
 launch act8 - -m lowprec.demo.run $o2 --activation-dtype fp8 $common
 launch act8_torchloss LOWPREC_FUSED_CROSS_ENTROPY=0 -m lowprec.demo.run $o2 --activation-dtype fp8 $common
 launch act8_hooks LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0 -m lowprec.demo.run $o2 --activation-dtype fp8 $common
+launch act8_keep_fp32 - scripts/gpu/act8_bisect.py --keep-traced-fp32 -- $o2 --activation-dtype fp8 $common
 launch eager_act8 - scripts/gpu/act8_bisect.py -- $o2 --activation-dtype fp8 --no-compile $common
 for kind in attention mlp norm; do
   launch "eager_$kind" - scripts/gpu/act8_bisect.py --keep $kind -- $o2 --activation-dtype fp8 --no-compile $common
@@ -49,8 +53,8 @@ print("| run | held-out loss | vs bf16 | peak GiB |\n|---|---|---|---|")
 for name, r in runs.items():
     delta = f"{100 * (r['heldout_loss'] / base - 1):+.2f}%" if base else ""
     print(f"| {name} | {r['heldout_loss']:.4f} | {delta} | {r['peak_memory_bytes'] / 2**30:.2f} |")
-missing = [n for n in ("bf16", "act8", "act8_torchloss", "act8_hooks", "eager_act8", "eager_attention", "eager_mlp",
-                       "eager_norm") if n not in runs]
+missing = [n for n in ("bf16", "act8", "act8_torchloss", "act8_hooks", "act8_keep_fp32", "eager_act8",
+                       "eager_attention", "eager_mlp", "eager_norm") if n not in runs]
 if missing:
     print(f"\nno result (see their .log): {', '.join(missing)}")
 PY
