@@ -118,10 +118,10 @@ def count_present_steps(items: list[AdamItem]) -> None:
     torch._foreach_add_([item.state["step"] for item in items], list(flags.unbind(0)))
 
 
-def _hyper_on_device(items: list[AdamItem], lr: float, beta1: float, beta2: float) -> torch.Tensor:
-    """The bias corrections of items whose step count lives on the device, computed there in FP64 as the
+def _hyper_on_device(steps: torch.Tensor, lr: float, beta1: float, beta2: float) -> torch.Tensor:
+    """The bias corrections of items whose step counts (`steps`) live on the device, computed there in FP64 as the
     host computes them for the others (a step count of 0, an item no gradient reached yet, is never used)."""
-    steps = torch.stack([item.state["step"] for item in items]).double().clamp_(min=1)
+    steps = steps.double().clamp_(min=1)
     return torch.stack([lr / (1 - torch.pow(beta1, steps)), (1 - torch.pow(beta2, steps)).sqrt()], dim=1).float()
 
 
@@ -166,13 +166,13 @@ def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bo
     if g_valid:
         flags = [item.valid if item.valid.dtype == torch.float32 else item.valid.float() for item in items]
         valid_table = _to_device([flag.data_ptr() for flag in flags], torch.int64, device)
-        hyper_table = _hyper_on_device(items, lr, beta1, beta2)
+        steps = torch.stack([item.state["step"] for item in items])  # on the device: read there, no sync
+        hyper_table = _hyper_on_device(steps, lr, beta1, beta2)
     else:
         valid_table = size_table  # not read (G_VALID=False)
         hyper_table = _to_device(hyper, torch.float32, device)
     seed_table = size_table  # not read without P_SR
     if rounds and g_valid:  # the step counts live on the device: the seeds are computed there, with no sync
-        steps = torch.stack([item.state["step"] for item in items])
         seed_table = rounding_seeds(steps, _to_device([item.ordinal for item in items], torch.int64, device))
     elif rounds:
         seed_table = _to_device(seeds, torch.int64, device)

@@ -18,8 +18,6 @@ from __future__ import annotations
 import torch
 
 ROUNDED_DTYPES = (torch.float16, torch.bfloat16)
-# how the plan says it, after "updated in place by LowBitAdam(W) in FP32 math"
-ROUNDING = ", rounded stochastically (unbiased; LowBitAdamW(stochastic_rounding=False): to nearest)"
 
 
 def rounding_seed(step: int, ordinal: int) -> int:

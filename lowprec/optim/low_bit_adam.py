@@ -63,6 +63,14 @@ def _decode(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return stored.float() / scale if stored.dtype in SCALED else stored.float()
 
 
+def in_place_update(weight_dtype: torch.dtype | None) -> str:
+    """How the plan's weight row says a level's weight (no master copy) is updated by a LowBitAdam(W) that
+    `prepare()` made from Adam/AdamW (stochastic rounding on, its default)."""
+    rounding = (", rounded stochastically (unbiased; LowBitAdamW(stochastic_rounding=False): to nearest)"
+                if weight_dtype in ROUNDED_DTYPES else "")
+    return f"updated in place by LowBitAdam(W) in FP32 math{rounding}, no master copy"
+
+
 # Group keys that are the run's choice, not the checkpoint's: kept by load_state_dict, dropped for torch's Adam.
 _OWN_KEYS = ("exp_avg_dtype", "exp_avg_sq_dtype", "stochastic_rounding")
 

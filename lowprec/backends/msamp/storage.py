@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ...kernels.rounding import ROUNDED_DTYPES, ROUNDING
 from ...optim.grad_store import clear_in_zero_grad, ignore_in_ddp
+from ...optim.low_bit_adam import in_place_update
 from ..parts import WeightStorage
 
 if TYPE_CHECKING:
@@ -109,9 +109,7 @@ class MSAMPStorage(WeightStorage):
                 TensorPrecision("weight_grad", f"FP8 E4M3 (Linear), {rest} (rest)", per_step),
             ]
         else:
-            rounding = ROUNDING if owner.weight_dtype in ROUNDED_DTYPES else ""
-            mine = [TensorPrecision("weight", f"{wdt} (Linear), {hp} (rest)",
-                                    f"updated in place by LowBitAdam(W) in FP32 math{rounding}, no master copy"),
+            mine = [TensorPrecision("weight", f"{wdt} (Linear), {hp} (rest)", in_place_update(owner.weight_dtype)),
                     TensorPrecision("master_weight", "N/A"),
                     TensorPrecision("weight_grad", f"FP8 E4M3 (Linear), {hp} (rest)", per_step)]
         by_kind = {row.kind: row for row in mine}

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ...kernels.rounding import ROUNDED_DTYPES, ROUNDING
 from ..context import BackendUnavailableError
 
 if TYPE_CHECKING:
@@ -220,6 +219,7 @@ class WeightStorage:
     def rows(self, rows: list[TensorPrecision], plan: PrecisionPlan) -> list[TensorPrecision]:
         """`rows` with the weight and weight-gradient entries the storage knobs change."""
         from ...optim.grad_overlap import reduction_timing
+        from ...optim.low_bit_adam import in_place_update
         from ...planning.plan import TensorPrecision, short_dtype
 
         owner = self.owner
@@ -242,8 +242,7 @@ class WeightStorage:
                                       f"FP8 all_gather, {reduction_timing()}; the rest by DDP")
             elif row.kind == "weight" and weight is not None:
                 row = TensorPrecision("weight", f"{weight_name} (FP8 Linear), {row.dtype} (rest)",
-                                      f"{why('weight_dtype')}: updated in place by LowBitAdam(W) in FP32 math"
-                                      f"{ROUNDING if weight in ROUNDED_DTYPES else ''}, no master copy")
+                                      f"{why('weight_dtype')}: {in_place_update(weight)}")
             elif row.kind == "weight_grad" and (store is not None or weight is not None):
                 kept = {torch.float8_e4m3fn: "FP8 E4M3", torch.bfloat16: "BF16"}.get(store, weight_name)
                 if store is None:
