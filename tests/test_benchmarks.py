@@ -414,3 +414,14 @@ def test_act8_bisect_runs_every_variant_and_tabulates_them_against_bf16(tmp_path
     kept = (tmp_path / "act8-bisect" / "eager_attention.log").read_text()
     assert "act8_bisect keep=attention heldout_loss=" in kept
     assert "act8_bisect keep=traced-fp32 heldout_loss=" in (tmp_path / "act8-bisect" / "act8_keep_fp32.log").read_text()
+    # the later rounds' runs, named: one of each kind (a patched run, the library's own, a trace of every decision)
+    later = tmp_path / "later"
+    env.update(RUNS="bf16 act8_hooks_keep_fp32 torchao_act8 trace_graph", TRACE_SIZE="tiny")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "act8_bisect.sh"), str(later)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = (later / "act8-bisect" / "summary.md").read_text()
+    assert "| act8_hooks_keep_fp32 |" in summary and "| torchao_act8 |" in summary and "no result" not in summary
+    assert "| act8 |" not in summary and "trace" not in summary
+    trace = (later / "act8-bisect" / "trace_graph.log").read_text()
+    assert "act8_trace pack packed" in trace or "act8_trace pack_traced packed" in trace

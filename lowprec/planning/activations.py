@@ -93,8 +93,8 @@ def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, 
     baseline = sum(w * BASELINE_BYTES_PER_ELEMENT for w, _ in widths)
     if hooks:
         others = (f"{HOOKS_STORAGE}, decoded for backward; parameters and their views, 8-bit tensors, tensors "
-                  f"under {MIN_ELEMENTS} elements, attention's log-sum-exp and a loss's log-probabilities kept as "
-                  "saved")
+                  f"under {MIN_ELEMENTS} elements, attention's log-sum-exp, a loss's log-probabilities, rotary angles "
+                  "and, through the Python hooks, FP32 tensors with no autograd history kept as saved")
         if compiled:
             others += "; compiled model: the tensors its graph saves for backward"
         if in_graph:
