@@ -3,6 +3,7 @@
     lowprec bench                                      # every available backend x recipe x level
     lowprec bench --configs bf16 torchao:tensorwise msamp:delayed:O2 --size proxy --steps 40
     lowprec bench --convergence --steps 300            # long enough to separate the loss curves
+    lowprec bench --convergence --seeds 3 --jobs 6     # each configuration with seeds 0..2, paired with BF16's
     lowprec bench --arch mistral qwen2 --size small    # other transformers model classes
     lowprec bench --configs bf16 torchao:tensorwise torchao:tensorwise,skip_first_last=false --tokens pairs
                                                        # the output head in FP8 or not, at a 64K vocabulary
@@ -35,6 +36,7 @@ import torch
 from .data import TOKENIZATIONS
 from .model import ARCHS, PRESETS, default_size
 from .run import worker_args
+from .seeds import seed_markdown, seed_summary
 
 LEVELS = (None, "O1", "O2")
 
@@ -122,7 +124,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=1,
                    help="runs at a time, spread over the GPUs (default 1). Above 1 the runs share GPUs and CPUs: "
                         "losses and peak memory are each run's own, speeds are not compared")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="train each configuration with seeds 0..N-1 (initialisation and batch order) and compare "
+                        "each with BF16's run of the same seed: mean, spread and range of the difference (default 1)")
     args = p.parse_args(argv)
+    if args.seeds < 1:
+        p.error(f"--seeds {args.seeds}: give at least 1 (runs of each configuration)")
     if args.steps is not None and args.steps < 2:
         p.error("--steps must be at least 2")
     if args.jobs < 1:
@@ -130,10 +137,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool, gpu: int | None = None) -> dict:
+def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool, gpu: int | None = None,
+            seed: int | None = None) -> dict:
+    """One training of `config` in a process of its own (`seed`: the run's, named in its file; None: the default)."""
     name = config["name"].replace(":", "_").replace(",", "_").replace("=", "-")
-    path = os.path.join(out, f"{arch}_{name}.json")
+    path = os.path.join(out, f"{arch}_{name}" + ("" if seed is None else f"_seed{seed}") + ".json")
     cmd = [sys.executable, "-m", "lowprec.demo.run", "--arch", arch, *common, "--json", path, "--no-progress"]
+    if seed is not None:
+        cmd += ["--seed", str(seed)]
     if config["backend"] is None:
         cmd += ["--variant", "bf16"]
     else:
@@ -148,26 +159,29 @@ def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool, gpu
     env = None if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        return {"config": config["name"], "arch": arch, "error": proc.stderr.strip().splitlines()[-1:] or ["?"],
-                "command": " ".join(cmd)}
+        return {"config": config["name"], "arch": arch, "seed": seed,
+                "error": proc.stderr.strip().splitlines()[-1:] or ["?"], "command": " ".join(cmd)}
     with open(path) as fh:
         result = json.load(fh)
     result["config"] = config["name"]
+    result["seed"] = seed
     return result
 
 
 def summarise(results: list[dict], speeds: bool = True) -> list[dict]:
-    """Per run: the ratios against the BF16 run of the same model class (speeds=False: runs that shared a
+    """Per run: the ratios against the BF16 run of the same model class and seed (speeds=False: runs that shared a
     device, whose speeds are not compared)."""
-    base = {r["arch"]: r for r in results if r.get("config") == "bf16" and "error" not in r}
+    base = {(r["arch"], r.get("seed")): r for r in results if r.get("config") == "bf16" and "error" not in r}
     rows = []
     for r in results:
         row = {"arch": r["arch"], "config": r["config"]}
+        if r.get("seed") is not None:
+            row["seed"] = r["seed"]
         if "error" in r:
             row["error"] = r["error"][-1]
             rows.append(row)
             continue
-        b = base.get(r["arch"])
+        b = base.get((r["arch"], r.get("seed")))
         state = r["model_state_bytes_per_param"]["all_params"]["total"]
         split = r.get("peak_split") or {}
         gib = {k: None if split.get(k) is None else split[k] / 2**30
@@ -195,8 +209,9 @@ def markdown(rows: list[dict], header: str) -> str:
         return "" if value is None else f"{value:.2f}"
 
     for r in rows:
+        config = r["config"] + ("" if r.get("seed") is None else f" (seed {r['seed']})")
         if "error" in r:
-            lines.append(f"| {r['arch']} | {r['config']} | failed: {r['error']} |" + " |" * 10)
+            lines.append(f"| {r['arch']} | {config} | failed: {r['error']} |" + " |" * 10)
             continue
         peak_ratio = "" if r.get("peak_vs_bf16") is None else f"{r['peak_vs_bf16']:.3f}x"
         speed = (f"{r['speedup']:.3f}x" if r.get("speedup") is not None
@@ -205,7 +220,7 @@ def markdown(rows: list[dict], header: str) -> str:
         over = "" if r.get("overhead_vs_raw") is None else f"{100 * r['overhead_vs_raw']:+.1f}%"
         if over and r["emulated"]:
             over += " (emulated: not an FP8 figure)"
-        lines.append(f"| {r['arch']} | {r['config']} | {r['tokens_per_s']:,.0f} | {speed} | {r['peak_gib']:.2f} | "
+        lines.append(f"| {r['arch']} | {config} | {r['tokens_per_s']:,.0f} | {speed} | {r['peak_gib']:.2f} | "
                      f"{peak_ratio} | {gib(r.get('state_gib'))} | {gib(r.get('rest_gib'))} | "
                      f"{gib(r.get('held_by_forward_gib'))} | {r['state_bytes']:.1f} | {r['heldout_loss']:.4f} | "
                      f"{delta} | {over} |")
@@ -249,7 +264,8 @@ def plot(results: list[dict], rows: list[dict], out: str) -> list[str]:
     if curves:
         fig, ax = plt.subplots(figsize=(7, 4))
         for r in curves:
-            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['arch']} {r['config']}",
+            seed = "" if r.get("seed") is None else f" seed {r['seed']}"
+            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=f"{r['arch']} {r['config']}{seed}",
                     linewidth=1.6 if r["config"] == "bf16" else 1.0)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("training loss")
@@ -281,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm.auto import tqdm
 
-    jobs = [(arch, c) for arch in args.arch for c in configs]
+    seeds = list(range(args.seeds)) if args.seeds > 1 else [None]
+    jobs = [(arch, c, seed) for seed in seeds for arch in args.arch for c in configs]
     device = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"lowprec bench: {len(jobs)} runs ({size}, {steps} steps each, {'compiled' if compiled else 'eager'}) "
           f"on {device}, each in its own process; results in {out}", flush=True)
@@ -289,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     gpus = torch.cuda.device_count() if cuda else 0
 
     def one(index: int) -> dict:
-        arch, config = jobs[index]
+        arch, config, seed = jobs[index]
         gpu = index % gpus if gpus and args.jobs > 1 else None
-        result = run_one(config, arch, common, out, raw=not args.no_raw, gpu=gpu)
+        result = run_one(config, arch, common, out, raw=not args.no_raw, gpu=gpu, seed=seed)
         bar.update(1)
         return result
 
@@ -304,9 +321,12 @@ def main(argv: list[str] | None = None) -> int:
               + ("" if args.jobs == 1 else f", {args.jobs} runs at a time over {max(gpus, 1)} device(s): speeds not "
                  "compared"))
     table = markdown(rows, header)
+    by_seed = seed_summary(rows) if args.seeds > 1 else None
+    if by_seed is not None:
+        table += f"\nOver {args.seeds} seeds (each FP8 run against BF16's of its seed):\n\n" + seed_markdown(by_seed)
     with open(os.path.join(out, "results.json"), "w") as fh:
         json.dump({"size": size, "steps": steps, "tokens": args.tokens, "compiled": compiled, "device": device,
-                   "jobs": args.jobs,
+                   "jobs": args.jobs, "seeds": args.seeds, "seed_summary": by_seed,
                    "torch": torch.__version__,
                    "convergence": args.convergence, "rows": rows, "runs": results}, fh, indent=1)
     with open(os.path.join(out, "results.md"), "w") as fh:

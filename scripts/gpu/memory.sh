@@ -18,7 +18,9 @@
 #                                                #   (CONVERGENCE_CONFIGS: others, e.g. "bf16
 #                                                #   torchao:tensorwise:O2,activation_dtype=fp8", ~4.5 min each;
 #                                                #   CONVERGENCE_JOBS=5: five at a time over the machine's GPUs,
-#                                                #   losses and peaks each run's own, speeds not compared)
+#                                                #   losses and peaks each run's own, speeds not compared;
+#                                                #   CONVERGENCE_SEEDS=3: each configuration with seeds 0..2,
+#                                                #   paired with BF16's run of the same seed)
 #   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
 #                                                #   configuration trains at batch 4 x 2048 (LARGEST_CONFIGS:
 #                                                #   others, ';'-separated, e.g. "bf16 compiled;torchao O2 act8")
@@ -83,7 +85,7 @@ for part in "$@"; do
       tar czf "$dir/whole.peak.tgz" -C "$dir" whole_peaks && rm -rf "$dir/whole_peaks" ;;
     convergence)
       python3 -m lowprec.cli bench --convergence --steps 300 --size proxy --no-raw --no-progress --out "$dir/convergence" \
-        --jobs "${CONVERGENCE_JOBS:-1}" \
+        --jobs "${CONVERGENCE_JOBS:-1}" --seeds "${CONVERGENCE_SEEDS:-1}" \
         --configs ${CONVERGENCE_CONFIGS:-bf16 msamp:delayed:O2 msamp:delayed:O2,activation_dtype=fp8 \
         torchao:tensorwise,activation_dtype=fp8} \
         > "$dir/convergence.log" 2>&1 || status=1 ;;

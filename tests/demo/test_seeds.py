@@ -1,0 +1,91 @@
+"""`lowprec bench --seeds N`: every configuration with N seeds, each FP8 run against BF16's run of its own seed."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lowprec.demo.bench import markdown, parse_args, summarise
+from lowprec.demo.seeds import seed_markdown, seed_summary
+
+
+def run(config: str, seed: int | None, heldout: float) -> dict:
+    return {"arch": "llama", "config": config, "seed": seed, "tokens_per_s": 100.0, "step_ms_median": 10.0,
+            "peak_memory_bytes": 2**30, "model_state_bytes_per_param": {"all_params": {"total": 16.0}},
+            "peak_memory_kind": "cuda max_memory_allocated", "peak_split": None, "heldout_loss": heldout,
+            "emulated": False, "losses": [2.0, 1.0]}
+
+
+def test_each_run_is_compared_with_the_bf16_run_of_its_seed():
+    rows = summarise([run("bf16", 0, 2.0), run("bf16", 1, 2.2), run("msamp:delayed:O2", 0, 2.02),
+                      run("msamp:delayed:O2", 1, 2.2)], speeds=False)
+    deltas = {(r["config"], r["seed"]): r.get("heldout_delta") for r in rows}
+    assert deltas["msamp:delayed:O2", 0] == pytest.approx(0.01)
+    assert deltas["msamp:delayed:O2", 1] == pytest.approx(0.0)  # against seed 1's BF16 (2.2), not seed 0's
+    table = markdown(rows, "header")
+    assert "| llama | msamp:delayed:O2 (seed 1) |" in table and "| llama | bf16 (seed 0) |" in table
+
+
+def test_the_summary_gives_the_paired_differences_and_bf16s_own_spread():
+    bf16 = [2.0, 2.1, 1.9]
+    fp8 = [2.02, 2.1, 1.919]  # +1%, 0%, +1%
+    rows = summarise([run("bf16", s, v) for s, v in enumerate(bf16)]
+                     + [run("torchao:tensorwise", s, v) for s, v in enumerate(fp8)]
+                     + [{"arch": "llama", "config": "te:delayed", "seed": 0, "error": ["no te"]}], speeds=False)
+    by = {s["config"]: s for s in seed_summary(rows)}
+    assert "te:delayed" not in by  # a failed run has no loss to summarise
+    assert by["bf16"]["seeds"] == 3 and by["bf16"]["heldout_loss_mean"] == pytest.approx(2.0)
+    assert by["bf16"]["spread"] == pytest.approx(0.1 / 2.0)  # sample sd 0.1 over a mean of 2.0
+    fp8_row = by["torchao:tensorwise"]
+    expected = [0.01, 0.0, 0.01]
+    mean = sum(expected) / 3
+    sd = math.sqrt(sum((d - mean) ** 2 for d in expected) / 2)
+    assert fp8_row["delta_mean"] == pytest.approx(mean) and fp8_row["delta_sd"] == pytest.approx(sd)
+    assert fp8_row["delta_sem"] == pytest.approx(sd / math.sqrt(3)) and fp8_row["paired"] == 3
+    assert (fp8_row["delta_min"], fp8_row["delta_max"]) == (pytest.approx(0.0), pytest.approx(0.01))
+    table = seed_markdown(seed_summary(rows))
+    assert "| llama | torchao:tensorwise | 3 | 2.0130 | +0.67% | 0.58% | 0.33% | +0.00% .. +1.00% |  |" in table
+    assert "| llama | bf16 | 3 | 2.0000 |  |  |  |  | 5.00% |" in table
+
+
+def test_a_configuration_whose_bf16_failed_has_no_difference():
+    rows = summarise([{"arch": "llama", "config": "bf16", "seed": 0, "error": ["out of memory"]},
+                      run("msamp:delayed:O2", 0, 2.0)], speeds=False)
+    (entry,) = seed_summary(rows)
+    assert entry["seeds"] == 1 and "delta_mean" not in entry
+    assert "| llama | msamp:delayed:O2 | 1 | 2.0000 |  |" in seed_markdown([entry])
+
+
+@pytest.mark.parametrize("seeds", ["0", "-2"])
+def test_seeds_below_one_are_refused_by_name(seeds, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--seeds", seeds])
+    assert f"--seeds {seeds}: give at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_bench_trains_each_configuration_with_each_seed(tmp_path):
+    pytest.importorskip("transformers")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "lowprec.cli", "bench", "--size", "tiny", "--steps", "3", "--no-progress", "--no-raw",
+           "--configs", "msamp:delayed:O2", "--seeds", "2", "--jobs", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["seeds"] == 2 and len(result["runs"]) == 4
+    assert sorted((r["config"], r["seed"]) for r in result["runs"]) == [
+        ("bf16", 0), ("bf16", 1), ("msamp:delayed:O2", 0), ("msamp:delayed:O2", 1)]
+    assert {f for f in os.listdir(tmp_path) if f.endswith(".json")} == {
+        "results.json", "llama_bf16_seed0.json", "llama_bf16_seed1.json", "llama_msamp_delayed_O2_seed0.json",
+        "llama_msamp_delayed_O2_seed1.json"}
+    bf16 = {r["seed"]: r["losses"] for r in result["runs"] if r["config"] == "bf16"}
+    assert bf16[0] != bf16[1]  # another seed: another initialisation and batch order
+    (fp8,) = [s for s in result["seed_summary"] if s["config"] == "msamp:delayed:O2"]
+    assert fp8["paired"] == 2 and fp8["delta_sd"] is not None
+    assert "Over 2 seeds" in (tmp_path / "results.md").read_text()
