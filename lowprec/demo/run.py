@@ -37,13 +37,16 @@ def activation_counts(storage, forwards: int) -> dict | None:
     if storage is None:
         return None
     counts = storage.counts
+    # how FP32 saved tensors were stored (LOWPREC_FP8_ACTIVATIONS_FP32), and how many the Python hooks kept as FP32
+    fp32 = {"fp32_saved_as": storage.fp32_policy,
+            "untracked_fp32_kept_per_forward": counts.untracked_fp32_kept / forwards}
     if storage.in_graph and counts.traced_packed:
-        return {"inside_compiled_graphs": True, "packed_tensors_per_graph": counts.traced_packed,
+        return {**fp32, "inside_compiled_graphs": True, "packed_tensors_per_graph": counts.traced_packed,
                 "kept_tensors_per_graph": counts.traced_kept,
                 "packed_tensors_per_forward_outside_graphs": counts.packed / forwards,
                 "packed_tensors_per_forward": None, "bytes_before_per_forward": None,
                 "bytes_after_per_forward": None}
-    return {"inside_compiled_graphs": False, "packed_tensors_per_forward": counts.packed / forwards,
+    return {**fp32, "inside_compiled_graphs": False, "packed_tensors_per_forward": counts.packed / forwards,
             "bytes_before_per_forward": counts.bytes_before / forwards,
             "bytes_after_per_forward": counts.bytes_after / forwards}
 

@@ -24,6 +24,7 @@ from torch import nn
 from ..kernels.activations import PackedFP8, SpanKey, groups_fit, overlapping, pack_fp8, pack_traced_fp8, unpack_fp8
 from ..kernels.cross_entropy import saving_for_backward
 from ..planning.activations import MIN_ELEMENTS
+from .activations_fp32 import NarrowedTensor, fp32_policy, narrow, widen
 from .activations_in_graph import (
     graph_hooks,
     graph_hooks_context,
@@ -64,12 +65,11 @@ class ActivationCounts:
     logsumexp_kept: int = 0  # attention's softmax log-sum-exp, kept in FP32 (FP8 would spoil the probabilities)
     log_probabilities_kept: int = 0  # a log-softmax's output (a loss's log-probabilities), kept for the same reason
     backend_kept: int = 0  # saved inside a module whose saved tensors are the backend's (`leave_alone`)
-    # FP32 tensors with no autograd history: inputs and constants (RoPE's cos/sin tables) in an eager model, held
-    # anyway; in a compiled one, every FP32 tensor its graphs save, which these hooks cannot tell apart: one may be
-    # the rotary angles the backward takes cos/sin of again, spoiled by FP8 (activations_in_graph.is_angle; on the
-    # d4096 proxy the held-out loss was 10.6% above BF16's with them packed, 0.6-2.4% with them kept:
-    # results/gpu/2026-11-28-h200-act8-bisect)
+    # FP32 tensors with no autograd history: an eager model's inputs and constants (held anyway); every FP32 tensor a
+    # compiled graph hands these hooks, among them rotary angles FP8 would spoil (activations_in_graph.is_angle)
     untracked_fp32_kept: int = 0
+    narrowed: int = 0  # of packed, FP32 tensors stored in BF16 (LOWPREC_FP8_ACTIVATIONS_FP32=bf16: activations_fp32)
+    fp32_kept: int = 0  # FP32 tensors kept as they are (=keep, or =bf16 for a strided view)
     # in-graph storage (activations_in_graph): a compiled graph's saved tensors, counted once when the graph
     # compiles (not once a forward: the graph packs them from then on, with no hook called)
     traced_packed: int = 0
@@ -118,6 +118,7 @@ class FP8ActivationStorage:
         # FP32 tensors with no autograd history stay as saved (`ActivationCounts.untracked_fp32_kept`); False only
         # to compare these hooks with the in-graph form bit for bit
         self.keep_untracked_fp32 = True
+        self.fp32_policy = fp32_policy()
 
     def leave_alone(self, module: nn.Module) -> None:
         """Keep as they are the tensors saved while `module`'s forward runs."""
@@ -169,7 +170,14 @@ class FP8ActivationStorage:
         if earlier is not None and earlier[0]() is tensor and earlier[1] == tensor._version:
             self.counts.shared += 1
             return earlier[2]
-        packed = pack_fp8(tensor, self._span_key(tensor))
+        if tensor.dtype == torch.float32 and self.fp32_policy != "fp8":
+            if self.fp32_policy == "keep" or not tensor.is_contiguous():  # BF16 copies keep no strides
+                self.counts.fp32_kept += 1
+                return tensor
+            packed = narrow(tensor)
+            self.counts.narrowed += 1
+        else:
+            packed = pack_fp8(tensor, self._span_key(tensor))
         self._packed[id(tensor)] = (weakref.ref(tensor), tensor._version, packed)
         self.counts.packed += 1
         self.counts.packed_elements += tensor.numel()
@@ -197,6 +205,10 @@ class FP8ActivationStorage:
             return tensor
         if tensor.dim() == 4 and static_shape(tensor) is not None:
             self._row_shapes.add(static_shape(tensor)[:-1])
+        if tensor.dtype == torch.float32 and self.fp32_policy != "fp8":
+            self._count_traced(node, packed=self.fp32_policy == "bf16")
+            # a plain (BF16 tensor, dtype) pair: what a graph may return from its forward
+            return tensor if self.fp32_policy == "keep" else (tensor.to(torch.bfloat16), tensor.dtype)
         self._count_traced(node, packed=True)
         return pack_traced_fp8(tensor)
 
@@ -267,6 +279,8 @@ class FP8ActivationStorage:
 
     @staticmethod
     def unpack(saved):
+        if isinstance(saved, NarrowedTensor):
+            return widen(saved)
         return unpack_fp8(saved) if isinstance(saved, PackedFP8) else saved
 
     @contextlib.contextmanager

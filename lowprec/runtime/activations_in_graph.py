@@ -35,6 +35,7 @@ from collections.abc import Iterator
 import torch
 
 from ..kernels.activations import PackedFP8, unpack_fp8, unpack_traced_fp8
+from .activations_fp32 import NarrowedTensor, widen
 
 ENV = "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH"
 # the storages whose forward is under way, innermost last: the hooks are module-level functions
@@ -192,6 +193,11 @@ def _unpack(saved):
         return saved
     if isinstance(saved, PackedFP8):
         return unpack_fp8(saved)
+    if isinstance(saved, NarrowedTensor):
+        return widen(saved)
+    if len(saved) == 2:  # an FP32 tensor a graph stored in BF16 (LOWPREC_FP8_ACTIVATIONS_FP32=bf16)
+        data, dtype = saved
+        return data.to(dtype)
     return unpack_traced_fp8(saved)
 
 

@@ -164,14 +164,19 @@ def test_fp8_activation_counts_say_where_the_tensors_were_encoded():
     from lowprec.demo.run import activation_counts
     from lowprec.runtime.activations import ActivationCounts
 
-    hooks = SimpleNamespace(in_graph=False, counts=ActivationCounts(packed=8, bytes_before=800, bytes_after=404))
+    hooks = SimpleNamespace(in_graph=False, fp32_policy="fp8",
+                            counts=ActivationCounts(packed=8, bytes_before=800, bytes_after=404, untracked_fp32_kept=4))
     assert activation_counts(hooks, 4) == {"inside_compiled_graphs": False, "packed_tensors_per_forward": 2.0,
-                                           "bytes_before_per_forward": 200.0, "bytes_after_per_forward": 101.0}
-    graphs = SimpleNamespace(in_graph=True, counts=ActivationCounts(packed=0, traced_packed=10, traced_kept=3))
+                                           "bytes_before_per_forward": 200.0, "bytes_after_per_forward": 101.0,
+                                           "fp32_saved_as": "fp8", "untracked_fp32_kept_per_forward": 1.0}
+    graphs = SimpleNamespace(in_graph=True, fp32_policy="bf16",
+                             counts=ActivationCounts(packed=0, traced_packed=10, traced_kept=3))
     counted = activation_counts(graphs, 4)
+    assert counted["fp32_saved_as"] == "bf16"
     assert counted["inside_compiled_graphs"] and counted["packed_tensors_per_graph"] == 10
     assert counted["kept_tensors_per_graph"] == 3 and counted["bytes_after_per_forward"] is None
     # in-graph asked for, but nothing was compiled (an eager model): the hooks' own counts
-    eager = SimpleNamespace(in_graph=True, counts=ActivationCounts(packed=8, bytes_before=800, bytes_after=404))
+    eager = SimpleNamespace(in_graph=True, fp32_policy="keep",
+                            counts=ActivationCounts(packed=8, bytes_before=800, bytes_after=404))
     assert activation_counts(eager, 4)["packed_tensors_per_forward"] == 2.0
     assert activation_counts(None, 4) is None
