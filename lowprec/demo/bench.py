@@ -11,7 +11,8 @@
                                                        # peak memory split: model state and the rest
 
 A configuration is `bf16` or `backend:recipe[:level]`, optionally followed by `,skip_first_last=false` or
-`,skip_slow_shapes=false` (either true|false) and `,activation_dtype=fp8` (saved activations in FP8).
+`,skip_slow_shapes=false` (either true|false), `,activation_dtype=fp8` (saved activations in FP8) and
+`,activations_fp32=fp8|bf16|keep` (how those store FP32 tensors: LOWPREC_FP8_ACTIVATIONS_FP32).
 Each runs `python -m lowprec.demo.run` in a fresh process (Accelerate's state is a process-wide
 singleton, and peak memory and compile caches must be the run's own) on the demo corpus: tokens/s
 (median step after warm-up), peak memory split into model state (weights, gradients, optimizer states,
@@ -46,7 +47,7 @@ LEVELS = (None, "O1", "O2")
 CONFIG_OPTIONS = ("skip_first_last", "skip_slow_shapes")
 _BOOLS = {"true": True, "false": False}
 # Recipe fields a configuration may set to one of a few values ("msamp:delayed:O2,activation_dtype=fp8").
-VALUE_OPTIONS = {"activation_dtype": ("fp8",)}
+VALUE_OPTIONS = {"activation_dtype": ("fp8",), "activations_fp32": ("fp8", "bf16", "keep")}
 
 
 def parse_config(text: str) -> dict:

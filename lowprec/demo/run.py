@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep the first Linear and the output head in BF16 (default: the library's, off)")
     p.add_argument("--activation-dtype", choices=["fp8"], default=None,
                    help="FP8 runs: store the tensors autograd saves in FP8 (FP8RecipeKwargs.activation_dtype)")
+    p.add_argument("--activations-fp32", choices=["fp8", "bf16", "keep"], default=None,
+                   help="with --activation-dtype fp8: how the FP32 tensors it would encode are stored (sets "
+                        "LOWPREC_FP8_ACTIVATIONS_FP32 for this run; default: the variable's, fp8 when unset)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true",
                    help="torchao only: also train the same model converted by torchao directly (no lowprec) in "
@@ -124,6 +127,8 @@ def run(args: argparse.Namespace) -> dict:
         from accelerate.utils import TorchDynamoPlugin
 
         kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
+    if args.activations_fp32 is not None:
+        os.environ["LOWPREC_FP8_ACTIVATIONS_FP32"] = args.activations_fp32  # read when prepare() installs the storage
     if args.variant == "fp8":
         recipe = FP8RecipeKwargs(
             # None unless given: the demo shows what the library's defaults convert, not a tuned subset.

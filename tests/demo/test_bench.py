@@ -42,6 +42,25 @@ def test_parse_config_takes_fp8_activations():
             parse_config(bad)
 
 
+def test_parse_config_takes_how_fp8_activations_store_fp32_tensors(monkeypatch):
+    config = parse_config("msamp:delayed:O2,activation_dtype=fp8,activations_fp32=BF16")
+    assert config["options"] == {"activation_dtype": "fp8", "activations_fp32": "bf16"}
+    with pytest.raises(argparse.ArgumentTypeError, match=r"activations_fp32=fp8\|bf16\|keep"):
+        parse_config("msamp:delayed:O2,activation_dtype=fp8,activations_fp32=fp16")
+    # handed to the run as its flag
+    import lowprec.demo.bench as bench
+
+    seen = {}
+
+    def fake_run(cmd, **kwargs):
+        seen["cmd"] = cmd
+        return argparse.Namespace(returncode=1, stderr="stopped here")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    bench.run_one(config, "llama", [], "/nonexistent", raw=False)
+    assert seen["cmd"][-4:] == ["--activation-dtype", "fp8", "--activations-fp32", "bf16"]
+
+
 def test_parse_config_names_the_bad_level():
     with pytest.raises(argparse.ArgumentTypeError, match="level 'O9' is not one of O1, O2, O3"):
         parse_config("torchao:tensorwise:O9")

@@ -99,6 +99,25 @@ def test_demo_run_with_gradient_accumulation(tmp_path):
     assert json.loads((tmp_path / "r.json").read_text())["grad_accum"] == 2
 
 
+@pytest.mark.parametrize("policy", ["bf16", "keep"])
+def test_demo_run_stores_fp32_saved_tensors_as_asked(tmp_path, monkeypatch, policy):
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lowprec.demo.run import parse_args, run
+    from lowprec.runtime.activations_fp32 import ENV
+
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv(ENV, "fp8")  # restored after the test: the flag sets it for the run
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    result = run(parse_args(["--variant", "fp8", "--backend", "msamp", "--opt-level", "O2", "--activation-dtype", "fp8",
+                             "--activations-fp32", policy, "--steps", "2", "--batch", "2", "--no-progress",
+                             "--json", str(tmp_path / "r.json")]))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    assert result["fp8_activations"]["fp32_saved_as"] == policy
+
+
 # ---- a bad FP8 choice fails before the BF16 baseline runs (issue 16) ------------------------------
 @pytest.mark.parametrize("argv, expected", [
     (["--recipe", "bogus"], "FP8RecipeKwargs.recipe='bogus' is not a recipe of any backend"),
