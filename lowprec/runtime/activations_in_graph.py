@@ -145,7 +145,7 @@ def is_angle(node) -> bool:
     embedding's angles, position x frequency (HF's `freqs`, `emb = cat(freqs, freqs)`), which a compiled graph saves
     and takes cos/sin of again in backward rather than saving the tables. Never packed: FP8's 2**-4 relative error on
     an angle of up to the sequence length in radians is a wrong angle altogether (on the d4096 proxy, T=2048, packing
-    it put the held-out loss 10% above BF16's; keeping it, within 1%: results/gpu/2026-11-28-h200-act8-bisect)."""
+    it put the held-out loss 10% above BF16's; keeping it, 0.6-2.4%: results/gpu/2026-11-28-h200-act8-bisect)."""
     def periodic(n) -> bool:
         return n.op == "call_function" and str(n.target).startswith(_PERIODIC)
 
