@@ -68,12 +68,13 @@ def _size(n: float) -> str:
 
 def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, activation_dtype: str | None,
                       blocks: tuple[str, int, str] | None, compiled: bool = False,
-                      in_graph: bool = False, loss: str | None = None) -> SavedActivations:
+                      in_graph: bool = False, loss: str | None = None, fp32: str = "fp8") -> SavedActivations:
     """The section for a plan whose Linear decisions are `modules`, whose backend keeps an FP8 layer's input
     as `fp8_input`; `blocks` is (block list name, count, block class) or None; `compiled`: the model is
     compiled whole (its graph decides what is saved); `in_graph`: compiled graphs encode what they save
     themselves (by default for a model compiled on one process; LOWPREC_FP8_ACTIVATIONS_IN_GRAPH); `loss`: what
-    the model's loss keeps for backward (runtime/loss.py)."""
+    the model's loss keeps for backward (runtime/loss.py); `fp32`: how the FP32 tensors the hooks would encode are
+    stored (fp8, bf16 or keep: LOWPREC_FP8_ACTIVATIONS_FP32)."""
     hooks = activation_dtype == "fp8"
     fp8 = fp8_input
     if hooks and fp8.packable:
@@ -95,6 +96,9 @@ def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, 
         others = (f"{HOOKS_STORAGE}, decoded for backward; parameters and their views, 8-bit tensors, tensors "
                   f"under {MIN_ELEMENTS} elements, attention's log-sum-exp, a loss's log-probabilities, rotary angles "
                   "and, through the Python hooks, FP32 tensors with no autograd history kept as saved")
+        if fp32 != "fp8":
+            others += ("; FP32 tensors (the residual stream under autocast) "
+                       + ("in BF16" if fp32 == "bf16" else "kept in FP32") + " (LOWPREC_FP8_ACTIVATIONS_FP32)")
         if compiled:
             others += "; compiled model: the tensors its graph saves for backward"
         if in_graph:

@@ -17,6 +17,7 @@ from ..planning.hardware import DeviceInfo, assumed_device, device_info
 from ..planning.plan import PrecisionPlan, short_dtype
 from ..planning.selection import find_blocks, select_modules
 from ..planning.speed import unmeasured_note
+from .activations_fp32 import fp32_policy
 from .activations_in_graph import in_graph_wanted, inlining_supported
 from .loss import loss_storage
 
@@ -114,7 +115,8 @@ def build_plan(
                 and inlining_supported())
     plan.activations = saved_activations(plan.modules, backend.saved_linear_input(), recipe.activation_dtype, blocks,
                                          compiled=context.compiled, in_graph=in_graph,
-                                         loss=loss_storage(model, recipe.activation_dtype))
+                                         loss=loss_storage(model, recipe.activation_dtype),
+                                         fp32=fp32_policy() if recipe.activation_dtype == "fp8" else "fp8")
     plan.notes = backend.notes(plan) + backend.communication.notes()
     compiles, _ = backend.layer_compile()
     if compiles and plan.converted:

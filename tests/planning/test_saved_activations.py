@@ -105,3 +105,25 @@ def test_a_compiled_model_says_its_graph_decides():
     backend = create_backend(recipe, RunContext(device=H100, compiled=True), require_package=False)
     plan = build_plan(blocks_model(), recipe, context=backend.context, backend=backend)
     assert "compiled model: the tensors its graph saves for backward" in plan.activations.other_tensors
+
+
+@pytest.mark.parametrize(("policy", "said"), [("fp8", None), ("bf16", "FP32 tensors (the residual stream under "
+                                                                       "autocast) in BF16"),
+                                               ("keep", "FP32 tensors (the residual stream under autocast) kept in "
+                                                        "FP32")])
+def test_the_plan_says_how_fp32_saved_tensors_are_stored(monkeypatch, policy, said):
+    monkeypatch.setenv("LOWPREC_FP8_ACTIVATIONS_FP32", policy)
+    plan = plan_of(blocks_model(), ("msamp", "delayed", "O2", H100), activation_dtype="fp8")
+    others = plan.activations.other_tensors
+    assert ("LOWPREC_FP8_ACTIVATIONS_FP32" in others) == (said is not None)
+    if said:
+        assert said in others
+    # without FP8 activations the variable changes nothing, and the plan does not mention it
+    assert "LOWPREC_FP8_ACTIVATIONS_FP32" not in plan_of(blocks_model(), ("msamp", "delayed", "O2", H100)
+                                                         ).activations.other_tensors
+
+
+def test_a_bad_fp32_policy_is_refused_when_planning(monkeypatch):
+    monkeypatch.setenv("LOWPREC_FP8_ACTIVATIONS_FP32", "half")
+    with pytest.raises(ValueError, match="LOWPREC_FP8_ACTIVATIONS_FP32='half' is not one of fp8, bf16, keep"):
+        plan_of(blocks_model(), ("msamp", "delayed", "O2", H100), activation_dtype="fp8")
