@@ -422,7 +422,7 @@ class RotaryAttention(nn.Module):
 
     def forward(self, x, positions):
         b, t, d = x.shape
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast(x.device.type, enabled=False):  # as HF computes them: in FP32
             angles = (self.inv_freq[None, :, None] @ positions[:, None, :].float()).transpose(1, 2)
             emb = torch.cat((angles, angles), dim=-1)
             cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)

@@ -191,6 +191,8 @@ def _compiled_proxy_blocks(mode: str):
     torch.manual_seed(0)
     model = nn.Sequential(Block(1024, 2816), Block(1024, 2816)).cuda()
     storage = FP8ActivationStorage(model, in_graph=mode == "graph") if mode != "none" else None
+    if storage is not None:  # the graphs' FP32 tensors through the hooks too: the same definitions either way
+        storage.keep_untracked_fp32 = False
     blocks = [torch.compile(b) for b in model]
     x = torch.randn(4, 2048, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).requires_grad_()
     for _ in range(2):  # the first call compiles; the second is measured
@@ -256,3 +258,43 @@ def test_the_chunked_loss_matches_the_upcasting_one_and_keeps_no_fp32_logits(fus
     assert float((grad.double() - ref_grad.double()).norm() / ref_grad.double().norm()) <= 2**-8
     assert ref_added >= 3 * logits.numel() * 4
     assert added <= logits.numel() * 2 + 3 * CHUNK_ELEMENTS * 4 + 2**22, (added, ref_added)
+
+
+def test_rotary_angles_a_compiled_graph_saves_stay_out_of_fp8(monkeypatch):
+    """The CUDA graph of HF-style rotary attention at 2048 tokens: the angles (position x frequency, up to 2047
+    radians) it saves and takes cos/sin of again in backward are kept, and the query projection's gradient is as
+    close to the unencoded one as the other tensors allow; encoded (the rule turned off), it is far worse (on the
+    d4096 proxy: held-out loss +10%, results/gpu/2026-11-28-h200-act8-bisect)."""
+    import contextlib
+    import os
+    import sys
+
+    import lowprec.runtime.activations as activations
+    from lowprec.runtime.activations import FP8ActivationStorage
+    from lowprec.runtime.activations_in_graph import inlining_supported
+
+    if not inlining_supported():
+        pytest.skip("this torch does not inline GraphModule saved-tensor hooks")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from test_activations_in_graph import RotaryAttention
+
+    def query_grad(encode: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = RotaryAttention(1024, 8).cuda()
+        tokens = 2048
+        x = torch.randn(2, tokens, 1024, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        positions = torch.arange(tokens, device="cuda")[None].expand(2, tokens)
+        storage = FP8ActivationStorage(model, in_graph=True) if encode else None
+        with torch.autocast("cuda", dtype=torch.bfloat16), (storage.context() if storage else
+                                                            contextlib.nullcontext()):
+            y = torch.compile(model)(x.requires_grad_(), positions)
+        y.float().square().mean().backward()
+        return model.qkv.weight.grad[:1024].float()
+
+    reference = query_grad(False)
+    kept = float((query_grad(True) - reference).norm() / reference.norm())
+    assert kept < 0.07, kept
+    monkeypatch.setattr(activations, "is_angle", lambda node: False)
+    encoded = float((query_grad(True) - reference).norm() / reference.norm())
+    assert encoded > 1.5 * kept, (kept, encoded)
