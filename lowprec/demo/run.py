@@ -86,7 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "this process, and report lowprec's overhead against it")
     p.add_argument("--json", default=None, help="write metrics here")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.activations_fp32 is not None and args.activation_dtype != "fp8":
+        p.error(f"--activations-fp32 {args.activations_fp32} says how FP8 activations store FP32 tensors: it needs "
+                "--activation-dtype fp8")
+    return args
 
 
 def worker_args(size: str, steps: int, batch: int | None, seq_len: int | None, compile: bool | None,

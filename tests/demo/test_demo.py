@@ -118,6 +118,15 @@ def test_demo_run_stores_fp32_saved_tensors_as_asked(tmp_path, monkeypatch, poli
     assert result["fp8_activations"]["fp32_saved_as"] == policy
 
 
+def test_demo_refuses_an_fp32_policy_without_fp8_activations(capsys):
+    from lowprec.demo.run import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--variant", "fp8", "--activations-fp32", "keep"])
+    assert "--activations-fp32 keep says how FP8 activations store FP32 tensors: it needs --activation-dtype fp8" in \
+        capsys.readouterr().err
+
+
 # ---- a bad FP8 choice fails before the BF16 baseline runs (issue 16) ------------------------------
 @pytest.mark.parametrize("argv, expected", [
     (["--recipe", "bogus"], "FP8RecipeKwargs.recipe='bogus' is not a recipe of any backend"),
