@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..runtime.activations_fp32 import POLICIES as FP32_POLICIES
 from .data import TOKENIZATIONS
 from .model import ARCHS, PRESETS, default_size
 from .run import worker_args
@@ -47,7 +48,7 @@ LEVELS = (None, "O1", "O2")
 CONFIG_OPTIONS = ("skip_first_last", "skip_slow_shapes")
 _BOOLS = {"true": True, "false": False}
 # Recipe fields a configuration may set to one of a few values ("msamp:delayed:O2,activation_dtype=fp8").
-VALUE_OPTIONS = {"activation_dtype": ("fp8",), "activations_fp32": ("fp8", "bf16", "keep")}
+VALUE_OPTIONS = {"activation_dtype": ("fp8",), "activations_fp32": FP32_POLICIES}
 
 
 def parse_config(text: str) -> dict:

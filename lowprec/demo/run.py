@@ -24,6 +24,8 @@ from torch.utils.data import DataLoader
 from ..frontend.recipe import FP8RecipeKwargs
 from ..runtime.accelerator import Accelerator
 from ..runtime.activations import activation_storage
+from ..runtime.activations_fp32 import ENV as FP32_ENV
+from ..runtime.activations_fp32 import POLICIES as FP32_POLICIES
 from .data import TOKENIZATIONS, Windows, stdlib_corpus, tokenize
 from .memory import model_state_bytes
 from .model import ARCHS, PRESETS, build_model
@@ -77,7 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep the first Linear and the output head in BF16 (default: the library's, off)")
     p.add_argument("--activation-dtype", choices=["fp8"], default=None,
                    help="FP8 runs: store the tensors autograd saves in FP8 (FP8RecipeKwargs.activation_dtype)")
-    p.add_argument("--activations-fp32", choices=["fp8", "bf16", "keep"], default=None,
+    p.add_argument("--activations-fp32", choices=FP32_POLICIES, default=None,
                    help="with --activation-dtype fp8: how the FP32 tensors it would encode are stored (sets "
                         "LOWPREC_FP8_ACTIVATIONS_FP32 for this run; default: the variable's, fp8 when unset)")
     p.add_argument("--seed", type=int, default=0)
@@ -132,7 +134,7 @@ def run(args: argparse.Namespace) -> dict:
 
         kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
     if args.activations_fp32 is not None:
-        os.environ["LOWPREC_FP8_ACTIVATIONS_FP32"] = args.activations_fp32  # read when prepare() installs the storage
+        os.environ[FP32_ENV] = args.activations_fp32  # read when prepare() installs the storage
     if args.variant == "fp8":
         recipe = FP8RecipeKwargs(
             # None unless given: the demo shows what the library's defaults convert, not a tuned subset.

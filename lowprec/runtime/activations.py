@@ -208,7 +208,7 @@ class FP8ActivationStorage:
         if tensor.dtype == torch.float32 and self.fp32_policy != "fp8":
             self._count_traced(node, packed=self.fp32_policy == "bf16")
             # a plain (BF16 tensor, dtype) pair: what a graph may return from its forward
-            return tensor if self.fp32_policy == "keep" else (tensor.to(torch.bfloat16), tensor.dtype)
+            return tensor if self.fp32_policy == "keep" else tuple(narrow(tensor))
         self._count_traced(node, packed=True)
         return pack_traced_fp8(tensor)
 

@@ -193,11 +193,8 @@ def _unpack(saved):
         return saved
     if isinstance(saved, PackedFP8):
         return unpack_fp8(saved)
-    if isinstance(saved, NarrowedTensor):
-        return widen(saved)
-    if len(saved) == 2:  # an FP32 tensor a graph stored in BF16 (LOWPREC_FP8_ACTIVATIONS_FP32=bf16)
-        data, dtype = saved
-        return data.to(dtype)
+    if len(saved) == 2:  # an FP32 tensor stored in BF16, by the hooks or as a graph's plain pair (activations_fp32)
+        return widen(NarrowedTensor(*saved))
     return unpack_traced_fp8(saved)
 
 
