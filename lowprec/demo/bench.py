@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(rows, header)
     by_seed = seed_summary(rows) if args.seeds > 1 else None
     if by_seed is not None:
-        table += f"\nOver {args.seeds} seeds (each FP8 run against BF16's of its seed):\n\n" + seed_markdown(by_seed)
+        table += (f"\nOver {args.seeds} seeds (each FP8 run against BF16's of its seed, and against BF16's mean):\n\n"
+                  + seed_markdown(by_seed))
     with open(os.path.join(out, "results.json"), "w") as fh:
         json.dump({"size": size, "steps": steps, "tokens": args.tokens, "compiled": compiled, "device": device,
                    "jobs": args.jobs, "seeds": args.seeds, "seed_summary": by_seed,

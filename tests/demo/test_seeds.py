@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from lowprec.demo.bench import markdown, parse_args, summarise
+from lowprec.demo.seeds import main as seeds_main
 from lowprec.demo.seeds import seed_markdown, seed_summary
 
 
@@ -49,8 +50,26 @@ def test_the_summary_gives_the_paired_differences_and_bf16s_own_spread():
     assert fp8_row["delta_sem"] == pytest.approx(sd / math.sqrt(3)) and fp8_row["paired"] == 3
     assert (fp8_row["delta_min"], fp8_row["delta_max"]) == (pytest.approx(0.0), pytest.approx(0.01))
     table = seed_markdown(seed_summary(rows))
-    assert "| llama | torchao:tensorwise | 3 | 2.0130 | +0.67% | 0.58% | 0.33% | +0.00% .. +1.00% |  |" in table
-    assert "| llama | bf16 | 3 | 2.0000 |  |  |  |  | 5.00% |" in table
+    assert "| llama | torchao:tensorwise | 3 | 2.0130 | +0.67% | 0.58% | 0.33% | +0.00% .. +1.00% | +0.65% |" in table
+    assert "| llama | bf16 | 3 | 2.0000 |  |  |  |  |  |  | 5.00% |" in table
+
+
+def test_the_summary_compares_the_means_unpaired_with_welchs_standard_error():
+    # same-seed reruns on a GPU differ as much as seeds do: the means are compared without pairing as well
+    bf16, fp8 = [2.0, 2.1, 1.9, 2.0], [2.05, 1.95]
+    rows = summarise([run("bf16", s, v) for s, v in enumerate(bf16)]
+                     + [run("msamp:delayed:O2", s, v) for s, v in enumerate(fp8)], speeds=False)
+    by = {s["config"]: s for s in seed_summary(rows)}
+    fp8_row = by["msamp:delayed:O2"]
+    assert fp8_row["vs_mean"] == pytest.approx(0.0)
+    var_bf16 = sum((v - 2.0) ** 2 for v in bf16) / 3
+    var_fp8 = sum((v - 2.0) ** 2 for v in fp8) / 1
+    assert fp8_row["vs_mean_sem"] == pytest.approx(math.sqrt(var_bf16 / 4 + var_fp8 / 2) / 2.0)
+    assert "vs_mean" not in by["bf16"]
+    one = seed_summary(summarise([run("bf16", 0, 2.0), run("bf16", 1, 2.2), run("msamp:delayed:O2", 0, 2.31)],
+                                 speeds=False))
+    (single,) = [s for s in one if s["config"] != "bf16"]
+    assert single["vs_mean"] == pytest.approx(0.1) and single["vs_mean_sem"] is None  # one run: no variance
 
 
 def test_a_configuration_whose_bf16_failed_has_no_difference():
@@ -59,6 +78,39 @@ def test_a_configuration_whose_bf16_failed_has_no_difference():
     (entry,) = seed_summary(rows)
     assert entry["seeds"] == 1 and "delta_mean" not in entry
     assert "| llama | msamp:delayed:O2 | 1 | 2.0000 |  |" in seed_markdown([entry])
+    assert "vs_mean" not in entry
+
+
+def write_results(path, rows, size="proxy", steps=300):
+    path.write_text(json.dumps({"size": size, "steps": steps, "tokens": None, "rows": rows}))
+    return str(path)
+
+
+def test_several_results_are_pooled_into_one_table(tmp_path, capsys):
+    first = summarise([run("bf16", 0, 2.0), run("msamp:delayed:O2", 0, 2.02)], speeds=False)
+    second = summarise([run("bf16", 0, 2.2), run("msamp:delayed:O2", 0, 2.2)], speeds=False)
+    paths = [write_results(tmp_path / "a.json", first), write_results(tmp_path / "b.json", second)]
+    assert seeds_main(paths) == 0
+    out = capsys.readouterr().out
+    # each file's runs paired with its own BF16 run (+1%, 0%); the means 2.11 against 2.10
+    assert "Pooled over 2 results" in out
+    assert "| llama | msamp:delayed:O2 | 2 | 2.1100 | +0.50% | 0.71% | 0.50% | +0.00% .. +1.00% | +0.48% |" in out
+    assert "| llama | bf16 | 2 | 2.1000 |" in out
+
+
+def test_pooling_refuses_results_of_other_runs_and_other_files(tmp_path, capsys):
+    rows = summarise([run("bf16", 0, 2.0)], speeds=False)
+    paths = [write_results(tmp_path / "a.json", rows), write_results(tmp_path / "b.json", rows, steps=100)]
+    with pytest.raises(SystemExit):
+        seeds_main(paths)
+    assert "cannot be pooled: (size, steps, tokens)" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        seeds_main([str(tmp_path / "other.json")])
+    assert "not a `lowprec bench` results.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        seeds_main([str(tmp_path / "missing.json")])
+    assert "missing.json" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("seeds", ["0", "-2"])
