@@ -520,6 +520,35 @@ def test_what_a_backend_owned_module_saves_is_left_alone():
     assert storage.counts.backend_kept == 2 * kept and storage.counts.packed > 0
 
 
+@pytest.mark.parametrize("compiled, engine, in_graph_env, warned", [
+    (False, "single", None, True),  # eager: the Python hooks store every saved tensor
+    (True, "ddp", None, True),  # compiled under DDP: the hooks after each graph, by default
+    (True, "single", "0", True),  # compiled on one process, the graphs' encoding turned off
+    (True, "single", None, False),  # compiled on one process: the graphs store their own saves (measured within 1%)
+])
+def test_the_convergence_warning_is_said_where_the_python_hooks_store(compiled, engine, in_graph_env, warned,
+                                                                      monkeypatch):
+    import warnings
+
+    from lowprec.runtime.activations import CONVERGENCE_WARNING, install_activation_storage
+    from lowprec.runtime.activations_in_graph import inlining_supported
+
+    if compiled and in_graph_env is None and not inlining_supported():
+        pytest.skip("this torch cannot inline the graphs' saved-tensor hooks: the Python hooks store everywhere")
+    monkeypatch.setattr("lowprec.runtime.notices._warned", set())  # the warning is once per process
+    if in_graph_env is None:
+        monkeypatch.delenv("LOWPREC_FP8_ACTIVATIONS_IN_GRAPH", raising=False)
+    else:
+        monkeypatch.setenv("LOWPREC_FP8_ACTIVATIONS_IN_GRAPH", in_graph_env)
+    model = nn.Sequential(nn.Linear(8, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        storage = install_activation_storage(model, model, compiled=compiled, engine=engine)
+    said = [str(w.message) for w in caught if str(w.message) == CONVERGENCE_WARNING]
+    assert bool(said) is warned and storage.in_graph is not warned
+    assert "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0" in CONVERGENCE_WARNING and "1.2%" in CONVERGENCE_WARNING
+
+
 @pytest.mark.parametrize("layout", ["tokens, classes", "batch, classes, tokens"])
 def test_a_losss_log_probabilities_stay_as_they_are(layout):
     # cross-entropy's backward takes exp() of the log-probabilities it saved: in FP8 (2**-4 relative error in log

@@ -111,8 +111,7 @@ class FP8ActivationStorage:
         self._row_shapes: set[tuple[int, ...]] = set()  # shape[:-1] of the 4-D tensors saved in this forward
         self._storage_spans: dict[int, tuple[weakref.ref, SpanKey]] = {}  # storage address -> (first view, key)
         self._inside = 0  # forwards under way of modules whose saved tensors are left alone (`leave_alone`)
-        # compiled graphs encode what they save inside the graph (activations_in_graph), where torch can
-        self.in_graph = in_graph and inlining_supported()
+        self.in_graph = in_graph and inlining_supported()  # graphs encode their saves themselves, where torch can
         self._graph_hooks = graph_hooks() if self.in_graph else None  # its own: dynamo guards on their identity
         self._traced: set[tuple[int, str]] = set()  # (forward graph, node) already counted: torch traces each twice
         # FP32 tensors with no autograd history stay as saved (`ActivationCounts.untracked_fp32_kept`); False only
@@ -355,11 +354,12 @@ def warn_whole_model_compile(how: str) -> None:
         stacklevel=4)
 
 
-# Said once per process where a model is prepared with it, until a measurement shows the target met (issue 32)
+# Said once per process where the Python hooks store saved tensors, until measured within 1% of BF16 (issue 32)
 CONVERGENCE_WARNING = (
-    "lowprec: activation_dtype='fp8' does not yet train quite as well as BF16: on the d4096 proxy, 300 steps, its "
-    "held-out loss was 0.6-2.4% above BF16's (torchao +0.63%, msamp O2 +1.36%, through the Python hooks +2.35%; "
-    "results/gpu/2026-11-28-h200-act8-bisect), where the target is 1%. See docs/levels.md#saved-activations")
+    "lowprec: activation_dtype='fp8' through Python saved-tensor hooks (eager models; compiled ones under DDP/FSDP2/"
+    "DeepSpeed or with LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0) does not yet train quite as well as BF16: d4096 proxy, "
+    "300 steps, compiled, held-out loss 1.2% above BF16's over two seeds (target 1%; compiled graphs on one process "
+    "that store their own saved tensors: -0.8% to +0.1%). See docs/levels.md#saved-activations")
 
 
 def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=None,
@@ -371,7 +371,6 @@ def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=
     `compiled`: the model is compiled, under `engine` (whether its graphs then encode what they save:
     `in_graph_wanted`). A Hugging Face causal LM's default loss becomes one without FP32 copies of the logits
     (runtime/loss.py)."""
-    warn_once(CONVERGENCE_WARNING, stacklevel=4)
     in_graph = in_graph_wanted(compiled, engine)
     # only an explicit request is worth a warning: by default a torch that cannot inline keeps the Python hooks
     if in_graph and not inlining_supported() and in_graph_requested():
@@ -380,6 +379,8 @@ def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=
                       "tensors compiled graphs save are stored in FP8 by the Python hooks after each graph instead",
                       stacklevel=3)
     storage = FP8ActivationStorage(inner, converted=converted, in_graph=in_graph)
+    if not storage.in_graph:
+        warn_once(CONVERGENCE_WARNING, stacklevel=4)
     for module in inner.modules():
         if keep_saved_by is not None and keep_saved_by(module):
             storage.leave_alone(module)
