@@ -16,7 +16,14 @@ import pytest
 import torch
 from torch import nn
 
-from lowprec.kernels.activations import groups_fit, pack_fp8, pack_traced_fp8, unpack_fp8, unpack_traced_fp8
+from lowprec.kernels.activations import (
+    PackedFP8,
+    groups_fit,
+    pack_fp8,
+    pack_traced_fp8,
+    unpack_fp8,
+    unpack_traced_fp8,
+)
 from lowprec.runtime.activations import FP8ActivationStorage
 from lowprec.runtime.activations_in_graph import ENV, in_graph_requested, in_graph_wanted, inlining_supported
 
@@ -496,3 +503,65 @@ def test_is_angle_follows_values_to_a_sine_or_cosine():
     assert is_angle(nodes["mul"]) and is_angle(nodes["cat"]) and not is_angle(nodes["cos"])
     nodes = graph_of(not_periodic)
     assert not any(is_angle(n) for n in nodes.values()) and not is_angle(None)
+
+
+class _Head(nn.Module):
+    """A causal LM's output head as the hooks find it: named by `get_output_embeddings`."""
+
+    def __init__(self, d: int, vocab: int):
+        super().__init__()
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+
+def _hooks_loss_grads(keep_logits: bool):
+    """The input gradient's relative error of a compiled loss over BF16 logits with the Python hooks around the
+    graph (the form under DDP/FSDP2/DeepSpeed), against the unencoded run, and the storage. The logits spread as a
+    trained model's do (sd ~6), where FP8's 2**-4 relative error is tenths in log space."""
+    import torch.nn.functional as F
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Head(256, 1000).to(torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+    x = torch.randn(256, 256, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 1000, (256,))
+
+    def loss_of(h, t):
+        return F.cross_entropy(model.lm_head(h).float(), t)
+
+    compiled = torch.compile(loss_of, backend="inductor")
+    reference, = torch.autograd.grad(compiled(x, target), x)
+    storage = FP8ActivationStorage(model, min_elements=0, in_graph=False)
+    if not keep_logits:
+        storage._head_widths = frozenset()
+    with storage.context():
+        loss = compiled(x, target)
+    grad, = torch.autograd.grad(loss, x)  # (the weight's gradient reads x's FP8 copy either way)
+    return ((grad.float() - reference.float()).norm() / reference.float().norm()).item(), storage
+
+
+def test_the_python_hooks_keep_a_compiled_graphs_logits_by_the_heads_width():
+    # the hooks see a compiled graph's saves as plain tensors with no history: a BF16 one of the output head's width
+    # is the logits the loss's backward takes the softmax of again, kept as the in-graph form keeps it by node
+    error, storage = _hooks_loss_grads(keep_logits=True)
+    assert storage._head_widths == {1000} and storage.counts.logits_kept >= 1
+    assert error < 1e-6  # nothing the input's gradient reads was encoded
+    spoilt, plain = _hooks_loss_grads(keep_logits=False)
+    assert plain.counts.logits_kept == 0 and plain.counts.packed > storage.counts.packed
+    assert spoilt > 0.1  # the logits in FP8 (0.35 here): the softmax of backward off by tenths in log space
+
+
+def test_a_tracked_tensor_or_another_width_is_not_taken_for_logits():
+    storage = FP8ActivationStorage(_Head(256, 1000), min_elements=0)
+    with storage.context():
+        tracked = torch.randn(64, 1000, requires_grad=True).to(torch.bfloat16)  # eager: autograd tells what it is
+        assert isinstance(storage.pack(tracked), PackedFP8)
+        assert isinstance(storage.pack(torch.randn(64, 1024).to(torch.bfloat16)), PackedFP8)
+        logits = torch.randn(64, 1000).to(torch.bfloat16)
+        assert storage.pack(logits) is logits
+    assert storage.counts.logits_kept == 1
+    assert FP8ActivationStorage(nn.Linear(4, 4))._head_widths == frozenset()  # no head named: no rule

@@ -24,6 +24,7 @@ from torch import nn
 from ..kernels.activations import PackedFP8, SpanKey, groups_fit, overlapping, pack_fp8, pack_traced_fp8, unpack_fp8
 from ..kernels.cross_entropy import saving_for_backward
 from ..planning.activations import MIN_ELEMENTS
+from .activations_checks import CONVERGENCE_WARNING, check_activation_dtype  # noqa: F401 (prepare() checks)
 from .activations_fp32 import NarrowedTensor, fp32_policy, narrow, widen
 from .activations_in_graph import (
     graph_hooks,
@@ -64,6 +65,7 @@ class ActivationCounts:
     weight_shaped_kept: int = 0  # of parameters_kept, kept for the shape and dtype of a kept layer's weight copy
     logsumexp_kept: int = 0  # attention's softmax log-sum-exp, kept in FP32 (FP8 would spoil the probabilities)
     log_probabilities_kept: int = 0  # a log-softmax's output (a loss's log-probabilities), kept for the same reason
+    logits_kept: int = 0  # a compiled graph's logits (no autograd history, the output head's width): the same reason
     backend_kept: int = 0  # saved inside a module whose saved tensors are the backend's (`leave_alone`)
     # FP32 tensors with no autograd history: an eager model's inputs and constants (held anyway); every FP32 tensor a
     # compiled graph hands these hooks, among them rotary angles FP8 would spoil (activations_in_graph.is_angle)
@@ -100,6 +102,7 @@ class FP8ActivationStorage:
                                   for shape in (tuple(p.shape), tuple(reversed(p.shape)))
                                   for dtype in (torch.bfloat16, torch.float16) if p.dtype != dtype}
         self.min_elements = min_elements
+        self._head_widths = head_widths(model)
         self.counts = ActivationCounts()
         # The tensors packed in the forward under way: id -> (weak reference, version, packed). One tensor
         # is often saved by several ops (an RMSNorm's FP32 input by its square and its product, RoPE's
@@ -159,8 +162,11 @@ class FP8ActivationStorage:
                 for t in (tensor, tensor._base)):
             self.counts.log_probabilities_kept += 1
             return tensor
-        if (self.keep_untracked_fp32 and tensor.dtype == torch.float32 and tensor.grad_fn is None
-                and not tensor.requires_grad):
+        untracked = tensor.grad_fn is None and not tensor.requires_grad
+        if untracked and tensor.shape[-1] in self._head_widths:
+            self.counts.logits_kept += 1
+            return tensor
+        if self.keep_untracked_fp32 and tensor.dtype == torch.float32 and untracked:
             self.counts.untracked_fp32_kept += 1
             return tensor
         if tensor.dim() == 4:  # a query, perhaps: its rows' shape tells its log-sum-exp, saved after it
@@ -305,61 +311,22 @@ class FP8ActivationStorage:
         self._inside = 0
 
 
-# torch.compile modes that run the graphs through CUDA graphs (inductor's "triton.cudagraphs")
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-
-
-def check_activation_dtype(activation_dtype: str | None, dynamo_plugin=None, source: str = "") -> None:
-    """Refuse what this path does not do yet, when the Accelerator is built rather than mid-prepare().
-
-    A compiled model is fine: the hooks sit around the compiled forward and store what the compiled
-    graph saves for its backward (AOTAutograd's saved tensors, as the partitioner chose them). Under
-    CUDA graphs those tensors live in the graphs' static memory pool, which stays allocated whatever is
-    done with them: packing would add FP8 copies and save nothing. Not measured, so refused for now.
-    `source`: where the dynamo setting came from when not from this Accelerator's arguments."""
-    if activation_dtype != "fp8" or dynamo_plugin is None:
-        return
-    if not getattr(dynamo_plugin, "use_regional_compilation", False):
-        warn_whole_model_compile("Accelerate's dynamo plugin compiles the whole model" + (f" ({source})" if source
-                                                                                         else ""))
-    backend = str(getattr(dynamo_plugin.backend, "value", dynamo_plugin.backend)).lower()
-    mode = dynamo_plugin.mode
-    if backend == "cudagraphs":
-        how = f"dynamo_backend='{backend}'"
-    elif backend == "inductor" and mode in CUDA_GRAPH_MODES:
-        how = f"dynamo mode='{mode}'"
-    elif backend == "inductor" and (dynamo_plugin.options or {}).get("triton.cudagraphs"):
-        how = "dynamo options triton.cudagraphs=True"
-    else:
-        return
-    if source:  # not this Accelerator's own setting: say where it came from
-        how = f"{how}; {source}"
-    raise ValueError(
-        f"lowprec: FP8RecipeKwargs.activation_dtype='fp8' is not yet supported with CUDA graphs ({how}): the "
-        "graphs' memory pool keeps the high-precision tensors the forward saves, so FP8 copies would add "
-        "memory, not save it. Use dynamo mode 'default' or 'max-autotune-no-cudagraphs' (both supported), "
-        "or activation_dtype=None")
-
-
-def warn_whole_model_compile(how: str) -> None:
-    """Say that FP8 activations lower no peak when one graph holds the whole model (a review's CPU probe of a
-    toy model: 15 of its 16 saved tensors alive in high precision when the last was packed, 3 eager; not yet
-    measured on a GPU)."""
-    warnings.warn(
-        f"lowprec: FP8RecipeKwargs.activation_dtype='fp8' saves little or no memory here: {how} as one graph, "
-        "which hands every tensor it saves to autograd at the end of its forward, all in high precision, and "
-        "takes them all back at once at the start of its backward, so the FP8 copies come on top of them. "
-        "Compile block by block instead (TorchDynamoPlugin(use_regional_compilation=True), or "
-        "use_regional_compilation: true under dynamo_config), where each block's tensors are stored as it ends",
-        stacklevel=4)
-
-
-# Said once per process where the Python hooks store saved tensors, until measured within 1% of BF16 (issue 32)
-CONVERGENCE_WARNING = (
-    "lowprec: activation_dtype='fp8' through Python saved-tensor hooks (eager models; compiled ones under DDP/FSDP2/"
-    "DeepSpeed or with LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0) does not yet train quite as well as BF16: d4096 proxy, "
-    "300 steps, compiled, held-out loss 1.2% above BF16's over two seeds (target 1%; compiled graphs on one process "
-    "that store their own saved tensors: -0.8% to +0.1%). See docs/levels.md#saved-activations")
+def head_widths(model: nn.Module) -> frozenset[int]:
+    """The widths (vocabulary sizes) of the output heads a model names (Hugging Face's `get_output_embeddings`).
+    A compiled graph hands the Python hooks plain tensors with no history: one of a head's width is the logits its
+    loss recomputes the probabilities from (the in-graph form tells it by node: `is_log_probabilities`), which FP8
+    would spoil: in one step's traces on the GPU (results/gpu/2026-11-28-h200-act8-bisect/round2) the one tensor
+    the hooks stored in FP8 and the graphs did not, where the hooks trained 1.2% above BF16 and the graphs -0.8%."""
+    widths = set()
+    for module in model.modules():
+        try:
+            head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+        except (NotImplementedError, AttributeError):  # a model class without a head
+            continue
+        width = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", (None,))[0]
+        if isinstance(width, int) and width > 1:
+            widths.add(width)
+    return frozenset(widths)
 
 
 def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=None,
