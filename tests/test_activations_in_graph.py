@@ -565,3 +565,28 @@ def test_a_tracked_tensor_or_another_width_is_not_taken_for_logits():
         assert storage.pack(logits) is logits
     assert storage.counts.logits_kept == 1
     assert FP8ActivationStorage(nn.Linear(4, 4))._head_widths == frozenset()  # no head named: no rule
+
+
+def test_a_head_as_wide_as_another_layer_is_not_taken_for_a_vocabulary():
+    class Wide(_Head):  # hidden width 1000 = vocabulary: a tensor of that width could be anything
+        def __init__(self):
+            super().__init__(64, 1000)
+            self.up = nn.Linear(64, 1000)
+
+    class Tied(_Head):  # the input embedding (vocabulary, width) shares the head's weight
+        def __init__(self):
+            super().__init__(64, 1000)
+            self.embed = nn.Embedding(1000, 64)
+            self.embed.weight = self.lm_head.weight
+
+    assert FP8ActivationStorage(Wide())._head_widths == frozenset()
+    assert FP8ActivationStorage(Tied())._head_widths == {1000}
+
+
+def test_a_hugging_face_causal_lm_names_its_vocabulary():
+    pytest.importorskip("transformers")
+    from lowprec.demo.model import PRESETS, build_model
+    from lowprec.runtime.activations import head_widths
+
+    assert head_widths(build_model(PRESETS["tiny"], vocab_size=256)) == {256}
+    assert head_widths(build_model(PRESETS["tiny"], vocab_size=128)) == frozenset()  # = the hidden size

@@ -316,17 +316,23 @@ def head_widths(model: nn.Module) -> frozenset[int]:
     A compiled graph hands the Python hooks plain tensors with no history: one of a head's width is the logits its
     loss recomputes the probabilities from (the in-graph form tells it by node: `is_log_probabilities`), which FP8
     would spoil: in one step's traces on the GPU (results/gpu/2026-11-28-h200-act8-bisect/round2) the one tensor
-    the hooks stored in FP8 and the graphs did not, where the hooks trained 1.2% above BF16 and the graphs -0.8%."""
-    widths = set()
+    the hooks stored in FP8 and the graphs did not, where the hooks trained 1.2% above BF16 and the graphs -0.8%.
+    A width another layer also has (a model as wide as its vocabulary) tells nothing and is left out."""
+    heads, others = set(), set()
     for module in model.modules():
         try:
             head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
         except (NotImplementedError, AttributeError):  # a model class without a head
-            continue
+            head = None
         width = getattr(head, "out_features", None) or getattr(getattr(head, "weight", None), "shape", (None,))[0]
         if isinstance(width, int) and width > 1:
-            widths.add(width)
-    return frozenset(widths)
+            heads.add((id(head), width))
+    head_ids = {i for i, _ in heads}
+    for module in model.modules():
+        if id(module) not in head_ids:  # a tied input embedding is (vocabulary, width): only its width is one
+            others.update(w for w in (getattr(module, "in_features", None), getattr(module, "out_features", None),
+                                      getattr(module, "embedding_dim", None)) if isinstance(w, int))
+    return frozenset(w for _, w in heads if w not in others)
 
 
 def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=None,
