@@ -3,7 +3,7 @@
     lowprec bench                                      # every available backend x recipe x level
     lowprec bench --configs bf16 torchao:tensorwise msamp:delayed:O2 --size proxy --steps 40
     lowprec bench --convergence --steps 300            # long enough to separate the loss curves
-    lowprec bench --convergence --seeds 3 --jobs 6     # each configuration with seeds 0..2, paired with BF16's
+    lowprec bench --convergence --seeds 3 --jobs 6     # seeds 0..2 each, against BF16's seed and BF16's mean
     lowprec bench --arch mistral qwen2 --size small    # other transformers model classes
     lowprec bench --configs bf16 torchao:tensorwise torchao:tensorwise,skip_first_last=false --tokens pairs
                                                        # the output head in FP8 or not, at a 64K vocabulary
@@ -128,7 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "losses and peak memory are each run's own, speeds are not compared")
     p.add_argument("--seeds", type=int, default=1,
                    help="train each configuration with seeds 0..N-1 (initialisation and batch order) and compare "
-                        "each with BF16's run of the same seed: mean, spread and range of the difference (default 1)")
+                        "each with BF16's run of the same seed (mean, spread and range of the difference) and with "
+                        "BF16's mean, unpaired (default 1)")
     args = p.parse_args(argv)
     if args.seeds < 1:
         p.error(f"--seeds {args.seeds}: give at least 1 (runs of each configuration)")

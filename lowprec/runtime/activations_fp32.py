@@ -3,11 +3,10 @@
 Under autocast with FP32 parameters the residual stream is FP32: the embedding's output and each residual add, which
 the norms save (4 bytes an element, twice a BF16 activation's). By default they are stored in FP8 like the rest;
 `bf16` stores them in BF16 (2 bytes, a relative error of 2**-9 where FP8's is 2**-4: what a model trained in BF16
-keeps anyway), `keep` leaves them in FP32. On the d4096 proxy (300 steps, one run each) msamp O2's held-out loss was
-1.36% above BF16's with them in FP8 and 0.24% with them kept, at 5% more peak memory
-(results/gpu/2026-11-28-h200-act8-bisect): a choice for a run whose loss must match BF16's closely, until
-`lowprec bench --seeds` says which default is right. Rotary angles, and under the Python hooks FP32 tensors with no
-autograd history, are kept whatever this says.
+keeps anyway), `keep` leaves them in FP32. On the d4096 proxy (300 steps, two seeds each against six BF16 runs)
+msamp O2's held-out loss was -0.80% of BF16's with them in FP8, -0.10% in BF16 and -0.39% kept, the last two at
+0.18 / 0.56 GiB more peak (results/gpu/2026-11-28-h200x2-act8-seeds-6db774f): no better, so FP8 stays the default.
+Rotary angles, and under the Python hooks FP32 tensors with no autograd history, are kept whatever this says.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@
 #                                                #   CONVERGENCE_JOBS=5: five at a time over the machine's GPUs,
 #                                                #   losses and peaks each run's own, speeds not compared;
 #                                                #   CONVERGENCE_SEEDS=3: each configuration with seeds 0..2,
-#                                                #   paired with BF16's run of the same seed)
+#                                                #   against BF16's run of the same seed and BF16's mean)
 #   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
 #                                                #   configuration trains at batch 4 x 2048 (LARGEST_CONFIGS:
 #                                                #   others, ';'-separated, e.g. "bf16 compiled;torchao O2 act8")
