@@ -402,6 +402,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--peak-configs", nargs="+", choices=list(CONFIGS),
                    help="trace one more step's allocations of these configurations: what is live at the step's peak, "
                         "by allocating line (peak_memory.py), in --profile-dir as WIDTH_LABEL.peak.txt")
+    p.add_argument("--memory-gib", type=float,
+                   help="cap this process's CUDA allocator at this many GiB (torch.cuda."
+                        "set_per_process_memory_fraction): a smaller GPU's memory on a larger one, for largest_model")
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
@@ -414,6 +417,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile_dir:
         os.makedirs(args.profile_dir, exist_ok=True)
     cuda = torch.cuda.is_available()
+    if args.memory_gib is not None:
+        if not cuda:
+            p.error("--memory-gib caps a CUDA device's memory: no CUDA device here")
+        total = torch.cuda.get_device_properties(0).total_memory / 2**30
+        if not 0 < args.memory_gib <= total:
+            p.error(f"--memory-gib must be in (0, {total:.2f}] (this device's memory in GiB), got {args.memory_gib}")
+        torch.cuda.set_per_process_memory_fraction(args.memory_gib / total)
     # LOWPREC_COMMIT first (verify.sh and memory.sh set it): the device's copy of the tree may carry a stale .git,
     # whose HEAD was an older commit's (results/gpu/2026-11-27-h200-memory-62ecff5)
     commit = os.environ.get("LOWPREC_COMMIT", "")
@@ -422,7 +432,8 @@ def main(argv: list[str] | None = None) -> dict:
     except OSError:
         pass
     results: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                     "commit": commit, "argv": argv, "steps": args.steps, "warmup": args.warmup, "widths": {}}
+                     "commit": commit, "argv": argv, "steps": args.steps, "warmup": args.warmup,
+                     "memory_gib": args.memory_gib, "widths": {}}
     for name in ("accelerate", "torchao", "transformer_engine"):
         try:
             results[name] = __import__(name).__version__

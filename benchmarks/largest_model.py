@@ -7,6 +7,9 @@ gives the memory per block and the rest; the deepest model whose predicted peak 
 the GPU's memory is then trained for two steps to confirm it fits (one block fewer at a time if it runs
 out, at most `--tries` runs). Each run is its own process (headline.py), so an out-of-memory error leaves
 nothing behind. Reports blocks and parameters per configuration, and their ratio to BF16's.
+
+`--capacity-gib 78.5` answers for an 80 GB H100 on a larger GPU (an H200): every run's CUDA allocator is capped
+at that many GiB (headline.py --memory-gib), so a model that would not fit the smaller card runs out of memory.
 """
 
 from __future__ import annotations
@@ -25,12 +28,18 @@ sys.path.insert(0, HERE)
 import headline  # noqa: E402
 
 
-def measure(config: str, width: str, blocks: int) -> dict:
+def command(config: str, width: str, blocks: int, out: str, memory_gib: float | None = None) -> list[str]:
+    """headline.py's command line for two steps; `memory_gib` caps its allocator (a smaller GPU on a larger one)."""
+    cmd = [sys.executable, os.path.join(HERE, "headline.py"), "--widths", f"{width}x{blocks}", "--configs",
+           config, "--steps", "2", "--warmup", "1", "--out", out]
+    return cmd + (["--memory-gib", str(memory_gib)] if memory_gib is not None else [])
+
+
+def measure(config: str, width: str, blocks: int, memory_gib: float | None = None) -> dict:
     """Two steps of `config` at `width` with `blocks` blocks, in a fresh process: {"peak_gib"} or {"error"}."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
-        cmd = [sys.executable, os.path.join(HERE, "headline.py"), "--widths", f"{width}x{blocks}", "--configs",
-               config, "--steps", "2", "--warmup", "1", "--out", out]
+        cmd = command(config, width, blocks, out, memory_gib)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if not os.path.exists(out):
             return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1]}
@@ -81,23 +90,35 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--configs", nargs="+", default=["bf16 compiled", "torchao", "msamp O2", "msamp O2 act8"],
                    choices=list(headline.CONFIGS))
     p.add_argument("--probe", nargs=2, type=int, default=[2, 4], metavar=("LOW", "HIGH"))
-    p.add_argument("--fraction", type=float, default=0.92, help="of the GPU's memory the predicted peak may take")
-    p.add_argument("--capacity-gib", type=float, default=None, help="the GPU's memory (default: the device's)")
+    p.add_argument("--fraction", type=float, default=None,
+                   help="of the GPU's memory the predicted peak may take (default 0.92; 1.0 with --capacity-gib, "
+                        "whose cap makes the confirming runs fail where the real GPU would)")
+    p.add_argument("--capacity-gib", type=float, default=None,
+                   help="the GPU's memory (default: the device's); given, every run's allocator is capped at it, so "
+                        "that an 80 GB GPU's answer comes from a larger one (78.5: an H100's 79.2 GiB less the "
+                        "CUDA context's, which the cap does not count)")
     p.add_argument("--tries", type=int, default=3)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if not 0 < args.probe[0] < args.probe[1]:
         p.error("--probe needs 0 < LOW < HIGH")
-    capacity = args.capacity_gib
+    capacity, cap = args.capacity_gib, args.capacity_gib
+    if capacity is not None and capacity <= 0:
+        p.error(f"--capacity-gib must be positive, got {capacity}")
+    if args.fraction is None:
+        args.fraction = 0.92 if cap is None else 1.0
+    if not 0 < args.fraction <= 1:
+        p.error(f"--fraction must be in (0, 1], got {args.fraction}")
     if capacity is None:
         import torch
 
         if not torch.cuda.is_available():
             p.error("no CUDA device: give --capacity-gib")
         capacity = torch.cuda.get_device_properties(0).total_memory / 2**30
-    results = {"width": args.width, "capacity_gib": capacity, "fraction": args.fraction, "configs": {}}
+    results = {"width": args.width, "capacity_gib": capacity, "memory_capped": cap is not None,
+               "fraction": args.fraction, "configs": {}}
     for config in args.configs:
-        record = largest(lambda n, c=config: measure(c, args.width, n), tuple(args.probe),
+        record = largest(lambda n, c=config: measure(c, args.width, n, cap), tuple(args.probe),
                          args.fraction * capacity, args.tries)
         if "blocks" in record:
             record["params"] = headline.params(f"{args.width}x{record['blocks']}")

@@ -273,6 +273,36 @@ def test_largest_model_reports_other_errors_and_flat_peaks():
     assert "did not grow" in flat["error"]
 
 
+def test_largest_model_caps_each_run_at_the_capacity_it_is_given(monkeypatch, tmp_path, capsys):
+    # an 80 GB card's answer on a larger one: every run's allocator capped (headline.py --memory-gib)
+    largest_model = _largest_model()
+    assert largest_model.command("msamp O2", "d4096", 12, "o.json")[-2:] == ["--out", "o.json"]
+    assert largest_model.command("msamp O2", "d4096", 12, "o.json", 78.5)[-2:] == ["--memory-gib", "78.5"]
+    seen = []
+    monkeypatch.setattr(largest_model, "measure",
+                        lambda config, width, blocks, cap=None: seen.append(cap) or {"peak_gib": 2.0 + blocks})
+    out = tmp_path / "largest.json"
+    results = largest_model.main(["--capacity-gib", "40", "--configs", "bf16 compiled", "--out", str(out)])
+    assert set(seen) == {40.0} and results["memory_capped"] and results["fraction"] == 1.0
+    assert results["configs"]["bf16 compiled"]["blocks"] == 38  # up to the cap itself: the cap confirms
+    for bad, says in ((["--capacity-gib", "0"], "--capacity-gib must be positive"),
+                      (["--capacity-gib", "40", "--fraction", "1.5"], "--fraction must be in (0, 1]")):
+        with pytest.raises(SystemExit):
+            largest_model.main(bad + ["--out", str(out)])
+        assert says in capsys.readouterr().err
+
+
+def test_headline_memory_cap_needs_a_cuda_device(capsys, tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import headline
+
+    if headline.torch.cuda.is_available():
+        pytest.skip("the refusal is of a machine without CUDA")
+    with pytest.raises(SystemExit):
+        headline.main(["--configs", "bf16 compiled", "--memory-gib", "78.5", "--out", str(tmp_path / "h.json")])
+    assert "--memory-gib caps a CUDA device's memory" in capsys.readouterr().err
+
+
 def test_headline_widths_take_a_depth_and_count_the_proxys_parameters():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import headline

@@ -23,7 +23,9 @@
 #                                                #   against BF16's run of the same seed and BF16's mean)
 #   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
 #                                                #   configuration trains at batch 4 x 2048 (LARGEST_CONFIGS:
-#                                                #   others, ';'-separated, e.g. "bf16 compiled;torchao O2 act8")
+#                                                #   others, ';'-separated, e.g. "bf16 compiled;torchao O2 act8";
+#                                                #   LARGEST_CAPACITY_GIB=78.5: an 80 GB H100's memory, each run's
+#                                                #   allocator capped at it, on a larger GPU)
 #
 # Several parts may be named in one call, within the device's 8 files a call: headline and whole together write
 # 9 with commit.txt (run whole in a call of its own, or with headline_te). The set-up (.gpubundle/setup.sh, see verify.sh) must have run on
@@ -91,6 +93,7 @@ for part in "$@"; do
         > "$dir/convergence.log" 2>&1 || status=1 ;;
     largest)
       python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
+        ${LARGEST_CAPACITY_GIB:+--capacity-gib "$LARGEST_CAPACITY_GIB"} \
         --configs "${LARGEST_CONFIGS[@]}" > "$dir/largest.log" 2>&1 || status=1 ;;
     *) echo "unknown part '$part' (headline|headline_te|loss|whole|convergence|largest)" >&2; exit 2 ;;
   esac
