@@ -12,7 +12,9 @@
 
 A configuration is `bf16` or `backend:recipe[:level]`, optionally followed by `,skip_first_last=false` or
 `,skip_slow_shapes=false` (either true|false), `,activation_dtype=fp8` (saved activations in FP8) and
-`,activations_fp32=fp8|bf16|keep` (how those store FP32 tensors: LOWPREC_FP8_ACTIVATIONS_FP32).
+`,activations_fp32=fp8|bf16|keep` (how those store FP32 tensors: LOWPREC_FP8_ACTIVATIONS_FP32) and
+`,activations_in_graph=true|false` (inside compiled graphs or through the Python hooks:
+LOWPREC_FP8_ACTIVATIONS_IN_GRAPH), so that each form is a configuration of its own, never pooled with another.
 Each runs `python -m lowprec.demo.run` in a fresh process (Accelerate's state is a process-wide
 singleton, and peak memory and compile caches must be the run's own) on the demo corpus: tokens/s
 (median step after warm-up), peak memory split into model state (weights, gradients, optimizer states,
@@ -38,14 +40,15 @@ from ..runtime.activations_fp32 import POLICIES as FP32_POLICIES
 from .data import TOKENIZATIONS
 from .model import ARCHS, PRESETS, default_size
 from .run import worker_args
-from .seeds import seed_markdown, seed_summary
+from .seeds import lowprec_environment, seed_markdown, seed_summary
 
 LEVELS = (None, "O1", "O2")
 
 
-# Recipe switches a configuration may set after a comma ("torchao:tensorwise,skip_first_last=false"), so one
-# bench compares a default against the same backend with a layer rule turned off, each in its own process.
-CONFIG_OPTIONS = ("skip_first_last", "skip_slow_shapes")
+# Switches a configuration may set after a comma ("torchao:tensorwise,skip_first_last=false"), so one bench
+# compares a default against the same backend with a layer rule (or the in-graph FP8 activations) turned off,
+# each in its own process.
+CONFIG_OPTIONS = ("skip_first_last", "skip_slow_shapes", "activations_in_graph")
 _BOOLS = {"true": True, "false": False}
 # Recipe fields a configuration may set to one of a few values ("msamp:delayed:O2,activation_dtype=fp8").
 VALUE_OPTIONS = {"activation_dtype": ("fp8",), "activations_fp32": FP32_POLICIES}
@@ -76,6 +79,10 @@ def parse_config(text: str) -> dict:
             accepted += [f"{k}={'|'.join(values)}" for k, values in VALUE_OPTIONS.items()]
             raise argparse.ArgumentTypeError(
                 f"configuration {text!r}: option {extra!r} is not one of {', '.join(accepted)}")
+    for key in ("activations_fp32", "activations_in_graph"):
+        if key in options and options.get("activation_dtype") != "fp8":
+            raise argparse.ArgumentTypeError(f"configuration {text!r}: {key} says how FP8 activations are stored: "
+                                             "it needs activation_dtype=fp8")
     return {"name": text, "backend": parts[0], "recipe": parts[1], "opt_level": level, "options": options}
 
 
@@ -331,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(out, "results.json"), "w") as fh:
         json.dump({"size": size, "steps": steps, "tokens": args.tokens, "compiled": compiled, "device": device,
                    "jobs": args.jobs, "seeds": args.seeds, "seed_summary": by_seed,
-                   "torch": torch.__version__,
+                   "torch": torch.__version__, "environment": lowprec_environment(),
                    "convergence": args.convergence, "rows": rows, "runs": results}, fh, indent=1)
     with open(os.path.join(out, "results.md"), "w") as fh:
         fh.write(table)

@@ -26,6 +26,7 @@ from ..runtime.accelerator import Accelerator
 from ..runtime.activations import activation_storage
 from ..runtime.activations_fp32 import ENV as FP32_ENV
 from ..runtime.activations_fp32 import POLICIES as FP32_POLICIES
+from ..runtime.activations_in_graph import ENV as IN_GRAPH_ENV
 from .data import TOKENIZATIONS, Windows, stdlib_corpus, tokenize
 from .memory import model_state_bytes
 from .model import ARCHS, PRESETS, build_model
@@ -84,6 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--activations-fp32", choices=FP32_POLICIES, default=None,
                    help="with --activation-dtype fp8: how the FP32 tensors it would encode are stored (sets "
                         "LOWPREC_FP8_ACTIVATIONS_FP32 for this run; default: the variable's, fp8 when unset)")
+    p.add_argument("--activations-in-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --activation-dtype fp8 and a compiled model: store its graphs' saved tensors in FP8 "
+                        "inside the graphs, or (--no-...) through the Python hooks after each graph (sets "
+                        "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH for this run; default: the variable's, else the library's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true",
                    help="torchao only: also train the same model converted by torchao directly (no lowprec) in "
@@ -94,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.activations_fp32 is not None and args.activation_dtype != "fp8":
         p.error(f"--activations-fp32 {args.activations_fp32} says how FP8 activations store FP32 tensors: it needs "
                 "--activation-dtype fp8")
+    if args.activations_in_graph is not None and args.activation_dtype != "fp8":
+        p.error("--activations-in-graph says where FP8 activations are stored: it needs --activation-dtype fp8")
     return args
 
 
@@ -137,6 +144,8 @@ def run(args: argparse.Namespace) -> dict:
         kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor")
     if args.activations_fp32 is not None:
         os.environ[FP32_ENV] = args.activations_fp32  # read when prepare() installs the storage
+    if args.activations_in_graph is not None:
+        os.environ[IN_GRAPH_ENV] = "1" if args.activations_in_graph else "0"
     if args.variant == "fp8":
         recipe = FP8RecipeKwargs(
             # None unless given: the demo shows what the library's defaults convert, not a tuned subset.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from collections import defaultdict
 
 
@@ -79,20 +80,34 @@ def seed_markdown(summary: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def lowprec_environment() -> dict[str, str]:
+    """The LOWPREC_* variables set for a bench: they change what a configuration's name says it ran (where FP8
+    activations are stored, how their FP32 tensors are), so results made under different ones are not pooled."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("LOWPREC_") and k != "LOWPREC_COMMIT"}
+
+
 def pooled_rows(paths: list[str]) -> list[dict]:
     """The rows of several `lowprec bench` results.json files, for one summary. Each file's paired differences stay
-    against its own BF16 runs; files of different sizes or step counts are refused, since their losses differ."""
-    rows, shapes = [], {}
+    against its own BF16 runs; files of different sizes, step counts or modes (compiled or eager) are refused, since
+    their losses differ, and
+    so are files whose benches ran under different LOWPREC_* variables (a file older than that record counts as
+    none set)."""
+    rows, shapes, environments = [], {}, {}
     for path in paths:
         with open(path) as fh:
             result = json.load(fh)
         if "rows" not in result:
             raise ValueError(f"{path}: not a `lowprec bench` results.json (no 'rows')")
-        shapes[path] = (result.get("size"), result.get("steps"), result.get("tokens"))
+        shapes[path] = (result.get("size"), result.get("steps"), result.get("tokens"), result.get("compiled"))
+        environments[path] = result.get("environment") or {}
         rows += result["rows"]
     if len(set(shapes.values())) > 1:
-        raise ValueError("results of different runs cannot be pooled: (size, steps, tokens) "
+        raise ValueError("results of different runs cannot be pooled: (size, steps, tokens, compiled) "
                          + ", ".join(f"{p}: {v}" for p, v in shapes.items()))
+    if len({json.dumps(e, sort_keys=True) for e in environments.values()}) > 1:
+        raise ValueError("results made under different LOWPREC_* variables cannot be pooled (a configuration's name "
+                         "would stand for two forms; name the form in the configuration instead, e.g. "
+                         "',activations_in_graph=false'): " + ", ".join(f"{p}: {e}" for p, e in environments.items()))
     return rows
 
 

@@ -61,6 +61,31 @@ def test_parse_config_takes_how_fp8_activations_store_fp32_tensors(monkeypatch):
     assert seen["cmd"][-4:] == ["--activation-dtype", "fp8", "--activations-fp32", "bf16"]
 
 
+def test_parse_config_names_where_fp8_activations_are_stored(monkeypatch):
+    # the hooks' form is a configuration of its own, so that its runs are never pooled with the in-graph ones
+    config = parse_config("msamp:delayed:O2,activation_dtype=fp8,activations_in_graph=false")
+    assert config["options"] == {"activation_dtype": "fp8", "activations_in_graph": False}
+    for bad in ("msamp:delayed:O2,activations_in_graph=false", "msamp:delayed:O2,activations_fp32=bf16"):
+        with pytest.raises(argparse.ArgumentTypeError, match="it needs activation_dtype=fp8"):
+            parse_config(bad)
+    import lowprec.demo.bench as bench
+
+    seen = {}
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: seen.update(cmd=cmd) or argparse.Namespace(
+        returncode=1, stderr="stopped here"))
+    bench.run_one(config, "llama", [], "/nonexistent", raw=False)
+    assert seen["cmd"][-3:] == ["--activation-dtype", "fp8", "--no-activations-in-graph"]
+
+
+def test_the_run_sets_where_fp8_activations_are_stored(monkeypatch):
+    from lowprec.demo.run import parse_args as run_args
+
+    with pytest.raises(SystemExit):
+        run_args(["--variant", "fp8", "--no-activations-in-graph"])
+    assert run_args(["--variant", "fp8", "--activation-dtype", "fp8", "--no-activations-in-graph"]
+                    ).activations_in_graph is False
+
+
 def test_parse_config_names_the_bad_level():
     with pytest.raises(argparse.ArgumentTypeError, match="level 'O9' is not one of O1, O2, O3"):
         parse_config("torchao:tensorwise:O9")

@@ -81,8 +81,11 @@ def test_a_configuration_whose_bf16_failed_has_no_difference():
     assert "vs_mean" not in entry
 
 
-def write_results(path, rows, size="proxy", steps=300):
-    path.write_text(json.dumps({"size": size, "steps": steps, "tokens": None, "rows": rows}))
+def write_results(path, rows, size="proxy", steps=300, environment=None):
+    result = {"size": size, "steps": steps, "tokens": None, "rows": rows}
+    if environment is not None:
+        result["environment"] = environment
+    path.write_text(json.dumps(result))
     return str(path)
 
 
@@ -103,7 +106,13 @@ def test_pooling_refuses_results_of_other_runs_and_other_files(tmp_path, capsys)
     paths = [write_results(tmp_path / "a.json", rows), write_results(tmp_path / "b.json", rows, steps=100)]
     with pytest.raises(SystemExit):
         seeds_main(paths)
-    assert "cannot be pooled: (size, steps, tokens)" in capsys.readouterr().err
+    assert "cannot be pooled: (size, steps, tokens, compiled)" in capsys.readouterr().err
+    # a bench under LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0 ran other forms under the same names
+    paths = [write_results(tmp_path / "a.json", rows),
+             write_results(tmp_path / "c.json", rows, environment={"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "0"})]
+    with pytest.raises(SystemExit):
+        seeds_main(paths)
+    assert "different LOWPREC_* variables cannot be pooled" in capsys.readouterr().err
     (tmp_path / "other.json").write_text("{}")
     with pytest.raises(SystemExit):
         seeds_main([str(tmp_path / "other.json")])
@@ -111,6 +120,15 @@ def test_pooling_refuses_results_of_other_runs_and_other_files(tmp_path, capsys)
     with pytest.raises(SystemExit):
         seeds_main([str(tmp_path / "missing.json")])
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_a_bench_records_the_lowprec_variables_it_ran_under(monkeypatch):
+    from lowprec.demo.seeds import lowprec_environment
+
+    monkeypatch.setenv("LOWPREC_FP8_ACTIVATIONS_IN_GRAPH", "0")
+    monkeypatch.setenv("LOWPREC_COMMIT", "abc")  # names the tree, not a form: pooling across commits is the point
+    assert lowprec_environment().get("LOWPREC_FP8_ACTIVATIONS_IN_GRAPH") == "0"
+    assert "LOWPREC_COMMIT" not in lowprec_environment()
 
 
 @pytest.mark.parametrize("seeds", ["0", "-2"])
