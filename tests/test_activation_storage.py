@@ -520,22 +520,24 @@ def test_what_a_backend_owned_module_saves_is_left_alone():
     assert storage.counts.backend_kept == 2 * kept and storage.counts.packed > 0
 
 
-@pytest.mark.parametrize("compiled, engine, in_graph_env, warned", [
-    (False, "single", None, True),  # eager: the Python hooks store every saved tensor
-    (True, "ddp", None, True),  # compiled under DDP: the hooks after each graph, by default
-    (True, "single", "0", True),  # compiled on one process, the graphs' encoding turned off
-    (True, "single", None, False),  # compiled on one process: the graphs store their own saves (measured within 1%)
+@pytest.mark.parametrize("compiled, engine, in_graph_env, in_graph", [
+    (False, "single", None, False),  # eager: the Python hooks store every saved tensor
+    (True, "ddp", None, False),  # compiled under DDP: the hooks after each graph, by default
+    (True, "single", "0", False),  # compiled on one process, the graphs' encoding turned off
+    (True, "single", None, True),  # compiled on one process: the graphs store their own saves
 ])
-def test_the_convergence_warning_is_said_where_the_python_hooks_store(compiled, engine, in_graph_env, warned,
-                                                                      monkeypatch):
+def test_each_form_of_storage_installs_without_a_convergence_warning(compiled, engine, in_graph_env, in_graph,
+                                                                     monkeypatch):
+    # the Python hooks' form was warned of until it was measured within 1% of BF16 on the GPU (-0.26% compiled,
+    # -0.22% eager, results/gpu/2026-11-28-h200x2-hooks-largest-ca5c63f): no form warns now
     import warnings
 
-    from lowprec.runtime.activations import CONVERGENCE_WARNING, install_activation_storage
+    from lowprec.runtime.activations import install_activation_storage
     from lowprec.runtime.activations_in_graph import inlining_supported
 
     if compiled and in_graph_env is None and not inlining_supported():
         pytest.skip("this torch cannot inline the graphs' saved-tensor hooks: the Python hooks store everywhere")
-    monkeypatch.setattr("lowprec.runtime.notices._warned", set())  # the warning is once per process
+    monkeypatch.setattr("lowprec.runtime.notices._warned", set())
     if in_graph_env is None:
         monkeypatch.delenv("LOWPREC_FP8_ACTIVATIONS_IN_GRAPH", raising=False)
     else:
@@ -544,9 +546,8 @@ def test_the_convergence_warning_is_said_where_the_python_hooks_store(compiled, 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         storage = install_activation_storage(model, model, compiled=compiled, engine=engine)
-    said = [str(w.message) for w in caught if str(w.message) == CONVERGENCE_WARNING]
-    assert bool(said) is warned and storage.in_graph is not warned
-    assert "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0" in CONVERGENCE_WARNING and "1.2%" in CONVERGENCE_WARNING
+    assert storage.in_graph is in_graph
+    assert not [w for w in caught if "train" in str(w.message) and "BF16" in str(w.message)]
 
 
 @pytest.mark.parametrize("layout", ["tokens, classes", "batch, classes, tokens"])

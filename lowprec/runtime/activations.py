@@ -24,7 +24,7 @@ from torch import nn
 from ..kernels.activations import PackedFP8, SpanKey, groups_fit, overlapping, pack_fp8, pack_traced_fp8, unpack_fp8
 from ..kernels.cross_entropy import saving_for_backward
 from ..planning.activations import MIN_ELEMENTS
-from .activations_checks import CONVERGENCE_WARNING, check_activation_dtype  # noqa: F401 (prepare() checks)
+from .activations_checks import check_activation_dtype  # noqa: F401 (prepare() checks)
 from .activations_fp32 import NarrowedTensor, fp32_policy, narrow, widen
 from .activations_in_graph import (
     graph_hooks,
@@ -40,7 +40,6 @@ from .activations_in_graph import (
     traced_node,
 )
 from .loss import swap_causal_lm_loss
-from .notices import warn_once
 from .wrapping import models_of, wrap_forward
 
 ACTIVATIONS_ATTR = "_lowprec_activation_storage"
@@ -316,7 +315,8 @@ def head_widths(model: nn.Module) -> frozenset[int]:
     A compiled graph hands the Python hooks plain tensors with no history: one of a head's width is the logits its
     loss recomputes the probabilities from (the in-graph form tells it by node: `is_log_probabilities`), which FP8
     would spoil: in one step's traces on the GPU (results/gpu/2026-11-28-h200-act8-bisect/round2) the one tensor
-    the hooks stored in FP8 and the graphs did not, where the hooks trained 1.2% above BF16 and the graphs -0.8%.
+    the hooks stored in FP8 and the graphs did not, where the hooks trained 1.2% above BF16 and the graphs -0.8%;
+    with it kept, the hooks trained -0.26% (results/gpu/2026-11-28-h200x2-hooks-largest-ca5c63f).
     A width another layer also has (a model as wide as its vocabulary) tells nothing and is left out."""
     heads, others = set(), set()
     for module in model.modules():
@@ -352,8 +352,6 @@ def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=
                       "tensors compiled graphs save are stored in FP8 by the Python hooks after each graph instead",
                       stacklevel=3)
     storage = FP8ActivationStorage(inner, converted=converted, in_graph=in_graph)
-    if not storage.in_graph:
-        warn_once(CONVERGENCE_WARNING, stacklevel=4)
     for module in inner.modules():
         if keep_saved_by is not None and keep_saved_by(module):
             storage.leave_alone(module)

@@ -52,11 +52,3 @@ def warn_whole_model_compile(how: str) -> None:
         "Compile block by block instead (TorchDynamoPlugin(use_regional_compilation=True), or "
         "use_regional_compilation: true under dynamo_config), where each block's tensors are stored as it ends",
         stacklevel=4)
-
-
-# Said once per process where the Python hooks store saved tensors, until measured within 1% of BF16 (issue 32)
-CONVERGENCE_WARNING = (
-    "lowprec: activation_dtype='fp8' through Python saved-tensor hooks (eager models; compiled ones under DDP/FSDP2/"
-    "DeepSpeed or with LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0) does not yet train quite as well as BF16: d4096 proxy, "
-    "300 steps, compiled, held-out loss 1.2% above BF16's over two seeds (target 1%; compiled graphs on one process "
-    "that store their own saved tensors: -0.8% to +0.1%). See docs/levels.md#saved-activations")
