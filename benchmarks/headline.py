@@ -102,6 +102,9 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     # torchao's peak is its FP32 model state at the end of the backward: MS-AMP's O2 storage on its layers too
     "torchao O2 act8": ("compiled", dict(backend="torchao", opt_level="O2", activation_dtype="fp8")),
     "te O2 act8": ("eager", dict(backend="te", opt_level="O2", activation_dtype="fp8")),
+    # O1 (FP16 weights without a master copy, FP8 weight gradients, FP32 Adam states): 10 bytes a parameter before
+    # the step where te's default keeps 12, with O2's FP8/FP16 states' extra kernels left out
+    "te O1 act8": ("eager", dict(backend="te", opt_level="O1", activation_dtype="fp8")),
     # the whole model as one graph (the head and the loss compiled too: inductor fuses the FP32 log-softmax that
     # regional compilation leaves to eager), against BF16 compiled the same way
     "bf16 whole": ("whole", None),

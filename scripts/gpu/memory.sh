@@ -7,7 +7,7 @@
 #                                                #   backward; FP8 activations inside the compiled graphs
 #                                                #   (act8) and through Python hooks (act8 hooks); kernels.tgz: msamp O2's
 #                                                #   kernel tables and what is live at the peak (.peak.txt)
-#   bash scripts/gpu/memory.sh OUT headline_te   # ~3 min: eager BF16, te, te with activation_dtype='fp8' (and O2)
+#   bash scripts/gpu/memory.sh OUT headline_te   # ~3 min: eager BF16, te, te with activation_dtype='fp8' (and O1, O2)
 #   bash scripts/gpu/memory.sh OUT loss          # ~4 min: the loss fused and as torch ops, torchao O2 act8
 #   bash scripts/gpu/memory.sh OUT whole         # ~6 min: the model compiled as one graph (head and loss too):
 #                                                #   BF16, torchao and msamp O2 with and without FP8 activations;
@@ -73,7 +73,7 @@ for part in "$@"; do
       tar czf "$dir/loss.peak.tgz" -C "$dir" loss_peaks && rm -rf "$dir/loss_peaks" ;;
     headline_te)
       # eager: BF16 and te with and without FP8 activations (TE's compiled extension needed)
-      python3 benchmarks/headline.py --widths d4096 --out "$dir/headline_te.json" --configs "bf16 eager" te "te act8" "te O2 act8" \
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/headline_te.json" --configs "bf16 eager" te "te act8" "te O1 act8" "te O2 act8" \
         > "$dir/headline_te.log" 2>&1 || status=1
       python3 benchmarks/headline.py --summarize "$dir/headline_te.json" > "$dir/headline_te.md" 2>&1 ;;
     whole)
