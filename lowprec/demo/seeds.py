@@ -80,10 +80,14 @@ def seed_markdown(summary: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# LOWPREC_* variables that change nothing a run computes: the tree's name, the console's messages
+_NOT_TRAINING = ("LOWPREC_COMMIT", "LOWPREC_QUIET")
+
+
 def lowprec_environment() -> dict[str, str]:
     """The LOWPREC_* variables set for a bench: they change what a configuration's name says it ran (where FP8
     activations are stored, how their FP32 tensors are), so results made under different ones are not pooled."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("LOWPREC_") and k != "LOWPREC_COMMIT"}
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("LOWPREC_") and k not in _NOT_TRAINING}
 
 
 def pooled_rows(paths: list[str]) -> list[dict]:
