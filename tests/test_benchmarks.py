@@ -399,6 +399,23 @@ def test_matrix_table_compares_each_round_with_its_own_bf16(tmp_path):
     assert "| r1/msamp_O3_fsdp2 | True | 6.00 → 3.00 | 105 | n/a |" in table(str(tmp_path))
 
 
+def test_matrix_table_compares_a_compiled_model_with_compiled_bf16(tmp_path):
+    # multi.sh's 'model' flag: the whole model compiled, against BF16 compiled the same way, never eager BF16
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
+    try:
+        from matrix_table import table
+    finally:
+        sys.path.pop(0)
+    cells = {"bf16_fsdp2": _cell("bf16", "fsdp2", 0.125), "torchao_fsdp2": _cell("torchao", "fsdp2", 0.100, 7.3),
+             "bf16_fsdp2_model": {**_cell("bf16", "fsdp2", 0.110), "compiled_model": True},
+             "torchao_fsdp2_model": {**_cell("torchao", "fsdp2", 0.088, 7.3), "compiled_model": True}}
+    for name, cell in cells.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(cell))
+    text = table(str(tmp_path))
+    assert "| torchao_fsdp2 | True | 6.00 → 3.00 | 100 | 1.25 |" in text
+    assert "| torchao_fsdp2_model | True | 6.00 → 3.00 | 88 | 1.25 |" in text  # 110 / 88, not 125 / 88
+
+
 @pytest.mark.parametrize("rounds", ["0", "two", "-1"])
 def test_multi_sh_names_rounds_it_cannot_take(tmp_path, rounds):
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "multi.sh"), str(tmp_path / "m"), "bf16::ddp"],
@@ -424,7 +441,7 @@ def test_multi_sh_names_a_sixth_field_flag_it_does_not_know(tmp_path, cell, flag
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "multi.sh"), str(tmp_path / "m"), cell],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and f"unknown sixth field '{flag}'" in proc.stderr
-    assert "compiled|eager|fp8w|overlap|act8|bf16m|fp8m, joined with +" in proc.stderr
+    assert "compiled|eager|fp8w|overlap|act8|bf16m|fp8m|model, joined with +" in proc.stderr
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Markdown table of scripts/gpu/multi.sh results: one row per cell, speed and peak memory as ratios
-against the BF16 cell of the same engine in the same folder (with ROUNDS, the same round's subfolder), and with
-several rounds, each cell's steady ratio per round and their mean.
+against the BF16 cell of the same engine and mode (the model compiled or eager: multi.sh's 'model' flag) in the same
+folder (with ROUNDS, the same round's subfolder), and with several rounds, each cell's steady ratio per round and
+their mean.
 
     python scripts/gpu/matrix_table.py results/gpu/2026-11-23-h200x2-matrix
 """
@@ -20,9 +21,8 @@ def table(folder: str) -> str:
             cell = json.load(fh)
         if "engine" in cell or "refused" in cell:  # a cell of multi.sh, not another benchmark's JSON beside them
             cells[os.path.relpath(path, folder)[:-5]] = cell
-    # keyed by (subfolder, engine): a round's cells are compared with that round's BF16
-    bf16 = {(os.path.dirname(name), c["engine"]): c for name, c in cells.items()
-            if c.get("backend") == "bf16" and "refused" not in c}
+    # keyed by (subfolder, engine, compiled model): a round's cells are compared with that round's BF16 of their mode
+    bf16 = {_key(name, c): c for name, c in cells.items() if c.get("backend") == "bf16" and "refused" not in c}
     lines = ["| cell | FP8 in every forward | loss first → last 5 | step ms | vs BF16 | steady ms | vs BF16 (steady) "
              "| peak GiB/rank | vs BF16 | ranks' weights differ by |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -30,7 +30,7 @@ def table(folder: str) -> str:
         if "refused" in c:
             lines.append(f"| {name} | refused: {c['refused'][:100]}… | | | | | | | | |")
             continue
-        base = bf16.get((os.path.dirname(name), c["engine"]))
+        base = bf16.get(_key(name, c))
         peak = max(c["peak_memory_gib_per_rank"])
         median, base_median = c.get("median_step_s"), (base or {}).get("median_step_s")
         # a run too short for a median (fewer than 6 steps) has None
@@ -64,13 +64,19 @@ def table(folder: str) -> str:
     return "\n".join(lines)
 
 
+def _key(name: str, cell: dict) -> tuple:
+    """Which BF16 cell a cell is compared with: same subfolder, engine and mode (cells before the 'model' flag were
+    all eager)."""
+    return os.path.dirname(name), cell.get("engine"), bool(cell.get("compiled_model"))
+
+
 def _rounds(cells: dict, bf16: dict) -> list[str]:
     """Each FP8 cell's steady ratio in every round it ran in (cells in subfolders, as ROUNDS writes them), and the
     mean: empty with one round."""
     ratios: dict[str, dict[str, float]] = {}
     for name, c in cells.items():
         folder = os.path.dirname(name)
-        base = bf16.get((folder, c.get("engine")))
+        base = bf16.get(_key(name, c))
         if not folder or c.get("backend") == "bf16" or "refused" in c or not base:
             continue
         steady, base_steady = c.get("steady_median_step_s"), base.get("steady_median_step_s")

@@ -17,7 +17,8 @@ tokens/s), the peak GPU memory of each rank and the losses. Evidence written by 
 - parameters identical across ranks after training (DDP) / loss falling on both ranks.
 
     torchrun --nproc_per_node 1 tests/distributed/gpu_engines.py --backend msamp --opt-level O3 --engine fsdp2 ...
-runs the FSDP2 cases on one GPU.
+runs the FSDP2 cases on one GPU. `--compile-model` compiles the model block by block through Accelerate (the FP8
+Linears' evidence hooks then watch the first two steps only: dynamo traces them).
 """
 
 from __future__ import annotations
@@ -145,6 +146,9 @@ def profiled(path: str, record: dict):
     record["profiled_step"] = ranks
 
 
+EVIDENCE_STEPS = 2  # a compiled model's forwards the evidence hooks watch (every forward in an eager one)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--backend", default="te")
@@ -159,6 +163,10 @@ def main() -> None:
     p.add_argument("--optimizer-states", default=None,
                    help="FP8RecipeKwargs(optimizer_states=...): 'bf16', 'fp8', ... (with --fp8-weights: TE FusedAdam's "
                         "moments)")
+    p.add_argument("--compile-model", action="store_true",
+                   help="compile the model block by block through Accelerate (TorchDynamoPlugin(backend='inductor', "
+                        "use_regional_compilation=True)), as torchtitan runs FP8 under FSDP2; BF16 with it is the "
+                        "compiled baseline")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="small")
     p.add_argument("--out", required=True)
@@ -192,6 +200,10 @@ def main() -> None:
             "train_batch_size": preset.batch * world, "gradient_clipping": 1.0, "bf16": {"enabled": True},
             "zero_optimization": {"stage": int(args.engine[-1]), "stage3_gather_16bit_weights_on_model_save": True},
         })
+    if args.compile_model:
+        from accelerate.utils import TorchDynamoPlugin
+
+        kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
     refusals = (ValueError, NotImplementedError, BackendUnavailableError)
     try:
         if args.backend == "bf16":
@@ -227,26 +239,27 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
 
     fp8_flags: list[bool] = []
+    evidence_hooks: list = []
     if plan is None:
         fp8_modules = []
     elif plan.backend == "te":
         import transformer_engine.pytorch as te
 
         fp8_modules = [m for m in inner.modules() if isinstance(m, te.Linear)]
-        for m in fp8_modules:
-            m.register_forward_hook(lambda mod, i, o: fp8_flags.append(bool(mod.fp8)))
+        evidence_hooks = [m.register_forward_hook(lambda mod, i, o: fp8_flags.append(bool(mod.fp8)))
+                          for m in fp8_modules]
     else:
         # by the backend, not the class name: fully_shard swaps a module's class for FSDP<name>
         converted_by = getattr(inner, BACKEND_ATTR)
         fp8_modules = [m for m in inner.modules() if converted_by.converted_kind(m) == "linear"]
-        for m in fp8_modules:
-            m.register_forward_hook(lambda mod, i, o: fp8_flags.append(True))
+        evidence_hooks = [m.register_forward_hook(lambda mod, i, o: fp8_flags.append(True)) for m in fp8_modules]
 
     gathered_types: set[str] = set()
     if plan is not None and plan.opt_level == "O3":
         for m in fp8_modules:
             # a pre-hook: FSDP2's own post-forward hook reshards before a forward hook would look
-            m.register_forward_pre_hook(lambda mod, i: gathered_types.add(type(mod.weight).__name__))
+            evidence_hooks.append(
+                m.register_forward_pre_hook(lambda mod, i: gathered_types.add(type(mod.weight).__name__)))
 
     from lowprec.demo.memory import model_state_bytes
 
@@ -258,6 +271,12 @@ def main() -> None:
     phases: list[tuple[int, dict[str, dict[str, float]]]] = []  # (step, its phases)
     warm_peak = None  # the peak up to the steady state (the warm-up's graphs, the recompile at its end)
     for step, ids in enumerate(loader):
+        if step == EVIDENCE_STEPS and args.compile_model:
+            # in a compiled model dynamo traces the hooks: a list growing by one a forward changed the guards and
+            # recompiled each step until the cache limit left the blocks eager. Two steps' forwards are the
+            # evidence there; removing the hooks recompiles once, inside the warm-up.
+            for handle in evidence_hooks:
+                handle.remove()
         if step == STEADY_FROM and torch.cuda.is_available():
             warm_peak = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
@@ -371,7 +390,8 @@ def main() -> None:
                 "steady_phase_ms": median_phases([p for i, p in phases if i >= STEADY_FROM]),
                 "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
                 "grad_comm_how": plan.tensor("grad_comm").scaling if plan else None,
-                "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled, "fp8_weights": args.fp8_weights,
+                "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled,
+                "compiled_model": args.compile_model, "fp8_weights": args.fp8_weights,
                 "weight_row": plan.tensor("weight").dtype if plan else None,
                 "activation_dtype": args.activation_dtype,
                 "optimizer_states_row": plan.tensor("optimizer_states").dtype if plan else None,

@@ -1,0 +1,40 @@
+"""The two-GPU harness (gpu_engines.py, what scripts/gpu/multi.sh launches) on one CPU process: a compiled model's
+cell stays compiled."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, run_processes
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.slow
+def test_a_compiled_models_cell_watches_two_forwards_and_stays_compiled(tmp_path):
+    # the evidence hooks, traced by dynamo, recompiled every step until the cache limit left the blocks eager
+    # (a CPU run of this cell: 8 recompiles and a median step 1.6x the compiled one's); after two steps they go
+    pytest.importorskip("torchao")
+    sys.path.insert(0, str(HERE))
+    try:
+        from gpu_engines import EVIDENCE_STEPS
+    finally:
+        sys.path.pop(0)
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    environ.update(OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", CUDA_VISIBLE_DEVICES="")
+    out = tmp_path / "cell.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+           str(HERE / "gpu_engines.py"), "--backend", "torchao", "--recipe", "tensorwise", "--engine", "fsdp2",
+           "--compile-model", "--size", "tiny", "--steps", "6", "--out", str(out)]
+    proc = run_processes(cmd, environ, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cell = json.loads(out.read_text())
+    assert cell["compiled_model"] is True and cell["all_forwards_in_fp8"] is True
+    assert cell["fp8_forward_calls"] == EVIDENCE_STEPS * cell["planned_fp8_linears"]  # watched, then let go
+    assert "recompil" not in proc.stderr.lower(), proc.stderr[-3000:]
+    assert cell["last_loss"] < cell["first_loss"]
