@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import free_port, run_processes
 
 HERE = Path(__file__).parent
