@@ -92,10 +92,9 @@ def lowprec_environment() -> dict[str, str]:
 
 def pooled_rows(paths: list[str]) -> list[dict]:
     """The rows of several `lowprec bench` results.json files, for one summary. Each file's paired differences stay
-    against its own BF16 runs; files of different sizes, step counts or modes (compiled or eager) are refused, since
-    their losses differ, and
-    so are files whose benches ran under different LOWPREC_* variables (a file older than that record counts as
-    none set)."""
+    against its own BF16 runs. Refused, since their losses differ: files of different sizes, step counts or modes
+    (compiled or eager), and files whose benches ran under different LOWPREC_* variables (a file older than that
+    record counts as none set)."""
     rows, shapes, environments = [], {}, {}
     for path in paths:
         with open(path) as fh:
