@@ -7,7 +7,8 @@
 #                                                #   backward; FP8 activations inside the compiled graphs
 #                                                #   (act8) and through Python hooks (act8 hooks); kernels.tgz: msamp O2's
 #                                                #   kernel tables and what is live at the peak (.peak.txt)
-#   bash scripts/gpu/memory.sh OUT headline_te   # ~3 min: eager BF16, te, te with activation_dtype='fp8' (and O1, O2)
+#   bash scripts/gpu/memory.sh OUT headline_te   # ~4 min: eager BF16, te, te with activation_dtype='fp8' (and O1,
+#                                                #   O2); te_peaks.tgz: te O2's kernel table, te O1's peak
 #   bash scripts/gpu/memory.sh OUT loss          # ~4 min: the loss fused and as torch ops, torchao O2 act8
 #   bash scripts/gpu/memory.sh OUT whole         # ~6 min: the model compiled as one graph (head and loss too):
 #                                                #   BF16, torchao and msamp O2 with and without FP8 activations;
@@ -72,10 +73,14 @@ for part in "$@"; do
       python3 benchmarks/headline.py --summarize "$dir/loss.json" > "$dir/loss.md" 2>&1
       tar czf "$dir/loss.peak.tgz" -C "$dir" loss_peaks && rm -rf "$dir/loss_peaks" ;;
     headline_te)
-      # eager: BF16 and te with and without FP8 activations (TE's compiled extension needed)
-      python3 benchmarks/headline.py --widths d4096 --out "$dir/headline_te.json" --configs "bf16 eager" te "te act8" "te O1 act8" "te O2 act8" \
+      # eager: BF16 and te with and without FP8 activations (TE's compiled extension needed); te O2's kernel table
+      # (its step is ~4 ms longer than te act8's) and what is live at te O1's peak
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/headline_te.json" \
+        --configs "bf16 eager" te "te act8" "te O1 act8" "te O2 act8" \
+        --profile-dir "$dir/te_peaks" --profile-configs "te O2 act8" --peak-configs "te O1 act8" \
         > "$dir/headline_te.log" 2>&1 || status=1
-      python3 benchmarks/headline.py --summarize "$dir/headline_te.json" > "$dir/headline_te.md" 2>&1 ;;
+      python3 benchmarks/headline.py --summarize "$dir/headline_te.json" > "$dir/headline_te.md" 2>&1
+      tar czf "$dir/te_peaks.tgz" -C "$dir" te_peaks && rm -rf "$dir/te_peaks" ;;
     whole)
       # the loss's FP32 log-softmax, which regional compilation leaves to eager, fused by inductor
       python3 benchmarks/headline.py --widths d4096 --out "$dir/whole.json" --configs "bf16 whole" \
