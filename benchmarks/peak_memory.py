@@ -5,13 +5,16 @@ total was highest, its live blocks grouped by the Python line that allocated the
     from peak_memory import record_step
     report = record_step(step, "peak.txt")   # one call of step() under the recorder; None without CUDA
 
-Used by headline.py's `--peak-configs`. The replay counts a block from its `alloc` to its `free_completed` (a
-block freed on one stream while another may still read it stays allocated until then, as the allocator counts
-it); blocks allocated before the recording started are `baseline` (torch.cuda.memory_allocated() then).
+Used by headline.py's `--peak-configs`. A block a compiled graph allocated is shown with its line of generated
+code (shape, stride, dtype) and the kernel that writes it. The replay counts a block from its `alloc` to its
+`free_completed` (a block freed on one stream while another may still read it stays allocated until then, as the
+allocator counts it); blocks allocated before the recording started are `baseline` (torch.cuda.memory_allocated()
+then).
 """
 
 from __future__ import annotations
 
+import linecache
 import os
 from collections import defaultdict
 
@@ -32,6 +35,25 @@ def site(frames: list[dict]) -> str:
     return f"{os.sep.join(parts[-2:])}:{chosen['line']} {chosen['name']}"
 
 
+def allocating_code(frames: list[dict]) -> str | None:
+    """Where `site` is a line of a compiled graph's generated code (inductor's `bufN = empty_strided_cuda((shape),
+    (stride), dtype)`), that line and the kernel call after it, read while the file is still on the machine: the
+    site alone names a line of a file that goes with the machine, not which tensor it allocated."""
+    frames = [f for f in frames if f["filename"].endswith(".py")]
+    chosen = next((f for f in frames if not any(m in f["filename"] for m in _MACHINERY)), None)
+    if chosen is None:
+        return None
+    line = linecache.getline(chosen["filename"], chosen["line"]).strip()
+    if "empty_strided" not in line:
+        return None
+    # the next line that is not another allocation or an alias says what writes the buffer
+    for offset in range(1, 8):
+        after = linecache.getline(chosen["filename"], chosen["line"] + offset).strip()
+        if after and "empty_strided" not in after and "reinterpret_tensor" not in after and not after.startswith("#"):
+            return f"{line}  ->  {after[:120]}"
+    return line
+
+
 def live_at_peak(events: list[dict], baseline: int = 0) -> dict:
     """Replay `events` (one device's allocator trace): the peak total (baseline included), the event index where it
     was reached, and the blocks live then as {site: [bytes, blocks]}, largest first."""
@@ -50,15 +72,21 @@ def live_at_peak(events: list[dict], baseline: int = 0) -> dict:
         elif event["action"] == "free_completed":
             live.pop(event["addr"], None)
     sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    code: dict[str, str] = {}
     for event in live.values():
-        entry = sites[site(event.get("frames") or [])]
+        name = site(event.get("frames") or [])
+        entry = sites[name]
         entry[0] += event["size"]
         entry[1] += 1
+        if name not in code:
+            text = allocating_code(event.get("frames") or [])
+            if text:
+                code[name] = text
     ordered = dict(sorted(sites.items(), key=lambda kv: -kv[1][0]))
     # the largest blocks by size say which tensors they are where a site is shared (logits: batch x length x vocab)
     largest = sorted(live.values(), key=lambda e: -e["size"])[:10]
     return {"peak_bytes": peak, "baseline_bytes": baseline, "peak_event": at, "events": len(events),
-            "live_by_site": ordered,
+            "live_by_site": ordered, "code": code,
             "largest_blocks": [[e["size"], site(e.get("frames") or [])] for e in largest]}
 
 
@@ -68,6 +96,8 @@ def format_report(report: dict, top: int = 25) -> str:
              f"the step + the blocks below (at event {report['peak_event']} of {report['events']})"]
     for name, (size, blocks) in list(report["live_by_site"].items())[:top]:
         lines.append(f"{size / gib:9.3f} GiB  {blocks:5d} blocks  {name}")
+        if report.get("code", {}).get(name):
+            lines.append(f"{'':27}| {report['code'][name]}")
     if report.get("largest_blocks"):
         lines.append("largest blocks live at the peak:")
         lines += [f"{size / gib:9.3f} GiB  {name}" for size, name in report["largest_blocks"]]

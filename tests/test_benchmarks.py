@@ -239,6 +239,28 @@ def test_peak_memory_replays_the_allocator_trace_to_its_highest_point():
     assert "peak 0.000 GiB" in text and "unpack_fp8" in text and "largest blocks live at the peak" in text
 
 
+def test_peak_memory_shows_a_compiled_graphs_allocation_with_its_shape_and_kernel(tmp_path):
+    # the device's generated code goes with the machine: the report keeps the line while it can be read
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from peak_memory import allocating_code, format_report, live_at_peak
+
+    code = tmp_path / "cinq.py"
+    code.write_text("def call(args):\n"
+                    "    buf7 = empty_strided_cuda((8192, 14336), (14336, 1), torch.float32)\n"
+                    "    buf8 = reinterpret_tensor(buf7, (4, 2048, 14336), (29360128, 14336, 1), 0)  # alias\n"
+                    "    triton_red_fused_add_amax_1.run(buf0, buf7, 117440512)\n"
+                    "    return (buf7, )\n")
+    graph = [{"filename": str(code), "line": 2, "name": "call"}]
+    events = [{"action": "alloc", "addr": 1, "size": 2**29, "frames": graph}]
+    report = live_at_peak(events)
+    assert allocating_code(graph) == ("buf7 = empty_strided_cuda((8192, 14336), (14336, 1), torch.float32)  ->  "
+                                      "triton_red_fused_add_amax_1.run(buf0, buf7, 117440512)")
+    assert "| buf7 = empty_strided_cuda((8192, 14336)" in format_report(report)
+    # a line that allocates nothing (a Python op's, not generated code's) adds nothing
+    assert allocating_code([{"filename": str(code), "line": 4, "name": "call"}]) is None
+    assert allocating_code([]) is None
+
+
 def _largest_model():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import largest_model
