@@ -45,7 +45,9 @@ def allocating_code(frames: list[dict]) -> str | None:
         return None
     line = linecache.getline(chosen["filename"], chosen["line"]).strip()
     if "empty_strided" not in line:
-        return None
+        # an op that allocates its own output (`buf5 = torch.ops.aten._scaled_mm.default(...)`) in generated code
+        generated = any("torch._inductor" in linecache.getline(chosen["filename"], n) for n in range(1, 30))
+        return line[:160] if generated and line else None
     # the next line that is not another allocation or an alias says what writes the buffer
     for offset in range(1, 8):
         after = linecache.getline(chosen["filename"], chosen["line"] + offset).strip()

@@ -245,19 +245,25 @@ def test_peak_memory_shows_a_compiled_graphs_allocation_with_its_shape_and_kerne
     from peak_memory import allocating_code, format_report, live_at_peak
 
     code = tmp_path / "cinq.py"
-    code.write_text("def call(args):\n"
+    code.write_text("from torch._inductor.runtime import triton_helpers\n"
+                    "def call(args):\n"
                     "    buf7 = empty_strided_cuda((8192, 14336), (14336, 1), torch.float32)\n"
                     "    buf8 = reinterpret_tensor(buf7, (4, 2048, 14336), (29360128, 14336, 1), 0)  # alias\n"
                     "    triton_red_fused_add_amax_1.run(buf0, buf7, 117440512)\n"
+                    "    buf9 = torch.ops.aten._scaled_mm.default(buf0, buf1, scale_a=buf2, scale_b=buf3)\n"
                     "    return (buf7, )\n")
-    graph = [{"filename": str(code), "line": 2, "name": "call"}]
+    graph = [{"filename": str(code), "line": 3, "name": "call"}]
     events = [{"action": "alloc", "addr": 1, "size": 2**29, "frames": graph}]
     report = live_at_peak(events)
     assert allocating_code(graph) == ("buf7 = empty_strided_cuda((8192, 14336), (14336, 1), torch.float32)  ->  "
                                       "triton_red_fused_add_amax_1.run(buf0, buf7, 117440512)")
     assert "| buf7 = empty_strided_cuda((8192, 14336)" in format_report(report)
-    # a line that allocates nothing (a Python op's, not generated code's) adds nothing
-    assert allocating_code([{"filename": str(code), "line": 4, "name": "call"}]) is None
+    # an op of the generated code that allocates its own output: its line
+    assert allocating_code([{"filename": str(code), "line": 6, "name": "call"}]).startswith("buf9 = torch.ops.aten.")
+    # a line of ordinary Python that is no allocation adds nothing
+    plain = tmp_path / "model.py"
+    plain.write_text("def forward(x):\n    return x.float()\n")
+    assert allocating_code([{"filename": str(plain), "line": 2, "name": "forward"}]) is None
     assert allocating_code([]) is None
 
 
