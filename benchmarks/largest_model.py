@@ -102,13 +102,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if not 0 < args.probe[0] < args.probe[1]:
         p.error("--probe needs 0 < LOW < HIGH")
-    capacity, cap = args.capacity_gib, args.capacity_gib
-    if capacity is not None and capacity <= 0:
-        p.error(f"--capacity-gib must be positive, got {capacity}")
+    cap = args.capacity_gib  # given: each run's allocator is capped at it
+    if cap is not None and cap <= 0:
+        p.error(f"--capacity-gib must be positive, got {cap}")
     if args.fraction is None:
         args.fraction = 0.92 if cap is None else 1.0
     if not 0 < args.fraction <= 1:
         p.error(f"--fraction must be in (0, 1], got {args.fraction}")
+    capacity = cap
     if capacity is None:
         import torch
 

@@ -23,6 +23,11 @@ _MACHINERY = (f"{os.sep}torch{os.sep}", f"{os.sep}accelerate{os.sep}", f"{os.sep
               f"{os.sep}contextlib.py")
 
 
+def _asking_frame(frames: list[dict]) -> dict | None:
+    """The innermost of `frames` outside torch and Accelerate: the code that asked for the memory."""
+    return next((f for f in frames if not any(m in f["filename"] for m in _MACHINERY)), None)
+
+
 def site(frames: list[dict]) -> str:
     """The innermost Python frame outside torch and Accelerate ("file:line function"), else the innermost Python
     frame; frames are the allocator's, innermost first. C++ frames (no `.py` file: `??:0 torch::unwind::unwind()`
@@ -30,7 +35,7 @@ def site(frames: list[dict]) -> str:
     frames = [f for f in frames if f["filename"].endswith(".py") or f["filename"].startswith("<")]
     if not frames:
         return "(no Python frame)"
-    chosen = next((f for f in frames if not any(m in f["filename"] for m in _MACHINERY)), frames[0])
+    chosen = _asking_frame(frames) or frames[0]
     parts = chosen["filename"].split(os.sep)
     return f"{os.sep.join(parts[-2:])}:{chosen['line']} {chosen['name']}"
 
@@ -39,8 +44,7 @@ def allocating_code(frames: list[dict]) -> str | None:
     """Where `site` is a line of a compiled graph's generated code (inductor's `bufN = empty_strided_cuda((shape),
     (stride), dtype)`), that line and the kernel call after it, read while the file is still on the machine: the
     site alone names a line of a file that goes with the machine, not which tensor it allocated."""
-    frames = [f for f in frames if f["filename"].endswith(".py")]
-    chosen = next((f for f in frames if not any(m in f["filename"] for m in _MACHINERY)), None)
+    chosen = _asking_frame([f for f in frames if f["filename"].endswith(".py")])
     if chosen is None:
         return None
     line = linecache.getline(chosen["filename"], chosen["line"]).strip()

@@ -1,5 +1,5 @@
 """What is checked and said about `activation_dtype='fp8'` before a model runs with it: the settings refused
-(CUDA graphs), and the warnings (a whole-model graph, which saves no memory; the loss through the Python hooks)."""
+(CUDA graphs), and the warning for a whole-model graph, which saves no memory."""
 
 from __future__ import annotations
 

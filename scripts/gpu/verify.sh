@@ -7,8 +7,8 @@
 # Writes OUT/<date>-<gpu>-verify/: commit.txt (the tree measured: COMMIT, or `git rev-parse HEAD` where
 # the tree is a checkout; the device's copy of the working tree has no .git), env.txt (packages),
 # pytest_msamp.txt + pytest_rest.txt + pytest_te.txt (the suite in four parts, the two-GPU one appended to
-# pytest_rest.txt; TE's once its extension is compiled; -rfEsxXp: a line per test, failures' output, but not every passing test's captured log, which made these
-# files 0.4-0.7 MB each and the device's 64 MiB carry overflow),
+# pytest_rest.txt; TE's once its extension is compiled; -rfEsxXp: a line per test, failures' output, but not every
+# passing test's captured log, which made these files 0.4-0.7 MB each and the device's 64 MiB carry overflow),
 # headline.json + headline.md + headline.log (benchmarks/headline.py). Commit that folder under results/gpu/. The set-up (.gpubundle, see ../shared/gpu/make_bundle.sh) runs once per machine.
 # HEADLINE_ARGS replaces the headline's default arguments (d4096, every default configuration);
 # PYTEST_ARGS adds pytest options (-k, -x, ...). VERIFY_BUDGET_S (default 570) bounds the whole script,
