@@ -8,7 +8,8 @@ compile, left later weights to one program (results/gpu/2026-11-27-h200x2-profil
 (median of --iters, CUDA events) on each weight shape, compiled and as its eager definition, with the bytes
 it reads and writes per second. Functions: the stored FP8 gradient's norm (clipping under DDP and ZeRO,
 `optim.grad_store._stored_norm`) and the O3 weight's requantisation under DeepSpeed
-(`backends.msamp.fsdp._scaled_cast`).
+(`backends.msamp.fsdp._scaled_cast`) and a store's accumulation of a BF16 weight gradient into its FP8 one (te's and
+torchao's O1/O2, `optim.grad_store.accumulated`).
 
 Then the same hazard inside a compiled layer: msamp's FP8Linear (4096x4096) compiled as `compile_fp8_layers`
 compiles it (dynamic shapes), its forward and backward timed at 8 x 2048 tokens after a first call of one
@@ -26,7 +27,7 @@ import statistics
 import torch
 
 from lowprec.backends.msamp.fsdp import _scaled_cast
-from lowprec.optim.grad_store import _stored_norm
+from lowprec.optim.grad_store import _stored_norm, accumulated
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]
 
@@ -50,10 +51,13 @@ def _cases(shape):
     grad = (torch.randn(shape, device="cuda", generator=g) * 8).to(torch.float8_e4m3fn)
     master = torch.randn(shape, device="cuda", generator=g)
     one, scale = torch.ones((), device="cuda"), torch.tensor(4.0, device="cuda")
+    wgrad = torch.randn(shape, device="cuda", generator=g, dtype=torch.bfloat16)
     numel = grad.numel()
     return [
         ("stored_norm", _stored_norm, lambda f: f(grad, scale, one, 2.0), numel),
         ("scaled_cast", _scaled_cast, lambda f: f(master, scale, 0), numel * 4 * 2 + numel),  # amax read, cast
+        # the stored bytes and the gradient read twice (the amax, the cast), the new bytes written once
+        ("accumulated", accumulated, lambda f: f(grad, scale, one, wgrad), numel * 3 * 2 + numel),
     ]
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..kernels.fused import cuda_fused, reduction_rows
-from ..kernels.scaling import compute_scale, quantize, tensor_amax
+from ..kernels.scaling import compute_scale, quantize
 
 STORE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 _PREFIX = "_lowprec_grad_"
@@ -103,20 +103,51 @@ def accumulate_into(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
 # dozen passes over FP32 temporaries of the weight's shape: on the d4096 proxy torchao's and te's O2 ran 22-26 ms a
 # step slower than their default storage (fused: torchao 2-3 ms, te 8 ms), four 0.49 GiB temporaries live at the peak
 # (results/gpu/2026-11-27-h200-memory-8951179). Fused, it reads the stored bytes and the gradient twice (the amax,
-# then the cast) and writes the new bytes once.
+# then the cast) and writes the new bytes once. The amax is two compiled passes' work and one of aten's: the rows'
+# amaxes (`_row_amaxes`), their amax (aten), the cast (`_requantized`). With the last reduction compiled too, inductor
+# ran it as one program per weight (compiled once for every length, as `_stored_norm`'s): 0.54 ms of a 0.9 ms
+# accumulation, 9 ms a step of te's and torchao's O2 with FP8 activations on the d4096 proxy
+# (results/gpu/2026-11-28-h200-act8-peak-05e9f2d, te_peaks and loss.peak: `triton_red_fused__to_copy_abs_add_amax_
+# bitwise_and_clamp_..._reciproc...`, 34 calls in two steps, 18 ms).
+def _total(data: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The stored gradient's true values (zeros where `valid` is not > 0) plus `grad`, in FP32."""
+    previous = torch.where(valid > 0, data.float() / scale, torch.zeros((), device=data.device))
+    return previous + grad.float()
+
+
 @cuda_fused
-def accumulated(data: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor,
-                grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _row_amaxes(data: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """max(|total|) of each of `reduction_rows`' rows of the sum (one row eager); NaN kept."""
+    return reduction_rows(_total(data, scale, valid, grad).abs()).amax(dim=1)
+
+
+@cuda_fused
+def _requantized(data: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor, grad: torch.Tensor,
+                 total_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum in the store's dtype and its scale: E4M3 with a power-of-two scale from `total_amax` (the old one
+    where that is 0, inf or NaN; an inf element becomes NaN), or BF16 with scale 1."""
+    total = _total(data, scale, valid, grad)
+    if data.dtype == torch.float8_e4m3fn:
+        new_scale = compute_scale(total_amax, data.dtype, previous=scale)
+        return quantize(total, new_scale, data.dtype), new_scale
+    return total.to(data.dtype), torch.ones_like(scale)  # clipping may have divided the old scale
+
+
+def accumulated(data: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor, grad: torch.Tensor,
+                row_amaxes=_row_amaxes, requantized=_requantized) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data, scale, amax) of the stored gradient `data / scale` (none where `valid` is not > 0) plus `grad`: E4M3
     with a new power-of-two scale from the sum's amax (the old one where that amax is 0, inf or NaN; an inf element
     becomes NaN), or BF16 with scale 1."""
-    previous = torch.where(valid > 0, data.float() / scale, torch.zeros((), device=data.device))
-    total = previous + grad.float()
-    total_amax = tensor_amax(total)
-    if data.dtype == torch.float8_e4m3fn:
-        new_scale = compute_scale(total_amax, data.dtype, previous=scale)
-        return quantize(total, new_scale, data.dtype), new_scale, total_amax
-    return total.to(data.dtype), torch.ones_like(scale), total_amax  # clipping may have divided the old scale
+    if data.numel() == 0:
+        total_amax = torch.zeros((), dtype=torch.float32, device=data.device)
+    else:
+        total_amax = row_amaxes(data, scale, valid, grad).amax()
+    new_data, new_scale = requantized(data, scale, valid, grad, total_amax)
+    return new_data, new_scale, total_amax
+
+
+accumulated.eager = functools.partial(  # the definition, for tests
+    accumulated, row_amaxes=_row_amaxes.eager, requantized=_requantized.eager)
 
 
 def install_grad_stores(modules: list[nn.Module], dtype: torch.dtype) -> list[GradStore]:

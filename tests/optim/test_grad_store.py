@@ -187,7 +187,8 @@ def test_the_fused_accumulation_gives_the_definitions_bytes_with_few_graphs(fuse
                     assert (torch.isnan if dtype == E4M3 else torch.isinf)(got[0][0, 0]) and torch.isnan(got[0][1, 1])
                     assert torch.isnan(got[2])
                     assert torch.equal(got[1], scale if dtype == E4M3 else torch.tensor(1.0))  # not a NaN scale
-    assert 1 <= counters["stats"]["unique_graphs"] - graphs <= 3  # not one per shape
+    # two compiled passes (the rows' amaxes, the cast), each once for every length (and once more for a 1 x 1 weight)
+    assert 2 <= counters["stats"]["unique_graphs"] - graphs <= 4  # not one per shape
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["e4m3", "bf16"])
