@@ -6,7 +6,10 @@ total was highest, its live blocks grouped by the Python line that allocated the
     report = record_step(step, "peak.txt")   # one call of step() under the recorder; None without CUDA
 
 Used by headline.py's `--peak-configs`. A block a compiled graph allocated is shown with its line of generated
-code (shape, stride, dtype) and the kernel that writes it. The replay counts a block from its `alloc` to its
+code (shape, stride, dtype) and the kernel that writes it, and the files of generated code that allocated blocks live
+at the peak are copied beside the report (`PATH_code/`, as `pb_cpbx...py` for the site `pb/cpbx...py:LINE`): which
+expression inductor stored, and why, is read there (results/gpu/2026-11-28-h200-act8-peak-05e9f2d took a device call
+of its own to bring them back). The replay counts a block from its `alloc` to its
 `free_completed` (a block freed on one stream while another may still read it stays allocated until then, as the
 allocator counts it); blocks allocated before the recording started are `baseline` (torch.cuda.memory_allocated()
 then).
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import shutil
 from collections import defaultdict
 
 # frames from these parts of a path say how torch did something, not what asked for it
@@ -40,6 +44,11 @@ def site(frames: list[dict]) -> str:
     return f"{os.sep.join(parts[-2:])}:{chosen['line']} {chosen['name']}"
 
 
+def _generated(filename: str) -> bool:
+    """Whether `filename` is a file of inductor's generated code (it imports from `torch._inductor` at its top)."""
+    return any("torch._inductor" in linecache.getline(filename, n) for n in range(1, 30))
+
+
 def allocating_code(frames: list[dict]) -> str | None:
     """Where `site` is a line of a compiled graph's generated code (inductor's `bufN = empty_strided_cuda((shape),
     (stride), dtype)`), that line and the kernel call after it, read while the file is still on the machine: the
@@ -50,8 +59,7 @@ def allocating_code(frames: list[dict]) -> str | None:
     line = linecache.getline(chosen["filename"], chosen["line"]).strip()
     if "empty_strided" not in line:
         # an op that allocates its own output (`buf5 = torch.ops.aten._scaled_mm.default(...)`) in generated code
-        generated = any("torch._inductor" in linecache.getline(chosen["filename"], n) for n in range(1, 30))
-        return line[:160] if generated and line else None
+        return line[:160] if line and _generated(chosen["filename"]) else None
     # the next line that is not another allocation or an alias says what writes the buffer
     for offset in range(1, 8):
         after = linecache.getline(chosen["filename"], chosen["line"] + offset).strip()
@@ -79,6 +87,7 @@ def live_at_peak(events: list[dict], baseline: int = 0) -> dict:
             live.pop(event["addr"], None)
     sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     code: dict[str, str] = {}
+    files: set[str] = set()
     for event in live.values():
         name = site(event.get("frames") or [])
         entry = sites[name]
@@ -88,11 +97,12 @@ def live_at_peak(events: list[dict], baseline: int = 0) -> dict:
             text = allocating_code(event.get("frames") or [])
             if text:
                 code[name] = text
+                files.add(_asking_frame([f for f in event["frames"] if f["filename"].endswith(".py")])["filename"])
     ordered = dict(sorted(sites.items(), key=lambda kv: -kv[1][0]))
     # the largest blocks by size say which tensors they are where a site is shared (logits: batch x length x vocab)
     largest = sorted(live.values(), key=lambda e: -e["size"])[:10]
     return {"peak_bytes": peak, "baseline_bytes": baseline, "peak_event": at, "events": len(events),
-            "live_by_site": ordered, "code": code,
+            "live_by_site": ordered, "code": code, "generated_files": sorted(files),
             "largest_blocks": [[e["size"], site(e.get("frames") or [])] for e in largest]}
 
 
@@ -110,9 +120,23 @@ def format_report(report: dict, top: int = 25) -> str:
     return "\n".join(lines) + "\n"
 
 
+def copy_generated(report: dict, folder: str) -> list[str]:
+    """Copy the report's files of generated code (those still on this machine) into `folder`, each named by its
+    site's two last path parts joined by `_` (`pb/cpbx...py` -> `pb_cpbx...py`). Returns the names written."""
+    written = []
+    for filename in report.get("generated_files", []):
+        if os.path.isfile(filename):
+            os.makedirs(folder, exist_ok=True)
+            name = "_".join(filename.split(os.sep)[-2:])
+            shutil.copyfile(filename, os.path.join(folder, name))
+            written.append(name)
+    return written
+
+
 def record_step(step, path: str | None, max_entries: int = 500_000) -> dict | None:
-    """Run `step()` once with the allocator's history recorded; write `format_report` to `path`. Returns the
-    report with its 25 largest sites (None without CUDA)."""
+    """Run `step()` once with the allocator's history recorded; write `format_report` to `path` and the generated
+    code it names to `PATH_code/` (`copy_generated`; PATH without its `.txt`). Returns the report with its 25 largest
+    sites (None without CUDA)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -132,5 +156,6 @@ def record_step(step, path: str | None, max_entries: int = 500_000) -> dict | No
     if path:
         with open(path, "w") as fh:
             fh.write(format_report(report))
+        copy_generated(report, (path[:-4] if path.endswith(".txt") else path) + "_code")
     report["live_by_site"] = dict(list(report["live_by_site"].items())[:25])
     return report

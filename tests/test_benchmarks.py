@@ -242,9 +242,10 @@ def test_peak_memory_replays_the_allocator_trace_to_its_highest_point():
 def test_peak_memory_shows_a_compiled_graphs_allocation_with_its_shape_and_kernel(tmp_path):
     # the device's generated code goes with the machine: the report keeps the line while it can be read
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from peak_memory import allocating_code, format_report, live_at_peak
+    from peak_memory import allocating_code, copy_generated, format_report, live_at_peak
 
-    code = tmp_path / "cinq.py"
+    (tmp_path / "q7").mkdir()
+    code = tmp_path / "q7" / "cinq.py"
     code.write_text("from torch._inductor.runtime import triton_helpers\n"
                     "def call(args):\n"
                     "    buf7 = empty_strided_cuda((8192, 14336), (14336, 1), torch.float32)\n"
@@ -258,6 +259,10 @@ def test_peak_memory_shows_a_compiled_graphs_allocation_with_its_shape_and_kerne
     assert allocating_code(graph) == ("buf7 = empty_strided_cuda((8192, 14336), (14336, 1), torch.float32)  ->  "
                                       "triton_red_fused_add_amax_1.run(buf0, buf7, 117440512)")
     assert "| buf7 = empty_strided_cuda((8192, 14336)" in format_report(report)
+    # the generated file goes beside the report, named as its site names it
+    assert report["generated_files"] == [str(code)]
+    assert copy_generated(report, str(tmp_path / "out.peak_code")) == ["q7_cinq.py"]
+    assert (tmp_path / "out.peak_code" / "q7_cinq.py").read_text() == code.read_text()
     # an op of the generated code that allocates its own output: its line
     assert allocating_code([{"filename": str(code), "line": 6, "name": "call"}]).startswith("buf9 = torch.ops.aten.")
     # a line of ordinary Python that is no allocation adds nothing
@@ -265,6 +270,12 @@ def test_peak_memory_shows_a_compiled_graphs_allocation_with_its_shape_and_kerne
     plain.write_text("def forward(x):\n    return x.float()\n")
     assert allocating_code([{"filename": str(plain), "line": 2, "name": "forward"}]) is None
     assert allocating_code([]) is None
+    # a model's own line names no file to copy; a file gone from the machine is skipped
+    plain_report = live_at_peak([{"action": "alloc", "addr": 2, "size": 8,
+                                  "frames": [{"filename": str(plain), "line": 2, "name": "forward"}]}])
+    assert plain_report["generated_files"] == []
+    code.unlink()
+    assert copy_generated(report, str(tmp_path / "gone")) == [] and not (tmp_path / "gone").exists()
 
 
 def _largest_model():
