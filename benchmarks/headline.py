@@ -25,7 +25,9 @@ fused QKV Linear, causal SDPA (heads of 128), output Linear, RMSNorm, fused gate
 down Linear; final RMSNorm and an untied head over a 32000-token vocabulary; batch 4 x 2048 random ids,
 cross-entropy on the next token. Optimizer torch AdamW(fused=True) handed to prepare().
 
-Per run: median step after `--warmup` steps (the loss read each step synchronises), tokens/s, peak CUDA
+Per run: median step after `--warmup` steps (the loss read each step synchronises; default 20: msamp's FP8 layers
+scale with the step's own amaxes for their first `MSAMP_WINDOW` steps and with the delayed ones after, a compiled graph
+of its own, so that 8 of 16 steps, the default until 05e9f2d, timed their warm-up's graph only), tokens/s, peak CUDA
 memory from right after prepare(), and where in the step it came (`peak_by_phase_gib`: the highest peak of the
 forwards, the backwards and the optimizer steps), CUDA memory held after prepare() and after the first optimizer
 step (model state), CUDA memory the first forward leaves held for backward, FP8 Linears in the plan.
@@ -120,6 +122,8 @@ ENVIRONMENT: dict[str, dict[str, str]] = {
     "msamp O2 act8 torch loss": {"LOWPREC_FUSED_CROSS_ENTROPY": "0"},
     "torchao act8 torch loss": {"LOWPREC_FUSED_CROSS_ENTROPY": "0"},
 }
+# FP8Linear's amax_history_len (MS-AMP's 16): msamp's steps before it take current scales, another compiled graph
+MSAMP_WINDOW = 16
 DEFAULT_CONFIGS = ["bf16 eager", "te", "auto", "raw te", "bf16 compiled", "torchao", "msamp O2", "auto compiled"]
 
 
@@ -141,6 +145,12 @@ class Block(nn.Module):
         x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
+
+
+def uses_msamp(config: str) -> bool:
+    """Whether `config` runs msamp's FP8 layers (whose first MSAMP_WINDOW steps are a warm-up)."""
+    kwargs = CONFIGS[config][1]
+    return isinstance(kwargs, dict) and kwargs.get("backend") == "msamp"
 
 
 def params(width: str) -> int:
@@ -391,8 +401,10 @@ def main(argv: list[str] | None = None) -> dict:
                    help=f"{', '.join(WIDTHS)}, or one of them with xN blocks (d4096x12)")
     p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS),
                    help="BF16 of a mode must come before the configurations compared with it")
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--steps", type=int, default=MSAMP_WINDOW + 12)
+    p.add_argument("--warmup", type=int, default=MSAMP_WINDOW + 4,
+                   help=f"steps left out of the timing; below {MSAMP_WINDOW} an msamp configuration's timed steps "
+                        "include its warm-up (current scales), and its steps' peaks may all be the warm-up's")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the configurations this many times, in ABBA order (as given, reversed, ...); step times "
                         "and ratios from the median over rounds (a first run in the process can pay one-off costs)")
@@ -411,6 +423,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
+    if args.warmup < MSAMP_WINDOW and any(uses_msamp(c) for c in args.configs):
+        print(f"headline: warning: --warmup {args.warmup} < {MSAMP_WINDOW}: msamp's timed steps include its warm-up "
+              "(current scales, a compiled graph of their own)", file=sys.stderr)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     if args.profile_steps < 1:

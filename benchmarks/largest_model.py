@@ -5,8 +5,10 @@
 Per configuration: the peak memory of two training steps at two depths (blocks `--probe`, default 2 and 4)
 gives the memory per block and the rest; the deepest model whose predicted peak fits under `--fraction` of
 the GPU's memory is then trained for two steps to confirm it fits (one block fewer at a time if it runs
-out, at most `--tries` runs). Each run is its own process (headline.py), so an out-of-memory error leaves
-nothing behind. Reports blocks and parameters per configuration, and their ratio to BF16's.
+out, at most `--tries` runs). An msamp configuration runs its warm-up's steps too (`headline.MSAMP_WINDOW`) and two
+after: the graph of its delayed scales, compiled when the warm-up ends, is the one it trains with. Each run is its own
+process (headline.py), so an out-of-memory error leaves nothing behind. Reports blocks and parameters per
+configuration, and their ratio to BF16's.
 
 `--capacity-gib 78.5` answers for an 80 GB H100 on a larger GPU (an H200): every run's CUDA allocator is capped
 at that many GiB (headline.py --memory-gib), so a model that would not fit the smaller card runs out of memory.
@@ -29,9 +31,11 @@ import headline  # noqa: E402
 
 
 def command(config: str, width: str, blocks: int, out: str, memory_gib: float | None = None) -> list[str]:
-    """headline.py's command line for two steps; `memory_gib` caps its allocator (a smaller GPU on a larger one)."""
+    """headline.py's command line for two steps (past msamp's warm-up); `memory_gib` caps its allocator (a smaller GPU
+    on a larger one)."""
+    warmup = headline.MSAMP_WINDOW + 1 if headline.uses_msamp(config) else 1
     cmd = [sys.executable, os.path.join(HERE, "headline.py"), "--widths", f"{width}x{blocks}", "--configs",
-           config, "--steps", "2", "--warmup", "1", "--out", out]
+           config, "--steps", str(warmup + 1), "--warmup", str(warmup), "--out", out]
     return cmd + (["--memory-gib", str(memory_gib)] if memory_gib is not None else [])
 
 
