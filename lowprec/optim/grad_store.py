@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from ..kernels.fused import cuda_fused, reduction_rows
+from ..kernels.fused import amax_of_rows, cuda_fused, reduction_rows
 from ..kernels.scaling import compute_scale, quantize
 
 STORE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
@@ -103,12 +103,12 @@ def accumulate_into(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
 # dozen passes over FP32 temporaries of the weight's shape: on the d4096 proxy torchao's and te's O2 ran 22-26 ms a
 # step slower than their default storage (fused: torchao 2-3 ms, te 8 ms), four 0.49 GiB temporaries live at the peak
 # (results/gpu/2026-11-27-h200-memory-8951179). Fused, it reads the stored bytes and the gradient twice (the amax,
-# then the cast) and writes the new bytes once. The amax is two compiled passes' work and one of aten's: the rows'
-# amaxes (`_row_amaxes`), their amax (aten), the cast (`_requantized`). With the last reduction compiled too, inductor
-# ran it as one program per weight (compiled once for every length, as `_stored_norm`'s): 0.54 ms of a 0.9 ms
-# accumulation, 9 ms a step of te's and torchao's O2 with FP8 activations on the d4096 proxy
-# (results/gpu/2026-11-28-h200-act8-peak-05e9f2d, te_peaks and loss.peak: `triton_red_fused__to_copy_abs_add_amax_
-# bitwise_and_clamp_..._reciproc...`, 34 calls in two steps, 18 ms).
+# then the cast) and writes the new bytes once. Two compiled passes and aten's between them: the rows' amaxes
+# (`_row_amaxes`), their amax (`amax_of_rows`), the cast (`_requantized`). With the last reduction compiled too, it ran
+# as one program per weight: 0.54 ms of a 0.9 ms accumulation, 9 ms a step of te's and torchao's O2 with FP8
+# activations on the d4096 proxy (results/gpu/2026-11-28-h200-act8-peak-05e9f2d, te_peaks and loss.peak:
+# `triton_red_fused__to_copy_abs_add_amax_bitwise_and_clamp_..._reciproc...`, 34 calls in two steps, 18 ms; not in
+# the same configuration's table at 62ecff5: how it compiles depends on what the process compiled it for first).
 def _total(data: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """The stored gradient's true values (zeros where `valid` is not > 0) plus `grad`, in FP32."""
     previous = torch.where(valid > 0, data.float() / scale, torch.zeros((), device=data.device))
@@ -141,7 +141,7 @@ def accumulated(data: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor, gr
     if data.numel() == 0:
         total_amax = torch.zeros((), dtype=torch.float32, device=data.device)
     else:
-        total_amax = row_amaxes(data, scale, valid, grad).amax()
+        total_amax = amax_of_rows(row_amaxes(data, scale, valid, grad))
     new_data, new_scale = requantized(data, scale, valid, grad, total_amax)
     return new_data, new_scale, total_amax
 

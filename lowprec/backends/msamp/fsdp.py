@@ -16,6 +16,7 @@ FP16 shard as its `.grad`, where
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 
 import torch
@@ -23,7 +24,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from ...kernels.fused import cuda_fused
+from ...kernels.fused import amax_of_rows, cuda_fused, row_amaxes
 from ...kernels.scaling import compute_scale, nan_to_inf, quantize, tensor_amax
 
 E4M3 = torch.float8_e4m3fn
@@ -225,11 +226,25 @@ def _shard_amaxes(shards: list[torch.Tensor]) -> torch.Tensor:
 
 
 @cuda_fused
-def _scaled_cast(value: torch.Tensor, previous: torch.Tensor | None, margin: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(power-of-2 scale from `value`'s amax, or `previous` when that is zero or not finite (1 without one),
-    `value` in E4M3 with it): on CUDA a reduction over `value`'s rows, one over theirs, one cast."""
-    scale = compute_scale(tensor_amax(value), E4M3, margin, previous=previous)
+def _cast_with_amax(value: torch.Tensor, amax: torch.Tensor, previous: torch.Tensor | None,
+                    margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = compute_scale(amax, E4M3, margin, previous=previous)
     return scale, quantize(value, scale, E4M3)
+
+
+def _scaled_cast(value: torch.Tensor, previous: torch.Tensor | None, margin: int, row_amax=row_amaxes,
+                 cast=_cast_with_amax) -> tuple[torch.Tensor, torch.Tensor]:
+    """(power-of-2 scale from `value`'s amax, or `previous` when that is zero or not finite (1 without one),
+    `value` in E4M3 with it): on CUDA a compiled reduction over `value`'s rows, aten's over theirs, a compiled cast."""
+    if value.numel() == 0:
+        amax = torch.zeros((), dtype=torch.float32, device=value.device)
+    else:
+        amax = amax_of_rows(row_amax(value))
+    return cast(value, amax, previous, margin)
+
+
+_scaled_cast.eager = functools.partial(  # the definition, for tests
+    _scaled_cast, row_amax=row_amaxes.eager, cast=_cast_with_amax.eager)
 
 
 class FP8GatheredWeight(torch.Tensor):
