@@ -27,7 +27,7 @@ cross-entropy on the next token. Optimizer torch AdamW(fused=True) handed to pre
 
 Per run: median step after `--warmup` steps (the loss read each step synchronises; default 20: msamp's FP8 layers
 scale with the step's own amaxes for their first `MSAMP_WINDOW` steps and with the delayed ones after, a compiled graph
-of its own, so that 8 of 16 steps, the default until 05e9f2d, timed their warm-up's graph only), tokens/s, peak CUDA
+of its own: the previous default, the last 8 of 16 steps, timed msamp's warm-up graph only), tokens/s, peak CUDA
 memory from right after prepare(), and where in the step it came (`peak_by_phase_gib`: the highest peak of the
 forwards, the backwards and the optimizer steps), CUDA memory held after prepare() and after the first optimizer
 step (model state), CUDA memory the first forward leaves held for backward, FP8 Linears in the plan.

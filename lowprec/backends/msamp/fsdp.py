@@ -228,6 +228,7 @@ def _shard_amaxes(shards: list[torch.Tensor]) -> torch.Tensor:
 @cuda_fused
 def _cast_with_amax(value: torch.Tensor, amax: torch.Tensor, previous: torch.Tensor | None,
                     margin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_scaled_cast` once the amax is known: the scale rule and the cast, one pass over `value`."""
     scale = compute_scale(amax, E4M3, margin, previous=previous)
     return scale, quantize(value, scale, E4M3)
 
