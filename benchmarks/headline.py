@@ -33,8 +33,10 @@ forwards, the backwards and the optimizer steps), CUDA memory held after prepare
 step (model state), CUDA memory the first forward leaves held for backward, FP8 Linears in the plan.
 `--profile-dir DIR` adds, for `--profile-configs` (default: every one), `--profile-steps` extra steps under
 torch.profiler after the timed ones: DIR/WIDTH_LABEL.prof.txt (top kernels by device time) and the JSON's
-`profile` (kernel time per step by category, widths.py's `profile_steps`). `--peak-configs` traces one more step's
-allocations: DIR/WIDTH_LABEL.peak.txt lists what is live at that step's peak by allocating line (peak_memory.py).
+`profile` (kernel time per step by category, widths.py's `profile_steps`), and for one step more
+DIR/WIDTH_LABEL.sites.txt: the operators that launched the kernels, by input shapes and by Python call site
+(call_sites.py). `--peak-configs` traces one more step's allocations: DIR/WIDTH_LABEL.peak.txt lists what is live at
+that step's peak by allocating line (peak_memory.py).
 `--summarize OUT.json` prints the table again. "... act8" configurations add activation_dtype="fp8" (a compiled
 model's graphs encode what they save inside them, the default); "... act8 hooks" ones encode through Python hooks
 after each graph instead (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0 while they run).
@@ -316,6 +318,10 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
         from widths import profile_steps
 
         result["profile"] = profile_steps(step, data[:profile_n], cuda, profile_path)
+        from call_sites import record_call_sites  # and one step more: whose operators, with which inputs
+
+        sites_path = profile_path.removesuffix(".prof.txt") + ".sites.txt"
+        result["call_sites"] = record_call_sites(step, data[0], cuda, sites_path, top=15)["by_site"]
     if peak_path is not None:  # one more step, its allocations traced: what is live at its peak, and from where
         from peak_memory import record_step
 

@@ -139,7 +139,11 @@ def test_headline_benchmark_on_cpu(tmp_path):
     # the profile of the one configuration asked for, in round 0 only; no CUDA memory to split by phase on a CPU
     assert "profile" not in runs["bf16 eager"] and auto["profile"]["steps"] == 1
     assert auto["profile"]["kernel_ms_per_step"] > 0 and auto["profile"]["top"]
-    assert sorted(os.listdir(tmp_path / "prof")) == ["tiny_auto.prof.txt"]
+    assert sorted(os.listdir(tmp_path / "prof")) == ["tiny_auto.prof.txt", "tiny_auto.sites.txt"]
+    # one step more: the operators by input shapes and by call site, this proxy's forward among the sites
+    sites = (tmp_path / "prof" / "tiny_auto.sites.txt").read_text()
+    assert "operators by input shapes" in sites and "operators by call site" in sites
+    assert auto["call_sites"] and any("headline.py" in s for row in auto["call_sites"] for s in row["sites"])
     assert auto["peak_by_phase_gib"] is None and auto["peak_gib"] is None
     assert auto["peak_report"] is None and "peak_report" not in runs["bf16 eager"]  # no allocator trace on a CPU
 
@@ -516,3 +520,30 @@ def test_act8_bisect_runs_every_variant_and_tabulates_them_against_bf16(tmp_path
     assert "| act8 |" not in summary and "trace" not in summary
     trace = (later / "act8-bisect" / "trace_graph.log").read_text()
     assert "act8_trace pack packed" in trace or "act8_trace pack_traced packed" in trace
+
+
+def test_call_sites_rank_the_operators_by_their_own_time_and_name_the_asking_line(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from call_sites import asking_frames, record_call_sites
+
+    frames = ["/x/site-packages/torch/nn/modules/linear.py(125): forward", "/work/model.py(12): forward",
+              "/work/train.py(40): step", "<frozen runpy>(88): _run_code"]
+    assert asking_frames(frames, 2) == ["/work/model.py(12): forward", "/work/train.py(40): step"]
+    assert asking_frames(frames[:1]) == frames[:1]  # nothing of the user's: the innermost as it is
+    assert asking_frames(["/b/call_sites.py(80): record_call_sites", "/w/t.py(3): f"]) == ["/w/t.py(3): f"]
+
+    weight = torch.randn(1024, 1024)
+
+    def step(ids):  # a matmul that dwarfs the rest, from this file
+        return (ids @ weight).relu().sum()
+
+    ids = torch.randn(512, 1024)
+    step(ids)  # first-call costs out of the way
+    result = record_call_sites(step, ids, False, str(tmp_path / "s.txt"), top=5)
+    mm = next(row for row in result["by_shape"] if row["name"] == "aten::mm")
+    assert "[512, 1024]" in mm["input_shapes"] and mm["ms"] > 0 and mm["calls"] == 1
+    mm = next(row for row in result["by_site"] if row["name"] == "aten::mm")
+    assert "test_benchmarks.py" in mm["sites"][0] and "step" in mm["sites"][0]
+    text = (tmp_path / "s.txt").read_text()
+    assert "aten::mm" in text and "test_benchmarks.py" in text
+    assert "<built-in" not in text and "call_sites.py(" not in text  # Python's calls and the recorder's own frames
