@@ -109,6 +109,11 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     # O1 (FP16 weights without a master copy, FP8 weight gradients, FP32 Adam states): 10 bytes a parameter before
     # the step where te's default keeps 12, with O2's FP8/FP16 states' extra kernels left out
     "te O1 act8": ("eager", dict(backend="te", opt_level="O1", activation_dtype="fp8")),
+    # inductor keeping more of a pointwise chain unstored (INDUCTOR): a SiLU backward that reads both halves of the
+    # FP8-stored gate/up output was stored as an FP32 block of the step's peak (results/gpu/2026-11-28-h200-act8-peak-
+    # 05e9f2d; torch 2.11's realize_opcount_threshold is 30, at 40 and 64 torchao O2 act8 peaked 0.14 GiB lower)
+    "msamp O2 act8 realize64": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
+    "torchao O2 act8 realize64": ("compiled", dict(backend="torchao", opt_level="O2", activation_dtype="fp8")),
     # the whole model as one graph (the head and the loss compiled too: inductor fuses the FP32 log-softmax that
     # regional compilation leaves to eager), against BF16 compiled the same way
     "bf16 whole": ("whole", None),
@@ -123,6 +128,11 @@ ENVIRONMENT: dict[str, dict[str, str]] = {
     "msamp O2 act8 hooks": {"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "0"},
     "msamp O2 act8 torch loss": {"LOWPREC_FUSED_CROSS_ENTROPY": "0"},
     "torchao act8 torch loss": {"LOWPREC_FUSED_CROSS_ENTROPY": "0"},
+}
+# label -> torch._inductor.config settings while that configuration runs (its forward and backward compile in it)
+INDUCTOR: dict[str, dict] = {
+    "msamp O2 act8 realize64": {"realize_opcount_threshold": 64},
+    "torchao O2 act8 realize64": {"realize_opcount_threshold": 64},
 }
 # FP8Linear's amax_history_len (MS-AMP's 16): msamp's steps before it take current scales, another compiled graph
 MSAMP_WINDOW = 16
@@ -216,7 +226,9 @@ def _auto_reasons(recipe, context) -> list[str]:
 
 def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profile_path: str | None = None,
             profile_n: int = 2, peak_path: str | None = None) -> dict:
-    with mock.patch.dict(os.environ, ENVIRONMENT.get(label, {})):
+    import torch._inductor.config as inductor_config
+
+    with mock.patch.dict(os.environ, ENVIRONMENT.get(label, {})), inductor_config.patch(INDUCTOR.get(label, {})):
         return _run_one(label, width, data, warmup, profile_path, profile_n, peak_path)
 
 

@@ -208,6 +208,15 @@ def test_headline_sets_a_configurations_environment_only_while_it_runs(monkeypat
     headline.run_one("msamp O2 act8 hooks", "tiny", [], 0)
     headline.run_one("msamp O2 act8", "tiny", [], 0)
     assert seen == ["0", None] and name not in os.environ
+    # inductor's settings likewise, around the compiles of that configuration only
+    import torch._inductor.config as inductor_config
+
+    assert set(headline.INDUCTOR) <= set(headline.CONFIGS)
+    default = inductor_config.realize_opcount_threshold
+    monkeypatch.setattr(headline, "_run_one", lambda *a: seen.append(inductor_config.realize_opcount_threshold))
+    headline.run_one("msamp O2 act8 realize64", "tiny", [], 0)
+    headline.run_one("msamp O2 act8", "tiny", [], 0)
+    assert seen[2:] == [64, default] and inductor_config.realize_opcount_threshold == default
 
 
 def test_peak_memory_replays_the_allocator_trace_to_its_highest_point():

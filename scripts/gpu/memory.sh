@@ -10,6 +10,10 @@
 #   bash scripts/gpu/memory.sh OUT headline_te   # ~4 min: eager BF16, te, te with activation_dtype='fp8' (and O1,
 #                                                #   O2); te_peaks.tgz: te O2's kernel table, te O1's peak
 #   bash scripts/gpu/memory.sh OUT loss          # ~4 min: the loss fused and as torch ops, torchao O2 act8
+#   bash scripts/gpu/memory.sh OUT realize       # ~6 min: msamp O2 and torchao O2 with FP8 activations with
+#                                                #   inductor's realize_opcount_threshold at 64 and at its default,
+#                                                #   two rounds (ABBA); realize.peak.tgz: both msamp peaks, with
+#                                                #   the generated code they name
 #   bash scripts/gpu/memory.sh OUT whole         # ~6 min: the model compiled as one graph (head and loss too):
 #                                                #   BF16, torchao and msamp O2 with and without FP8 activations;
 #                                                #   (and block by block, for the peak report);
@@ -34,8 +38,9 @@
 # OUT/<date>-<gpu>-memory/: one file per part plus commit.txt; commit that folder under results/gpu/. Set COMMIT=<hash>
 # (the tree's commit) on the device: its copy of the tree may carry a stale .git.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|loss|whole|convergence|largest ...}; shift
-[ $# -gt 0 ] || { echo "name at least one part: headline headline_te loss whole convergence largest" >&2; exit 2; }
+out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|loss|realize|whole|convergence|largest ...}; shift
+[ $# -gt 0 ] || { echo "name at least one part: headline headline_te loss realize whole convergence largest" >&2
+                  exit 2; }
 cd "$(dirname "$0")/../.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H100|H200|B200' || echo gpu)
 dir="$out/$(date -u +%Y-%m-%d)-${gpu,,}-memory"
@@ -72,6 +77,15 @@ for part in "$@"; do
         "torchao O2 act8" > "$dir/loss.log" 2>&1 || status=1
       python3 benchmarks/headline.py --summarize "$dir/loss.json" > "$dir/loss.md" 2>&1
       tar czf "$dir/loss.peak.tgz" -C "$dir" loss_peaks && rm -rf "$dir/loss_peaks" ;;
+    realize)
+      # an FP32 block of SiLU's backward at msamp O2 act8's peak, stored by inductor's op-count rule (results/gpu/
+      # 2026-11-28-h200-act8-peak-05e9f2d): the same configurations with the rule relaxed, in one process
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/realize.json" --rounds 2 --configs "bf16 compiled" \
+        "msamp O2 act8" "msamp O2 act8 realize64" "torchao O2 act8" "torchao O2 act8 realize64" \
+        --profile-dir "$dir/realize_peaks" --profile-configs --peak-configs "msamp O2 act8" "msamp O2 act8 realize64" \
+        > "$dir/realize.log" 2>&1 || status=1
+      python3 benchmarks/headline.py --summarize "$dir/realize.json" > "$dir/realize.md" 2>&1
+      tar czf "$dir/realize.peak.tgz" -C "$dir" realize_peaks && rm -rf "$dir/realize_peaks" ;;
     headline_te)
       # eager: BF16 and te with and without FP8 activations (TE's compiled extension needed); te O2's kernel table
       # (its step is ~4 ms longer than te act8's) and what is live at te O1's peak
@@ -100,7 +114,7 @@ for part in "$@"; do
       python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
         ${LARGEST_CAPACITY_GIB:+--capacity-gib "$LARGEST_CAPACITY_GIB"} \
         --configs "${LARGEST_CONFIGS[@]}" > "$dir/largest.log" 2>&1 || status=1 ;;
-    *) echo "unknown part '$part' (headline|headline_te|loss|whole|convergence|largest)" >&2; exit 2 ;;
+    *) echo "unknown part '$part' (headline|headline_te|loss|realize|whole|convergence|largest)" >&2; exit 2 ;;
   esac
   tail -15 "$dir/$part.log" 2>/dev/null
 done
