@@ -109,6 +109,11 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     # O1 (FP16 weights without a master copy, FP8 weight gradients, FP32 Adam states): 10 bytes a parameter before
     # the step where te's default keeps 12, with O2's FP8/FP16 states' extra kernels left out
     "te O1 act8": ("eager", dict(backend="te", opt_level="O1", activation_dtype="fp8")),
+    # Adam's moments in BF16 (optimizer_states="bf16": 4 bytes a parameter less, every parameter): te's and torchao's
+    # peaks with FP8 activations are their FP32 model state at the optimizer step (te act8: 13.9 GiB of 20.5 at
+    # 05e9f2d, results/gpu/2026-11-28-h200-act8-peak-05e9f2d), which FP8 activations do not touch
+    "te act8 bf16m": ("eager", dict(backend="te", activation_dtype="fp8", optimizer_states="bf16")),
+    "torchao act8 bf16m": ("compiled", dict(backend="torchao", activation_dtype="fp8", optimizer_states="bf16")),
     # inductor keeping more of a pointwise chain unstored (INDUCTOR): a SiLU backward that reads both halves of the
     # FP8-stored gate/up output was stored as an FP32 block of the step's peak (results/gpu/2026-11-28-h200-act8-peak-
     # 05e9f2d; torch 2.11's realize_opcount_threshold is 30, at 40 and 64 torchao O2 act8 peaked 0.14 GiB lower)

@@ -14,7 +14,8 @@ A configuration is `bf16` or `backend:recipe[:level]`, optionally followed by `,
 `,skip_slow_shapes=false` (either true|false), `,activation_dtype=fp8` (saved activations in FP8) and
 `,activations_fp32=fp8|bf16|keep` (how those store FP32 tensors: LOWPREC_FP8_ACTIVATIONS_FP32) and
 `,activations_in_graph=true|false` (inside compiled graphs or through the Python hooks:
-LOWPREC_FP8_ACTIVATIONS_IN_GRAPH), so that each form is a configuration of its own, never pooled with another.
+LOWPREC_FP8_ACTIVATIONS_IN_GRAPH), so that each form is a configuration of its own, never pooled with another;
+`,optimizer_states=fp32|bf16|fp16|fp8` stores Adam's moments so (FP8RecipeKwargs.optimizer_states).
 Each runs `python -m lowprec.demo.run` in a fresh process (Accelerate's state is a process-wide
 singleton, and peak memory and compile caches must be the run's own) on the demo corpus: tokens/s
 (median step after warm-up), peak memory split into model state (weights, gradients, optimizer states,
@@ -39,7 +40,7 @@ import torch
 from ..runtime.activations_fp32 import POLICIES as FP32_POLICIES
 from .data import TOKENIZATIONS
 from .model import ARCHS, PRESETS, default_size
-from .run import worker_args
+from .run import OPTIMIZER_STATES, worker_args
 from .seeds import lowprec_environment, seed_markdown, seed_summary
 
 LEVELS = (None, "O1", "O2")
@@ -51,7 +52,8 @@ LEVELS = (None, "O1", "O2")
 CONFIG_OPTIONS = ("skip_first_last", "skip_slow_shapes", "activations_in_graph")
 _BOOLS = {"true": True, "false": False}
 # Recipe fields a configuration may set to one of a few values ("msamp:delayed:O2,activation_dtype=fp8").
-VALUE_OPTIONS = {"activation_dtype": ("fp8",), "activations_fp32": FP32_POLICIES}
+VALUE_OPTIONS = {"activation_dtype": ("fp8",), "activations_fp32": FP32_POLICIES,
+                 "optimizer_states": OPTIMIZER_STATES}
 
 
 def parse_config(text: str) -> dict:

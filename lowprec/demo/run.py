@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..frontend.recipe import FP8RecipeKwargs
+from ..optim.levels import STATE_PRESETS
 from ..runtime.accelerator import Accelerator
 from ..runtime.activations import activation_storage
 from ..runtime.activations_fp32 import ENV as FP32_ENV
@@ -30,6 +31,8 @@ from ..runtime.activations_in_graph import ENV as IN_GRAPH_ENV
 from .data import TOKENIZATIONS, Windows, stdlib_corpus, tokenize
 from .memory import model_state_bytes
 from .model import ARCHS, PRESETS, build_model
+
+OPTIMIZER_STATES = tuple(STATE_PRESETS)  # FP8RecipeKwargs.optimizer_states' named presets ("fp32", "bf16", ...)
 
 
 def activation_counts(storage, forwards: int) -> dict | None:
@@ -89,6 +92,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --activation-dtype fp8 and a compiled model: store its graphs' saved tensors in FP8 "
                         "inside the graphs, or (--no-...) through the Python hooks after each graph (sets "
                         "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH for this run; default: the variable's, else the library's)")
+    p.add_argument("--optimizer-states", choices=OPTIMIZER_STATES, default=None,
+                   help="FP8 runs: Adam's moments in this dtype (FP8RecipeKwargs.optimizer_states; fp8: E4M3 exp_avg, "
+                        "FP16 exp_avg_sq; default: the level's, else the optimizer's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true",
                    help="torchao only: also train the same model converted by torchao directly (no lowprec) in "
@@ -151,6 +157,7 @@ def run(args: argparse.Namespace) -> dict:
             # None unless given: the demo shows what the library's defaults convert, not a tuned subset.
             backend=args.backend, recipe=args.recipe, opt_level=args.opt_level, skip_slow_shapes=args.skip_slow_shapes,
             skip_first_last=args.skip_first_last, activation_dtype=args.activation_dtype,
+            optimizer_states=args.optimizer_states,
         )
         accelerator = Accelerator(
             mixed_precision="fp8", kwargs_handlers=[recipe], gradient_accumulation_steps=args.grad_accum, **kwargs
@@ -266,6 +273,7 @@ def run(args: argparse.Namespace) -> dict:
                        "rest_bytes": peak - state_bytes if cuda else None,
                        "held_by_forward_bytes": held_by_forward},
         "activation_dtype": args.activation_dtype,
+        "optimizer_states": args.optimizer_states,
         "fp8_activations": activation_counts(storage, forwards),
         "corpus_files": corpus.files,
         "tokens": args.tokens,

@@ -10,6 +10,9 @@
 #   bash scripts/gpu/memory.sh OUT headline_te   # ~4 min: eager BF16, te, te with activation_dtype='fp8' (and O1,
 #                                                #   O2); te_peaks.tgz: te O2's kernel table, te O1's peak
 #   bash scripts/gpu/memory.sh OUT loss          # ~4 min: the loss fused and as torch ops, torchao O2 act8
+#   bash scripts/gpu/memory.sh OUT states        # ~5 min: te and torchao with FP8 activations, Adam's moments in
+#                                                #   FP32 and in BF16 (optimizer_states='bf16'), two rounds
+#                                                #   (ABBA), against eager and compiled BF16 (TE's extension)
 #   bash scripts/gpu/memory.sh OUT realize       # ~6 min: msamp O2 and torchao O2 with FP8 activations with
 #                                                #   inductor's realize_opcount_threshold at 64 and at its default,
 #                                                #   two rounds (ABBA); realize.peak.tgz: both msamp peaks, with
@@ -38,8 +41,8 @@
 # OUT/<date>-<gpu>-memory/: one file per part plus commit.txt; commit that folder under results/gpu/. Set COMMIT=<hash>
 # (the tree's commit) on the device: its copy of the tree may carry a stale .git.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|loss|realize|whole|convergence|largest ...}; shift
-[ $# -gt 0 ] || { echo "name at least one part: headline headline_te loss realize whole convergence largest" >&2
+out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|loss|states|realize|whole|convergence|largest ...}; shift
+[ $# -gt 0 ] || { echo "name at least one part: headline headline_te loss states realize whole convergence largest" >&2
                   exit 2; }
 cd "$(dirname "$0")/../.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H100|H200|B200' || echo gpu)
@@ -77,6 +80,12 @@ for part in "$@"; do
         "torchao O2 act8" > "$dir/loss.log" 2>&1 || status=1
       python3 benchmarks/headline.py --summarize "$dir/loss.json" > "$dir/loss.md" 2>&1
       tar czf "$dir/loss.peak.tgz" -C "$dir" loss_peaks && rm -rf "$dir/loss_peaks" ;;
+    states)
+      # te's and torchao's peaks with FP8 activations are their FP32 model state at the optimizer step: BF16 moments
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/states.json" --rounds 2 --configs "bf16 eager" \
+        "te act8" "te act8 bf16m" "bf16 compiled" "torchao act8" "torchao act8 bf16m" \
+        > "$dir/states.log" 2>&1 || status=1
+      python3 benchmarks/headline.py --summarize "$dir/states.json" > "$dir/states.md" 2>&1 ;;
     realize)
       # an FP32 block of SiLU's backward at msamp O2 act8's peak, stored by inductor's op-count rule (results/gpu/
       # 2026-11-28-h200-act8-peak-05e9f2d): the same configurations with the rule relaxed, in one process
@@ -114,7 +123,8 @@ for part in "$@"; do
       python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
         ${LARGEST_CAPACITY_GIB:+--capacity-gib "$LARGEST_CAPACITY_GIB"} \
         --configs "${LARGEST_CONFIGS[@]}" > "$dir/largest.log" 2>&1 || status=1 ;;
-    *) echo "unknown part '$part' (headline|headline_te|loss|realize|whole|convergence|largest)" >&2; exit 2 ;;
+    *) echo "unknown part '$part' (headline|headline_te|loss|states|realize|whole|convergence|largest)" >&2
+       exit 2 ;;
   esac
   tail -15 "$dir/$part.log" 2>/dev/null
 done

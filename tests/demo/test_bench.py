@@ -61,6 +61,21 @@ def test_parse_config_takes_how_fp8_activations_store_fp32_tensors(monkeypatch):
     assert seen["cmd"][-4:] == ["--activation-dtype", "fp8", "--activations-fp32", "bf16"]
 
 
+def test_parse_config_takes_the_optimizers_states(monkeypatch):
+    # Adam's moments are a configuration's too: te and torchao with FP8 activations peak at their model state
+    config = parse_config("te:delayed,activation_dtype=fp8,optimizer_states=BF16")
+    assert config["options"] == {"activation_dtype": "fp8", "optimizer_states": "bf16"}
+    with pytest.raises(argparse.ArgumentTypeError, match=r"optimizer_states=fp32\|bf16\|fp16\|fp8"):
+        parse_config("te:delayed,optimizer_states=e5m2")
+    import lowprec.demo.bench as bench
+
+    seen = {}
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: seen.update(cmd=cmd) or argparse.Namespace(
+        returncode=1, stderr="stopped here"))
+    bench.run_one(parse_config("torchao:tensorwise,optimizer_states=fp8"), "llama", [], "/nonexistent", raw=False)
+    assert seen["cmd"][-2:] == ["--optimizer-states", "fp8"]
+
+
 def test_parse_config_names_where_fp8_activations_are_stored(monkeypatch):
     # the hooks' form is a configuration of its own, so that its runs are never pooled with the in-graph ones
     config = parse_config("msamp:delayed:O2,activation_dtype=fp8,activations_in_graph=false")

@@ -118,6 +118,26 @@ def test_demo_run_stores_fp32_saved_tensors_as_asked(tmp_path, monkeypatch, poli
     assert result["fp8_activations"]["fp32_saved_as"] == policy
 
 
+def test_demo_run_stores_adams_moments_as_asked(tmp_path):
+    # `lowprec bench`'s ",optimizer_states=bf16": the run's recipe takes it, and the model state shrinks by it
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lowprec.demo.run import parse_args, run
+
+    states = {}
+    for choice in (None, "bf16"):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        argv = ["--variant", "fp8", "--backend", "torchao", "--steps", "2", "--batch", "2", "--no-progress",
+                "--json", str(tmp_path / "r.json")] + (["--optimizer-states", choice] if choice else [])
+        result = run(parse_args(argv))
+        states[choice] = (result["optimizer_states"], result["peak_split"]["model_state_bytes"])
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    assert states[None][0] is None and states["bf16"][0] == "bf16"
+    assert states["bf16"][1] < states[None][1]  # BF16 moments: 4 bytes a parameter less than FP32's
+
+
 def test_demo_refuses_an_fp32_policy_without_fp8_activations(capsys):
     from lowprec.demo.run import parse_args
 
