@@ -1,7 +1,8 @@
 """`lowprec.kernels.activations`: FP8 E4M3 storage of saved tensors with a power-of-2 scale per 1x128 group.
 
 The bound tested is the one the module derives: with s the group's scale (stored as its exponent),
-|decode(x) - x| <= 2**-4 * |x| + 2**-10 / s, and 2**-10 / s < amax_group * 2**-10 / 224.
+|decode(x) - x| <= 2**-4 * |x| + 2**-10 / s, and 2**-10 / s < amax_group * 2**-10 / 224; a BF16 or FP32 value above
+448 * 2**119 (2.98e38) comes back as 2.98e38.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 from conftest import same_bytes
 
-from lowprec.kernels.activations import GROUP, pack_fp8, unpack_fp8
+from lowprec.kernels.activations import GROUP, MIN_EXPONENT, floors_scale, pack_fp8, unpack_fp8
 
 
 def bound(x: torch.Tensor, packed) -> torch.Tensor:
@@ -100,15 +101,22 @@ def test_a_non_finite_value_never_decodes_finite(bad, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_a_finite_value_at_the_top_of_its_dtype_comes_back_finite(dtype):
-    # E4M3's rounding steps a group's largest value up (FP16 64000 at scale 2**-8 is 250 -> 256, 65536 in FP16:
-    # inf); the decode keeps it at the dtype's largest finite value, within the bound
+    # FP16: E4M3's rounding steps a group's largest value up (64000 at scale 2**-8 is 250 -> 256, 65536 in FP16:
+    # inf); the decode keeps it at the dtype's largest finite value, within the bound. BF16 and FP32: no scale under
+    # 2**MIN_EXPONENT, so a value above 448 * 2**119 saturates there (their decode has no clamp)
     top = torch.finfo(dtype).max
-    x = torch.tensor([[top, -top, 0.93 * top, 64000.0 if dtype == torch.float16 else 0.97 * top, 1.0]],
+    fp16 = dtype == torch.float16
+    x = torch.tensor([[top, -top, 0.93 * top, 64000.0 if fp16 else 0.97 * top, 1.0, 1000.0 if fp16 else 2.5e38]],
                      dtype=dtype)
     packed = pack_fp8(x)
     y = unpack_fp8(packed)
     assert torch.isfinite(y).all(), y
-    assert ((y.float() - x.float()).abs() <= bound(x, packed)).all()
+    assert floors_scale(dtype) is not fp16
+    saturated = x.float().abs() > 448 * 2.0**-MIN_EXPONENT if floors_scale(dtype) else torch.zeros_like(y, dtype=bool)
+    assert saturated.sum() == (0 if fp16 else 4)  # 2.5e38 is below 2.98e38: within the bound
+    assert torch.equal(y.float()[saturated], 448 * 2.0**-MIN_EXPONENT * x.float()[saturated].sign())
+    assert packed.exponent.min() >= (MIN_EXPONENT if floors_scale(dtype) else -127)
+    assert ((y.float() - x.float()).abs() <= bound(x, packed))[~saturated].all()
 
 
 def test_a_group_of_only_non_finite_values_stays_non_finite():

@@ -590,3 +590,38 @@ def test_a_hugging_face_causal_lm_names_its_vocabulary():
 
     assert head_widths(build_model(PRESETS["tiny"], vocab_size=256)) == {256}
     assert head_widths(build_model(PRESETS["tiny"], vocab_size=128)) == frozenset()  # = the hidden size
+
+
+def test_the_inlined_decode_leaves_silus_backward_unstored_under_inductors_gpu_rules(monkeypatch):
+    """The decode is inlined into every backward kernel that reads a saved tensor; inductor stores (realizes) an
+    expression of more than 30 ops on a GPU. With a clamp in the decode, SiLU's backward over both FP8 halves of the
+    fused gate/up output passed it and was stored as an FP32 block of the d4096 step's peak (0.44 GiB, results/gpu/
+    2026-11-28-h200-act8-peak-05e9f2d). Here inductor's CPU code is generated under its GPU rules (the op and read
+    thresholds, the pointwise cat)."""
+    import re
+
+    import torch._inductor.config as inductor_config
+    import torch._inductor.ir as inductor_ir
+    from torch._inductor.utils import run_and_get_code
+
+    if not hasattr(inductor_ir, "is_cpu"):
+        pytest.skip("this torch's inductor has no is_cpu to apply its GPU rules on a CPU")
+    monkeypatch.setattr(inductor_ir, "is_cpu", lambda node: False)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Block(256, 512)
+    storage = FP8ActivationStorage(model, min_elements=0, in_graph=True)
+    block = torch.compile(model, backend="inductor")
+    x = torch.randn(2, 64, 256).requires_grad_()
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16), storage.context():
+            y = block(x)
+        y.float().square().sum().backward()
+
+    with inductor_config.patch(realize_opcount_threshold=30, force_pointwise_cat=True, fx_graph_cache=False):
+        _, codes = run_and_get_code(step)
+    assert storage.counts.traced_packed >= 6 and x.grad is not None
+    fp32_mlp_blocks = [m.group(0) for code in codes
+                       for m in re.finditer(r"empty_strided_cpu\(\(2, 64, 512\), [^)]*\), torch\.float32\)", code)]
+    assert fp32_mlp_blocks == []

@@ -20,6 +20,15 @@ so |decode(x) - x| <= 2**-4 * |x| + 2**-10 / s, and since amax * s > 224 (the ne
 448) unless the scale is capped at 2**126, 2**-10 / s < amax_group * 2**-10 / 224. Decoding to BF16 or FP32
 adds nothing (an E4M3 value times a power of two has 4 significant bits); FP16 may round once more below its
 normal range (2**-14).
+
+A finite value comes back finite. For BF16, FP32 and FP64 tensors the encode keeps each scale at least 2**-119
+(`MIN_EXPONENT`): no decoded value can pass 448 * 2**119 = 2.98e38, within their range, so the decode needs no
+clamp; an element above 2.98e38 (the top 12% of BF16's range) saturates there, an error of at most 12%. Inside a
+compiled backward the decode is inlined into every kernel that reads the tensor, and a clamp there is four more
+ops for each: with it, SiLU's backward over both halves of a fused gate/up output passed inductor's limit of 30 ops
+and was stored as an FP32 block of the step's peak (0.44 GiB at d4096, results/gpu/2026-11-28-h200-act8-peak-
+05e9f2d; inductor's GPU rules on CPU show it gone without the clamp). FP16, whose top 12% is 57344..65504, keeps
+every scale and clamps on decode (E4M3's rounding steps 65504 at scale 2**-8 up to 65536).
 """
 
 from __future__ import annotations
@@ -36,6 +45,14 @@ from .scaling import compute_scale, format_max, quantize
 
 GROUP = 128
 FP8_DTYPE = torch.float8_e4m3fn
+# the smallest scale exponent of a tensor whose largest finite value is at least 448 * 2**119 (module docstring)
+MIN_EXPONENT = -119
+
+
+def floors_scale(dtype: torch.dtype) -> bool:
+    """Whether `dtype`'s tensors are encoded with scales of at least 2**MIN_EXPONENT (and decoded without a clamp):
+    BF16, FP32, FP64; not FP16."""
+    return torch.finfo(dtype).max >= format_max(FP8_DTYPE) * 2.0 ** -MIN_EXPONENT
 
 
 class SpanKey:
@@ -157,6 +174,7 @@ def overlapping(tensor: torch.Tensor) -> bool:
 @cuda_fused
 def _encode(rows: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, last) -> E4M3 groups (rows, groups, size) and their scales' int8 exponents (rows, groups)."""
+    floor = floors_scale(rows.dtype)
     rows = rows.float()
     pad = -rows.shape[-1] % size
     if pad:
@@ -167,6 +185,8 @@ def _encode(rows: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     finite = torch.where(torch.isfinite(groups), groups, torch.zeros((), dtype=groups.dtype, device=groups.device))
     amax = finite.abs().amax(dim=-1)
     scale = compute_scale(amax, FP8_DTYPE)
+    if floor:
+        scale = torch.clamp_min(scale, 2.0**MIN_EXPONENT)
     data = quantize(groups, scale.unsqueeze(-1), FP8_DTYPE)
     # the scale is an exact power of two in [2**-127, 2**126]: its exponent fits int8
     exponent = torch.log2(scale).round().to(torch.int8)
@@ -177,12 +197,13 @@ def _encode(rows: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _decode(data: torch.Tensor, exponent: torch.Tensor, last: int, dtype: torch.dtype) -> torch.Tensor:
     """E4M3 groups and exponents -> (rows, last) in `dtype`."""
     inverse = torch.exp2(-exponent.float()).unsqueeze(-1)
-    rows = (data.float() * inverse).reshape(data.shape[0], -1)
-    # E4M3's rounding can step a group's largest value up past the dtype's maximum (FP16 64000 -> 65536):
-    # a finite value must come back finite. NaN (E4M3 holds inf as NaN) goes through a clamp unchanged.
-    # (FP64's limit is past FP32's range, where the decoded values are: nothing to clamp there)
-    limit = min(torch.finfo(dtype).max, torch.finfo(torch.float32).max)
-    return rows[:, :last].clamp(-limit, limit).to(dtype)
+    rows = (data.float() * inverse).reshape(data.shape[0], -1)[:, :last]
+    if floors_scale(dtype):  # its scales keep every decoded value in range (module docstring): no clamp
+        return rows.to(dtype)
+    # E4M3's rounding can step a group's largest value up past FP16's maximum (64000 -> 65536): a finite value must
+    # come back finite. NaN (E4M3 holds inf as NaN) goes through a clamp unchanged.
+    limit = torch.finfo(dtype).max
+    return rows.clamp(-limit, limit).to(dtype)
 
 
 # The dtypes the Triton kernels read and write (others go to `_encode` / `_decode`), and CUDA's limit on a grid's
@@ -235,6 +256,7 @@ def launch_encode(kernel, rows: torch.Tensor, size: int) -> tuple[torch.Tensor, 
         kernel[(-(-count // _BLOCK_R), groups)](
             rows, data, exponent, count, last, groups, size, rows.stride(0), rows.stride(1),
             FP8_MAX=format_max(FP8_DTYPE), MAX_EXP=(bits >> 23) & 0xFF, MAX_MANT=bits & 0x7FFFFF,
+            MIN_SCALE=2.0**MIN_EXPONENT if floors_scale(rows.dtype) else 0.0,
             BLOCK_R=_BLOCK_R, BLOCK_G=_block(size), num_warps=4)
     return data, exponent
 

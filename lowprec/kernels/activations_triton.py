@@ -15,7 +15,7 @@ from .adam_triton import pow2_scale_bits
 
 @triton.jit
 def encode_kernel(x_ptr, data_ptr, exp_ptr, R, L, G, size, stride_r, stride_c,
-                  FP8_MAX: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,
+                  FP8_MAX: tl.constexpr, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr, MIN_SCALE: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = tl.program_id(1)
@@ -31,6 +31,8 @@ def encode_kernel(x_ptr, data_ptr, exp_ptr, R, L, G, size, stride_r, stride_c,
     magnitude = tl.abs(x)
     amax = tl.max(tl.where(magnitude < float("inf"), magnitude, 0.0), axis=1)
     scale = pow2_scale_bits(amax, 1.0, MAX_EXP, MAX_MANT)  # an all-zero group: scale 1, as compute_scale
+    # BF16/FP32 tensors: at least 2**MIN_EXPONENT, so that their decode needs no clamp (activations.MIN_EXPONENT)
+    scale = tl.maximum(scale, MIN_SCALE)
     # scaling.quantize: saturate finite values (clamp keeps NaN), inf -> NaN
     y = tl.clamp(x * scale[:, None], -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     y = tl.where(magnitude == float("inf"), float("nan"), y)

@@ -30,6 +30,8 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = torch.randn(rows, last, generator=g) * torch.exp2(power)
         x = x.to(dtype)
         x[0, 0] = 0
+        if rows == 5 and dtype != torch.float16:
+            x[1, :2] = torch.tensor([3.3e38, -3.1e38])  # a group whose scale is held at 2**MIN_EXPONENT
         if rows > 2:
             x[2] = 0  # a row of zeros: scale 1
         size = A.group_size(last)
@@ -47,7 +49,8 @@ for dtype in (torch.float32, torch.bfloat16, torch.float16):
         decoded = A.launch_decode(decode, want_data, want_exponent, last, dtype)
         out[f"{dtype}-{rows}x{last}"] = {
             "shapes": data.shape == want_data.shape and exponent.shape == want_exponent.shape,
-            "exponents": torch.equal(exponent, want_exponent),
+            "exponents": torch.equal(exponent, want_exponent)
+                         and (rows != 5 or dtype == torch.float16 or int(exponent[1, 0]) == A.MIN_EXPONENT),
             "exact_bytes": torch.equal(exact_data.view(torch.uint8), want_exact.view(torch.uint8))
                            and torch.equal(exact_exponent, want_exact_exponent),
             "strided_read": torch.equal(strided_data.view(torch.uint8), data.view(torch.uint8))
