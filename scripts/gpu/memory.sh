@@ -88,7 +88,8 @@ for part in "$@"; do
       python3 benchmarks/headline.py --summarize "$dir/states.json" > "$dir/states.md" 2>&1 ;;
     realize)
       # an FP32 block of SiLU's backward at msamp O2 act8's peak, stored by inductor's op-count rule (results/gpu/
-      # 2026-11-28-h200-act8-peak-05e9f2d): the same configurations with the rule relaxed, in one process
+      # 2026-11-28-h200-act8-peak-05e9f2d; the decode's clamp, gone since 96eb278, pushed it over): the same
+      # configurations with the rule relaxed, in one process: what else the rule still stores
       python3 benchmarks/headline.py --widths d4096 --out "$dir/realize.json" --rounds 2 --configs "bf16 compiled" \
         "msamp O2 act8" "msamp O2 act8 realize64" "torchao O2 act8" "torchao O2 act8 realize64" \
         --profile-dir "$dir/realize_peaks" --profile-configs --peak-configs "msamp O2 act8" "msamp O2 act8 realize64" \
