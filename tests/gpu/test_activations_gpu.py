@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lowprec import Accelerator, FP8RecipeKwargs
-from lowprec.kernels.activations import _decode, _encode, pack_fp8, unpack_fp8
+from lowprec.kernels.activations import MIN_EXPONENT, _decode, _encode, pack_fp8, unpack_fp8
 from lowprec.runtime.activations import activation_storage
 
 pytestmark = [
@@ -31,6 +31,7 @@ def test_cuda_packing_equals_the_cpu_definition(dtype, strided):
     if dtype != torch.float16:
         x[5, :128] *= 2.0 ** -130  # amax under 448 * 2**-126: the scale is capped at 2**126, decoding to subnormals
         x[5, 128:256] = torch.linspace(-1, 1, 128) * 2.0 ** -129  # a subnormal amax (FP32 and BF16): the same cap
+        x[4, :2] = torch.tensor([3.3e38, -3.1e38])  # above 448 * 2**119: the scale held at 2**MIN_EXPONENT
     x = x.to(dtype)
     x[3, 17] = float("nan")
     x[6, 300] = float("inf")
@@ -54,6 +55,7 @@ def test_cuda_packing_equals_the_cpu_definition(dtype, strided):
         tiny = decoded[5, :128].abs()
         assert ((tiny > 0) & (tiny < torch.finfo(dtype).tiny)).any()
         assert on_gpu.exponent[5, 1] == 126  # the subnormal amax's group
+        assert on_gpu.exponent[4, 0] == MIN_EXPONENT and decoded[4, 0] == 448 * 2.0**-MIN_EXPONENT  # saturated there
     assert on_gpu.exponent[7, -1] == 0 and not decoded[7, 896:].any()
 
 
