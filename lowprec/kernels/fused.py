@@ -99,11 +99,15 @@ def row_amaxes(tensor: torch.Tensor) -> torch.Tensor:
     return reduction_rows(tensor.detach().abs()).amax(dim=1)
 
 
-def amax_of_rows(row_amax: torch.Tensor) -> torch.Tensor:
-    """The amax of per-row amaxes, as a float32 scalar, by aten: compiled for every length, inductor ran this last
-    reduction as one program per tensor (0.17-0.54 ms for a d4096 weight's 14337 rows, results/gpu/
-    2026-11-28-h200-act8-peak-05e9f2d and 2026-11-27-h200x2-matrix-d8a48fa), aten splits it by the actual length."""
-    return row_amax.amax().float()
+def amax_of_rows(row_amax: Callable[..., torch.Tensor], tensor: torch.Tensor, *args) -> torch.Tensor:
+    """`max(|...|)` over all of `tensor` as a float32 scalar (0 for an empty tensor, NaN kept), from `row_amax(tensor,
+    *args)`'s per-row amaxes (`row_amaxes`, or a pass that computes the values first), their amax by aten: compiled
+    for every length, inductor ran this last reduction as one program per tensor (0.17-0.54 ms for a d4096 weight's
+    14337 rows, results/gpu/2026-11-28-h200-act8-peak-05e9f2d and 2026-11-27-h200x2-matrix-d8a48fa), aten splits it
+    by the actual length."""
+    if tensor.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=tensor.device)
+    return row_amax(tensor, *args).amax().float()
 
 
 def amax_by_rows(tensor: torch.Tensor) -> torch.Tensor:

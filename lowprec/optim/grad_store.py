@@ -138,10 +138,7 @@ def accumulated(data: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor, gr
     """(data, scale, amax) of the stored gradient `data / scale` (none where `valid` is not > 0) plus `grad`: E4M3
     with a new power-of-two scale from the sum's amax (the old one where that amax is 0, inf or NaN; an inf element
     becomes NaN), or BF16 with scale 1."""
-    if data.numel() == 0:
-        total_amax = torch.zeros((), dtype=torch.float32, device=data.device)
-    else:
-        total_amax = amax_of_rows(row_amaxes(data, scale, valid, grad))
+    total_amax = amax_of_rows(row_amaxes, data, scale, valid, grad)
     new_data, new_scale = requantized(data, scale, valid, grad, total_amax)
     return new_data, new_scale, total_amax
 

@@ -237,11 +237,7 @@ def _scaled_cast(value: torch.Tensor, previous: torch.Tensor | None, margin: int
                  cast=_cast_with_amax) -> tuple[torch.Tensor, torch.Tensor]:
     """(power-of-2 scale from `value`'s amax, or `previous` when that is zero or not finite (1 without one),
     `value` in E4M3 with it): on CUDA a compiled reduction over `value`'s rows, aten's over theirs, a compiled cast."""
-    if value.numel() == 0:
-        amax = torch.zeros((), dtype=torch.float32, device=value.device)
-    else:
-        amax = amax_of_rows(row_amax(value))
-    return cast(value, amax, previous, margin)
+    return cast(value, amax_of_rows(row_amax, value), previous, margin)
 
 
 _scaled_cast.eager = functools.partial(  # the definition, for tests
