@@ -42,23 +42,24 @@ def test_parse_config_takes_fp8_activations():
             parse_config(bad)
 
 
+def _run_command(monkeypatch, config: dict) -> list[str]:
+    """The command line `bench.run_one` starts for `config` (the process itself stopped before it runs)."""
+    import lowprec.demo.bench as bench
+
+    seen = {}
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: seen.update(cmd=cmd) or argparse.Namespace(
+        returncode=1, stderr="stopped here"))
+    bench.run_one(config, "llama", [], "/nonexistent", raw=False)
+    return seen["cmd"]
+
+
 def test_parse_config_takes_how_fp8_activations_store_fp32_tensors(monkeypatch):
     config = parse_config("msamp:delayed:O2,activation_dtype=fp8,activations_fp32=BF16")
     assert config["options"] == {"activation_dtype": "fp8", "activations_fp32": "bf16"}
     with pytest.raises(argparse.ArgumentTypeError, match=r"activations_fp32=fp8\|bf16\|keep"):
         parse_config("msamp:delayed:O2,activation_dtype=fp8,activations_fp32=fp16")
     # handed to the run as its flag
-    import lowprec.demo.bench as bench
-
-    seen = {}
-
-    def fake_run(cmd, **kwargs):
-        seen["cmd"] = cmd
-        return argparse.Namespace(returncode=1, stderr="stopped here")
-
-    monkeypatch.setattr(bench.subprocess, "run", fake_run)
-    bench.run_one(config, "llama", [], "/nonexistent", raw=False)
-    assert seen["cmd"][-4:] == ["--activation-dtype", "fp8", "--activations-fp32", "bf16"]
+    assert _run_command(monkeypatch, config)[-4:] == ["--activation-dtype", "fp8", "--activations-fp32", "bf16"]
 
 
 def test_parse_config_takes_the_optimizers_states(monkeypatch):
@@ -67,13 +68,8 @@ def test_parse_config_takes_the_optimizers_states(monkeypatch):
     assert config["options"] == {"activation_dtype": "fp8", "optimizer_states": "bf16"}
     with pytest.raises(argparse.ArgumentTypeError, match=r"optimizer_states=fp32\|bf16\|fp16\|fp8"):
         parse_config("te:delayed,optimizer_states=e5m2")
-    import lowprec.demo.bench as bench
-
-    seen = {}
-    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: seen.update(cmd=cmd) or argparse.Namespace(
-        returncode=1, stderr="stopped here"))
-    bench.run_one(parse_config("torchao:tensorwise,optimizer_states=fp8"), "llama", [], "/nonexistent", raw=False)
-    assert seen["cmd"][-2:] == ["--optimizer-states", "fp8"]
+    config = parse_config("torchao:tensorwise,optimizer_states=fp8")
+    assert _run_command(monkeypatch, config)[-2:] == ["--optimizer-states", "fp8"]
 
 
 def test_parse_config_names_where_fp8_activations_are_stored(monkeypatch):
@@ -83,13 +79,7 @@ def test_parse_config_names_where_fp8_activations_are_stored(monkeypatch):
     for bad in ("msamp:delayed:O2,activations_in_graph=false", "msamp:delayed:O2,activations_fp32=bf16"):
         with pytest.raises(argparse.ArgumentTypeError, match="it needs activation_dtype=fp8"):
             parse_config(bad)
-    import lowprec.demo.bench as bench
-
-    seen = {}
-    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: seen.update(cmd=cmd) or argparse.Namespace(
-        returncode=1, stderr="stopped here"))
-    bench.run_one(config, "llama", [], "/nonexistent", raw=False)
-    assert seen["cmd"][-3:] == ["--activation-dtype", "fp8", "--no-activations-in-graph"]
+    assert _run_command(monkeypatch, config)[-3:] == ["--activation-dtype", "fp8", "--no-activations-in-graph"]
 
 
 def test_the_run_sets_where_fp8_activations_are_stored(monkeypatch):
