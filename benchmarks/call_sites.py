@@ -16,18 +16,25 @@ import os
 import re
 from collections import defaultdict
 
-# frames of these libraries say how an operator ran, not what asked for it (peak_memory.py's rule)
-_MACHINERY = (f"{os.sep}torch{os.sep}", f"{os.sep}accelerate{os.sep}", f"{os.sep}site-packages{os.sep}", "<frozen")
+from peak_memory import MACHINERY  # frames that say how an operator ran, not what asked for it
+
+# The profiler names a frame by its path below the sys.path entry it was imported from ("torchao/float8/x.py(130):
+# forward"), so an installed library is told by its first part, not by a site-packages directory
+LIBRARIES = frozenset({"torch", "torchao", "accelerate", "transformer_engine", "transformers", "triton", "deepspeed"})
+
+
+def _machinery(frame: str) -> bool:
+    return (any(m in frame for m in MACHINERY) or frame.split("/", 1)[0] in LIBRARIES
+            or os.path.basename(frame.split("(", 1)[0]) == os.path.basename(__file__))
 
 
 def asking_frames(stack: list[str], n: int = 3) -> list[str]:
-    """The innermost `n` frames of a profiler stack ("file.py(line): function", innermost first) outside torch,
-    Accelerate and installed packages; the innermost frames as they are where none is."""
-    own = [frame for frame in stack if not any(m in frame for m in _MACHINERY) and _HERE not in frame]
+    """The innermost `n` frames of a profiler stack ("file.py(line): function", innermost first) outside torch, the
+    FP8 libraries, Accelerate, installed packages and this module; the innermost frames as they are where none is."""
+    own = [frame for frame in stack if not _machinery(frame)]
     return (own or stack)[:n]
 
 
-_HERE = os.path.basename(__file__) + "("  # this module's own frames (record_call_sites) say nothing either
 # the profiler's Python-function events (with_stack=True) are named "file.py(line): function"
 _FRAME = re.compile(r".+\(\d+\): .+")
 

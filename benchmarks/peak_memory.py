@@ -23,13 +23,13 @@ import shutil
 from collections import defaultdict
 
 # frames from these parts of a path say how torch did something, not what asked for it
-_MACHINERY = (f"{os.sep}torch{os.sep}", f"{os.sep}accelerate{os.sep}", f"{os.sep}site-packages{os.sep}", "<frozen",
+MACHINERY = (f"{os.sep}torch{os.sep}", f"{os.sep}accelerate{os.sep}", f"{os.sep}site-packages{os.sep}", "<frozen",
               f"{os.sep}contextlib.py")
 
 
 def _asking_frame(frames: list[dict]) -> dict | None:
     """The innermost of `frames` outside torch and Accelerate: the code that asked for the memory."""
-    return next((f for f in frames if not any(m in f["filename"] for m in _MACHINERY)), None)
+    return next((f for f in frames if not any(m in f["filename"] for m in MACHINERY)), None)
 
 
 def site(frames: list[dict]) -> str:

@@ -540,6 +540,10 @@ def test_call_sites_rank_the_operators_by_their_own_time_and_name_the_asking_lin
     assert asking_frames(frames, 2) == ["/work/model.py(12): forward", "/work/train.py(40): step"]
     assert asking_frames(frames[:1]) == frames[:1]  # nothing of the user's: the innermost as it is
     assert asking_frames(["/b/call_sites.py(80): record_call_sites", "/w/t.py(3): f"]) == ["/w/t.py(3): f"]
+    # as the profiler names them: below their sys.path entry, a library by its first part
+    assert asking_frames(["torchao/float8/float8_ops.py(364): float8_mm", "torch/autograd/function.py(609): apply",
+                          "lowprec/optim/grad_store.py(98): accumulate_into", "headline.py(280): step"]) == [
+        "lowprec/optim/grad_store.py(98): accumulate_into", "headline.py(280): step"]
 
     weight = torch.randn(1024, 1024)
 
