@@ -92,19 +92,14 @@ def padded_rows(tensor: torch.Tensor, fill: float) -> torch.Tensor:
                                    value=fill).view(-1, REDUCTION_ROW)
 
 
-@cuda_fused
-def row_amaxes(tensor: torch.Tensor) -> torch.Tensor:
-    """max(|x|) of each of `reduction_rows`' rows of `tensor` (one row eager), NaN kept: the compiled half of a
-    whole-tensor amax outside any graph, whose last reduction (`amax_of_rows`) is aten's."""
-    return reduction_rows(tensor.detach().abs()).amax(dim=1)
-
-
 def amax_of_rows(row_amax: Callable[..., torch.Tensor], tensor: torch.Tensor, *args) -> torch.Tensor:
     """`max(|...|)` over all of `tensor` as a float32 scalar (0 for an empty tensor, NaN kept), from `row_amax(tensor,
-    *args)`'s per-row amaxes (`row_amaxes`, or a pass that computes the values first), their amax by aten: compiled
-    for every length, inductor ran this last reduction as one program per tensor (0.17-0.54 ms for a d4096 weight's
-    14337 rows, results/gpu/2026-11-28-h200-act8-peak-05e9f2d and 2026-11-27-h200x2-matrix-d8a48fa), aten splits it
-    by the actual length."""
+    *args)`'s per-row amaxes (a compiled pass that computes the values first, as the grad store's), their amax by
+    aten: compiled for every length, inductor ran this last reduction as one program per tensor (0.54 ms for a
+    d4096 weight's 14337 rows in the grad store's accumulation, results/gpu/2026-11-28-h200-act8-peak-05e9f2d; 0.34-
+    0.44 ms for the whole accumulation with aten's, 2026-11-28-h200-act8-steady-2a04d10). Not for a pass that is
+    only an amax before a compiled cast: O3's requantisation split so ran 10x slower than as one compiled function
+    (`backends.msamp.fsdp._scaled_cast`)."""
     if tensor.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=tensor.device)
     return row_amax(tensor, *args).amax().float()
