@@ -561,3 +561,24 @@ def test_call_sites_rank_the_operators_by_their_own_time_and_name_the_asking_lin
     text = (tmp_path / "s.txt").read_text()
     assert "aten::mm" in text and "test_benchmarks.py" in text
     assert "<built-in" not in text and "call_sites.py(" not in text  # Python's calls and the recorder's own frames
+
+
+def test_call_sites_take_an_events_own_stack_where_no_python_call_is_its_parent():
+    # the GPU host's profiler (torch 2.11) recorded no Python call around te O2 act8's operators at 2a04d10
+    from types import SimpleNamespace
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from call_sites import by_site
+    from torch.autograd import DeviceType
+
+    def op(name, parent=None, stack=()):
+        return SimpleNamespace(name=name, device_type=DeviceType.CPU, self_cpu_time_total=1000.0, cpu_parent=parent,
+                               stack=list(stack))
+
+    caller = op("/work/train.py(40): step")
+    events = [op("aten::mm", stack=["torch/nn/functional.py(10): linear", "/work/model.py(12): forward"]),
+              op("aten::add", parent=caller, stack=["/work/other.py(1): f"]), op("aten::relu")]
+    sites = {row["name"]: row["sites"] for row in by_site(events, "self_cpu_time_total")}
+    assert sites["aten::mm"] == ["/work/model.py(12): forward"]
+    assert sites["aten::add"] == ["/work/train.py(40): step"]  # the parents first, where there are any
+    assert sites["aten::relu"] == []
