@@ -58,6 +58,10 @@ class LayerExecution:
         """When, after the first steps, the compiled layers compile again (for the plan's note), or ''."""
         return ""
 
+    def warm_up_steps(self) -> int:
+        """Training steps whose FP8 layers run otherwise than all later ones (a timing should leave them out)."""
+        return 0
+
     def compile_layers(self, model: nn.Module) -> int:
         """Compile each converted layer of `model` (nn.Module.compile) where `layer_compile` says so;
         layers of one shape share a compiled graph. Returns how many were compiled."""

@@ -229,3 +229,27 @@ def test_demo_says_so_if_the_fp8_run_prepared_another_plan(capsys, monkeypatch, 
     assert compare.main(["--steps", "2", "--out", str(tmp_path), "--no-progress"]) == 0
     assert "prepared another plan than the one shown before training:\nlowprec precision plan: other" in (
         capsys.readouterr().out)
+
+
+def test_msamps_warm_up_steps_are_left_out_of_the_timing(tmp_path):
+    # msamp's layers scale from each tensor until their amax window (16 steps) has filled: `lowprec bench` times the
+    # steps after it and the recompile at its end, unless told otherwise, and says when a run is too short for that
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lowprec.demo.run import parse_args, run
+
+    def timed(*extra):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        argv = ["--variant", "fp8", "--backend", "msamp", "--batch", "2", "--no-progress", "--json",
+                str(tmp_path / "r.json"), *extra]
+        try:
+            return run(parse_args(argv))["timed_steps"]
+        finally:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+
+    assert timed("--steps", "20") == 2  # steps 19 and 20: past the window's 16 and the step after it
+    assert timed("--steps", "20", "--warmup", "1") == 19  # as asked
+    with pytest.warns(UserWarning, match="none past the 18 warm-up steps"):
+        assert timed("--steps", "3") == 3

@@ -160,8 +160,13 @@ class MSAMPBackend(Backend):
     def later_compiles(self) -> str:
         # the layers' forward branches on the warm-up (scales from the tensor at hand), which ends once the window
         # has filled: each layer's delayed-scale variant compiles then (10-24 s on the d4096 proxy, two H200s)
+        window = self.warm_up_steps()
+        return "" if window == 0 else f", and once more at step {window} when the amax window has filled"
+
+    def warm_up_steps(self) -> int:
+        # scales from the tensor at hand until the amax window has filled, a graph of their own when compiled
         window = self.effective_options()["amax_history_len"]
-        return "" if window == 1 else f", and once more at step {window} when the amax window has filled"
+        return 0 if window == 1 else window
 
     def effective_options(self) -> dict[str, object]:
         out = super().effective_options()
