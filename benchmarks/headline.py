@@ -29,7 +29,9 @@ Per run: median step after `--warmup` steps (the loss read each step synchronise
 scale with the step's own amaxes for their first `MSAMP_WINDOW` steps and with the delayed ones after, a compiled graph
 of its own: the previous default, the last 8 of 16 steps, timed msamp's warm-up graph only), tokens/s, peak CUDA
 memory from right after prepare(), and where in the step it came (`peak_by_phase_gib`: the highest peak of the
-forwards, the backwards and the optimizer steps), CUDA memory held after prepare() and after the first optimizer
+forwards, the backwards and the optimizer steps; `timed_peak_gib`: over the timed steps only, without the first
+steps' compiles, msamp's second graph and inductor's autotuning; with `--rounds`, `rounds_peak_gib` has each round's
+peak), CUDA memory held after prepare() and after the first optimizer
 step (model state), CUDA memory the first forward leaves held for backward, FP8 Linears in the plan.
 `--profile-dir DIR` adds, for `--profile-configs` (default: every one), `--profile-steps` extra steps under
 torch.profiler after the timed ones: DIR/WIDTH_LABEL.prof.txt (top kernels by device time) and the JSON's
@@ -289,11 +291,16 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
         torch.cuda.reset_peak_memory_stats()
 
     phase_peaks = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    timed_peak = [0.0]  # over the timed steps only: the first steps' compiles (msamp's second graph at the end of its
+    # warm-up, with inductor's autotuning) are in `phase_peaks` but not here
 
     def phase_end(phase: str) -> None:
         # the peak since the last phase ended (reading it does not synchronise: the allocator's own count)
         if cuda:
-            phase_peaks[phase] = max(phase_peaks[phase], torch.cuda.max_memory_allocated() / 2**30)
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            phase_peaks[phase] = max(phase_peaks[phase], peak)
+            if len(times) >= warmup:
+                timed_peak[0] = max(timed_peak[0], peak)
             torch.cuda.reset_peak_memory_stats()
 
     def step(ids: torch.Tensor, first: bool = False) -> float:
@@ -331,6 +338,7 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
         "last_loss": losses[-1],
         "peak_gib": max(phase_peaks.values()) if cuda else None,
         "peak_by_phase_gib": dict(phase_peaks) if cuda else None,
+        "timed_peak_gib": timed_peak[0] if cuda else None,
         **memory,
     }
     if profile_path is not None:  # after the timed steps and the peaks: neither includes the profiler's cost
@@ -390,6 +398,8 @@ def _ratios(runs: dict) -> None:
         r["speedup_vs_bf16"] = base["step_ms_median"] / r["step_ms_median"]
         if base.get("peak_gib") and r.get("peak_gib"):
             r["peak_vs_bf16"] = r["peak_gib"] / base["peak_gib"]
+        if base.get("timed_peak_gib") and r.get("timed_peak_gib"):
+            r["timed_peak_vs_bf16"] = r["timed_peak_gib"] / base["timed_peak_gib"]
 
 
 def markdown(results: dict) -> str:
@@ -508,15 +518,19 @@ def main(argv: list[str] | None = None) -> dict:
                     first = runs[label]
                     first["rounds_ms"].append(r["step_ms_median"])
                     first["step_ms_median"] = statistics.median(first["rounds_ms"])
+                    first["rounds_peak_gib"].append(r.get("peak_gib"))  # each round's: a round's rise shows
                     first["peak_gib"] = max(first["peak_gib"] or 0, r.get("peak_gib") or 0) or None
+                    timed = max(first.get("timed_peak_gib") or 0, r.get("timed_peak_gib") or 0)
+                    first["timed_peak_gib"] = timed or None
                 else:
                     if "step_ms_median" in r:
-                        r["rounds_ms"] = [r["step_ms_median"]]
+                        r["rounds_ms"], r["rounds_peak_gib"] = [r["step_ms_median"]], [r.get("peak_gib")]
                     runs[label] = r
                 _ratios(runs)
                 with open(args.out, "w") as fh:  # after every run: a time limit keeps what finished
                     json.dump(results, fh, indent=1)
                 print(f"{width} {label} (round {round_}): " + (f"{r['step_ms_median']:.2f} ms, peak {r.get('peak_gib')}"
+                                                               f", timed steps' peak {r.get('timed_peak_gib')}"
                                                                if "step_ms_median" in r else r["error"][:300]),
                       flush=True)
     print(markdown(results))

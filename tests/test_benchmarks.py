@@ -133,6 +133,7 @@ def test_headline_benchmark_on_cpu(tmp_path):
     assert auto["auto"][-1] == "torchao: chosen"
     for r in (runs["bf16 eager"], auto):
         assert len(r["rounds_ms"]) == 2 and r["step_ms_median"] == pytest.approx(statistics.median(r["rounds_ms"]))
+        assert r["rounds_peak_gib"] == [None, None] and r["timed_peak_gib"] is None  # no CUDA memory on a CPU
     assert auto["speedup_vs_bf16"] == pytest.approx(runs["bf16 eager"]["step_ms_median"] / auto["step_ms_median"])
     assert auto["fp8_linears"] == auto["linears"] == 9
     assert "| tiny | auto | torchao (tensorwise) |" in proc.stdout
