@@ -47,7 +47,9 @@ after each graph instead (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0 while they run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -123,6 +125,11 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     # these, whether anything else in the step still passes the limit
     "msamp O2 act8 realize64": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
     "torchao O2 act8 realize64": ("compiled", dict(backend="torchao", opt_level="O2", activation_dtype="fp8")),
+    # msamp's amaxes in its compiled layers over each matrix's own rows (PATCHES: kernels.scaling.AMAX_OVER_OWN_ROWS),
+    # which inductor may fuse with the kernel computing the gradient, whose BF16 copy it stored for the amax alone
+    # (results/gpu/2026-11-28-h200-act8-steady-2a04d10); with the realize threshold at 64 too
+    "msamp O2 act8 own rows": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
+    "msamp O2 act8 own rows realize64": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
     # the whole model as one graph (the head and the loss compiled too: inductor fuses the FP32 log-softmax that
     # regional compilation leaves to eager), against BF16 compiled the same way
     "bf16 whole": ("whole", None),
@@ -142,6 +149,12 @@ ENVIRONMENT: dict[str, dict[str, str]] = {
 INDUCTOR: dict[str, dict] = {
     "msamp O2 act8 realize64": {"realize_opcount_threshold": 64},
     "torchao O2 act8 realize64": {"realize_opcount_threshold": 64},
+    "msamp O2 act8 own rows realize64": {"realize_opcount_threshold": 64},
+}
+# label -> lowprec module attributes set while that configuration runs ("module:attribute": value)
+PATCHES: dict[str, dict[str, object]] = {
+    "msamp O2 act8 own rows": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
+    "msamp O2 act8 own rows realize64": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
 }
 # FP8Linear's amax_history_len (MS-AMP's 16): msamp's steps before it take current scales, another compiled graph
 MSAMP_WINDOW = 16
@@ -237,7 +250,12 @@ def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profi
             profile_n: int = 2, peak_path: str | None = None) -> dict:
     import torch._inductor.config as inductor_config
 
-    with mock.patch.dict(os.environ, ENVIRONMENT.get(label, {})), inductor_config.patch(INDUCTOR.get(label, {})):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.dict(os.environ, ENVIRONMENT.get(label, {})))
+        stack.enter_context(inductor_config.patch(INDUCTOR.get(label, {})))
+        for target, value in PATCHES.get(label, {}).items():
+            module, attribute = target.split(":")
+            stack.enter_context(mock.patch.object(importlib.import_module(module), attribute, value))
         return _run_one(label, width, data, warmup, profile_path, profile_n, peak_path)
 
 

@@ -218,6 +218,15 @@ def test_headline_sets_a_configurations_environment_only_while_it_runs(monkeypat
     headline.run_one("msamp O2 act8 realize64", "tiny", [], 0)
     headline.run_one("msamp O2 act8", "tiny", [], 0)
     assert seen[2:] == [64, default] and inductor_config.realize_opcount_threshold == default
+    # and lowprec's own switches
+    from lowprec.kernels import scaling
+
+    assert set(headline.PATCHES) <= set(headline.CONFIGS)
+    monkeypatch.setattr(headline, "_run_one", lambda *a: seen.append(
+        (scaling.AMAX_OVER_OWN_ROWS, inductor_config.realize_opcount_threshold)))
+    headline.run_one("msamp O2 act8 own rows realize64", "tiny", [], 0)
+    headline.run_one("msamp O2 act8", "tiny", [], 0)
+    assert seen[4:] == [(True, 64), (False, default)] and scaling.AMAX_OVER_OWN_ROWS is False
 
 
 def test_peak_memory_replays_the_allocator_trace_to_its_highest_point():

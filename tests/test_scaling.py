@@ -356,3 +356,21 @@ def test_cuda_fused_runs_the_definition_on_cpu_without_compiling(monkeypatch):
 
     x = torch.arange(4.0)
     assert torch.equal(scaled(x, 2.0), x * 2) and scaled.eager is not scaled and calls == [1]
+
+
+@pytest.mark.parametrize("own_rows", [False, True])
+@pytest.mark.parametrize("special", [None, float("nan"), float("inf")])
+@pytest.mark.parametrize("shape", [(37, 129), (0, 64), (5,)])
+def test_a_compiled_tensor_amax_is_the_amax_over_either_row_form(monkeypatch, own_rows, special, shape):
+    # scaling.AMAX_OVER_OWN_ROWS: in a graph, over the matrix's own rows or over fixed-length ones; the same value,
+    # NaN kept, 0 for an empty matrix, a vector over the fixed rows either way
+    from lowprec.kernels import scaling
+
+    monkeypatch.setattr(scaling, "AMAX_OVER_OWN_ROWS", own_rows)
+    torch._dynamo.reset()
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    if special is not None and x.numel():
+        x.view(-1)[x.numel() // 2] = special
+    got = torch.compile(scaling.tensor_amax, backend="inductor", fullgraph=True)(x)
+    expected = x.abs().amax().float() if x.numel() else torch.tensor(0.0)
+    torch.testing.assert_close(got, expected, equal_nan=True, rtol=0, atol=0)

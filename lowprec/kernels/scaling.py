@@ -71,12 +71,22 @@ def compute_scale(
     return torch.where(valid, torch.exp2(exponent), previous)
 
 
+# How a graph being compiled reduces a matrix's amax. False: over `reduction_rows` (rows of a fixed length, whatever
+# the matrix's, so that the parallelism does not depend on the length inductor first compiled for). True: over the
+# matrix's own rows, then theirs, a reduction inductor may fuse into the kernel that computes the matrix: over fixed
+# rows it could not, and msamp O2's compiled backward stored the BF16 gradient of gate/up's output (0.44 GiB at
+# d4096) for its amax alone (results/gpu/2026-11-28-h200-act8-steady-2a04d10). Not yet measured on a GPU
+# (benchmarks/headline.py's "own rows" configurations set it): off until it is.
+AMAX_OVER_OWN_ROWS = False
+
+
 def tensor_amax(tensor: torch.Tensor) -> torch.Tensor:
     """`max(|tensor|)` as a float32 scalar; 0 for an empty tensor (an MoE expert with no tokens), which
     `compute_scale` treats as "keep the previous scale"."""
     if torch.compiler.is_compiling():
-        # In a graph (a compiled layer, a fused pass; dynamic shapes): over rows first, so that the reduction's
-        # parallelism does not depend on the length inductor first compiled for (kernels.fused.reduction_rows)
+        # In a graph (a compiled layer, a fused pass; dynamic shapes): over rows first (AMAX_OVER_OWN_ROWS)
+        if AMAX_OVER_OWN_ROWS and tensor.dim() == 2 and tensor.numel() > 0:
+            return tensor.detach().abs().amax(dim=-1).amax().float()
         return amax_by_rows(tensor)
     if tensor.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=tensor.device)

@@ -13,10 +13,11 @@
 #   bash scripts/gpu/memory.sh OUT states        # ~5 min: te and torchao with FP8 activations, Adam's moments in
 #                                                #   FP32 and in BF16 (optimizer_states='bf16'), two rounds
 #                                                #   (ABBA), against eager and compiled BF16 (TE's extension)
-#   bash scripts/gpu/memory.sh OUT realize       # ~6 min: msamp O2 and torchao O2 with FP8 activations with
+#   bash scripts/gpu/memory.sh OUT realize       # ~5 min: msamp O2 and torchao O2 with FP8 activations with
 #                                                #   inductor's realize_opcount_threshold at 64 and at its default,
-#                                                #   two rounds (ABBA); realize.peak.tgz: both msamp peaks, with
-#                                                #   the generated code they name
+#                                                #   msamp's amaxes over own rows, one round (at 2a04d10 a second
+#                                                #   round's peaks rose 2-12 GiB, unexplained);
+#                                                #   realize.peak.tgz: the msamp peaks, with the code they name
 #   bash scripts/gpu/memory.sh OUT whole         # ~6 min: the model compiled as one graph (head and loss too):
 #                                                #   BF16, torchao and msamp O2 with and without FP8 activations;
 #                                                #   (and block by block, for the peak report);
@@ -90,9 +91,13 @@ for part in "$@"; do
       # an FP32 block of SiLU's backward at msamp O2 act8's peak, stored by inductor's op-count rule (results/gpu/
       # 2026-11-28-h200-act8-peak-05e9f2d; the decode's clamp, gone since 96eb278, pushed it over): the same
       # configurations with the rule relaxed, in one process: what else the rule still stores
-      python3 benchmarks/headline.py --widths d4096 --out "$dir/realize.json" --rounds 2 --configs "bf16 compiled" \
-        "msamp O2 act8" "msamp O2 act8 realize64" "torchao O2 act8" "torchao O2 act8 realize64" \
+      # and msamp's amaxes over each matrix's own rows (kernels.scaling.AMAX_OVER_OWN_ROWS), which inductor may fuse
+      # with the kernel that computes the gradient whose BF16 copy it stored for the amax alone (2a04d10)
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/realize.json" --configs "bf16 compiled" \
+        "msamp O2 act8" "msamp O2 act8 realize64" "msamp O2 act8 own rows" "msamp O2 act8 own rows realize64" \
+        "torchao O2 act8" "torchao O2 act8 realize64" \
         --profile-dir "$dir/realize_peaks" --profile-configs --peak-configs "msamp O2 act8" "msamp O2 act8 realize64" \
+        "msamp O2 act8 own rows" "msamp O2 act8 own rows realize64" \
         > "$dir/realize.log" 2>&1 || status=1
       python3 benchmarks/headline.py --summarize "$dir/realize.json" > "$dir/realize.md" 2>&1
       tar czf "$dir/realize.peak.tgz" -C "$dir" realize_peaks && rm -rf "$dir/realize_peaks" ;;
