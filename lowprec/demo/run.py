@@ -109,6 +109,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "--activation-dtype fp8")
     if args.activations_in_graph is not None and args.activation_dtype != "fp8":
         p.error("--activations-in-graph says where FP8 activations are stored: it needs --activation-dtype fp8")
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
+    if args.warmup is not None and args.warmup < 0:
+        p.error(f"--warmup must be 0 or more (steps left out of the timing), got {args.warmup}")
     return args
 
 

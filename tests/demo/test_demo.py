@@ -253,3 +253,13 @@ def test_msamps_warm_up_steps_are_left_out_of_the_timing(tmp_path):
     assert timed("--steps", "20", "--warmup", "1") == 19  # as asked
     with pytest.warns(UserWarning, match="none past the 18 warm-up steps"):
         assert timed("--steps", "3") == 3
+
+
+@pytest.mark.parametrize(("argv", "message"), [(["--steps", "0"], "--steps must be at least 1, got 0"),
+                                               (["--warmup", "-1"], "--warmup must be 0 or more")])
+def test_a_runs_bad_step_counts_are_refused_by_name(argv, message, capsys):
+    from lowprec.demo.run import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--variant", "bf16", *argv])
+    assert message in capsys.readouterr().err
