@@ -139,7 +139,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="train each configuration with seeds 0..N-1 (initialisation and batch order) and compare "
                         "each with BF16's run of the same seed (mean, spread and range of the difference) and with "
                         "BF16's mean, unpaired (default 1)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="with --seeds N: seeds FIRST..FIRST+N-1, to add runs to an earlier result's (pool them with "
+                        "`python -m lowprec.demo.seeds A/results.json B/results.json`)")
     args = p.parse_args(argv)
+    if args.first_seed < 0:
+        p.error(f"--first-seed {args.first_seed}: give 0 or more")
+    if args.first_seed and args.seeds < 2:
+        p.error("--first-seed needs --seeds 2 or more (one run of each configuration takes no seed)")
     if args.seeds < 1:
         p.error(f"--seeds {args.seeds}: give at least 1 (runs of each configuration)")
     if args.steps is not None and args.steps < 2:
@@ -309,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm.auto import tqdm
 
-    seeds = list(range(args.seeds)) if args.seeds > 1 else [None]
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds)) if args.seeds > 1 else [None]
     jobs = [(arch, c, seed) for seed in seeds for arch in args.arch for c in configs]
     device = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"lowprec bench: {len(jobs)} runs ({size}, {steps} steps each, {'compiled' if compiled else 'eager'}) "

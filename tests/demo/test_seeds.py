@@ -161,3 +161,32 @@ def test_bench_trains_each_configuration_with_each_seed(tmp_path):
     (fp8,) = [s for s in result["seed_summary"] if s["config"] == "msamp:delayed:O2"]
     assert fp8["paired"] == 2 and fp8["delta_sd"] is not None
     assert "Over 2 seeds" in (tmp_path / "results.md").read_text()
+
+
+def test_a_bench_can_start_at_a_later_seed_to_add_to_an_earlier_result(tmp_path, monkeypatch, capsys):
+    # `--first-seed 4 --seeds 2`: seeds 4 and 5 of every configuration, BF16's among them, for pooling
+    from lowprec.demo import bench
+
+    seen = []
+
+    def fake_run_one(config, arch, common, out, raw, gpu=None, seed=None):
+        seen.append((config["name"], seed))
+        return run(config["name"], seed, 2.0 + 0.01 * (seed or 0))
+
+    monkeypatch.setattr(bench, "run_one", fake_run_one)
+    monkeypatch.setattr(bench, "plot", lambda *a: [])
+    argv = ["--size", "tiny", "--steps", "2", "--no-progress", "--no-raw", "--configs", "msamp:delayed:O2",
+            "--seeds", "2", "--first-seed", "4", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert sorted(seen) == [("bf16", 4), ("bf16", 5), ("msamp:delayed:O2", 4), ("msamp:delayed:O2", 5)]
+    assert "| llama | msamp:delayed:O2 (seed 5) |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [(["--first-seed", "-1", "--seeds", "2"], "--first-seed -1: give 0"),
+                                               (["--first-seed", "3"], "--first-seed needs --seeds 2 or more")])
+def test_a_bad_first_seed_is_refused_by_name(argv, message, capsys):
+    from lowprec.demo.bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
