@@ -62,6 +62,9 @@ def llama_config(preset: ModelPreset, vocab_size: int = VOCAB_SIZE, arch: str = 
         max_position_embeddings=max(preset.seq_len, 2048),
         tie_word_embeddings=False,
         attn_implementation="sdpa",
+        # training and the held-out loss read no KV cache; with one, each compiled block guarded on whether the
+        # cache's first layer was filled yet (two graphs a block: a recompile for each block after the first)
+        use_cache=False,
     )
 
 

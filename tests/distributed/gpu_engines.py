@@ -238,7 +238,6 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
 
-    fp8_flags: list[bool] = []
     evidence_hooks: list = []
     if plan is None:
         fp8_modules = []
@@ -246,13 +245,27 @@ def main() -> None:
         import transformer_engine.pytorch as te
 
         fp8_modules = [m for m in inner.modules() if isinstance(m, te.Linear)]
-        evidence_hooks = [m.register_forward_hook(lambda mod, i, o: fp8_flags.append(bool(mod.fp8)))
-                          for m in fp8_modules]
     else:
         # by the backend, not the class name: fully_shard swaps a module's class for FSDP<name>
         converted_by = getattr(inner, BACKEND_ATTR)
         fp8_modules = [m for m in inner.modules() if converted_by.converted_kind(m) == "linear"]
-        evidence_hooks = [m.register_forward_hook(lambda mod, i, o: fp8_flags.append(True)) for m in fp8_modules]
+    # each FP8 Linear's forwards, and those of them in FP8 (TE's `fp8` flag; every one for the other backends), in a
+    # counter on the module: a compiled model's graphs trace the hooks, and a hook appending to a Python list changed
+    # a guard (the list's length) in every block's every forward, until at 0a837bc the blocks of
+    # torchao:tensorwise:fsdp2:::model hit dynamo's recompile limit and ran eager (no kernel of inductor's in their
+    # profile, 0.53x compiled BF16 FSDP2). The counter is the module's own (not a closure's index: dynamo guards on
+    # that, one graph for each block), so the guards stay as they are.
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    for m in fp8_modules:
+        m._evidence_forwards = torch.zeros(2, dtype=torch.int64, device=device)  # [forwards, of them in FP8]
+
+    def count_forward(mod, inputs, output):
+        mod._evidence_forwards[0] += 1
+        mod._evidence_forwards[1] += int(bool(getattr(mod, "fp8", True)))
+
+    evidence_hooks = [m.register_forward_hook(count_forward) for m in fp8_modules]
+    counts = (lambda: torch.stack([m._evidence_forwards for m in fp8_modules]).cpu() if fp8_modules
+              else torch.zeros(0, 2, dtype=torch.int64))
 
     gathered_types: set[str] = set()
     if plan is not None and plan.opt_level == "O3":
@@ -272,9 +285,8 @@ def main() -> None:
     warm_peak = None  # the peak up to the steady state (the warm-up's graphs, the recompile at its end)
     for step, ids in enumerate(loader):
         if step == EVIDENCE_STEPS and args.compile_model:
-            # in a compiled model dynamo traces the hooks: a list growing by one a forward changed the guards and
-            # recompiled each step until the cache limit left the blocks eager. Two steps' forwards are the
-            # evidence there; removing the hooks recompiles once, inside the warm-up.
+            # two steps' forwards are the evidence in a compiled model, whose later steps are timed without the hooks'
+            # adds in its graphs; removing them recompiles once, inside the warm-up
             for handle in evidence_hooks:
                 handle.remove()
         if step == STEADY_FROM and torch.cuda.is_available():
@@ -372,7 +384,10 @@ def main() -> None:
                 "wrapped_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
                 "fp8_modules": len(fp8_modules),
                 "planned_fp8_linears": sum(d.kind == "linear" for d in plan.converted) if plan else 0,
-                "fp8_forward_calls": len(fp8_flags), "all_forwards_in_fp8": bool(fp8_flags) and all(fp8_flags),
+                "fp8_forward_calls": int(counts()[:, 0].sum()),
+                # every FP8 Linear ran, and each of its forwards in FP8
+                "all_forwards_in_fp8": bool(len(fp8_modules)) and bool((counts()[:, 0] > 0).all())
+                and bool((counts()[:, 1] == counts()[:, 0]).all()),
                 "first_loss": losses[0], "last_loss": sum(losses[-5:]) / 5, "median_step_s": per_step,
                 "tokens_per_s": tokens / per_step if per_step else None,
                 # the steps after msamp's warm-up and the recompile at its end (gpu_profile.STEADY_FROM); None in a
