@@ -156,7 +156,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool, gpu: int | None = None,
+def visible_devices(count: int) -> list[str]:
+    """The `count` devices this process sees, as its children must name them in CUDA_VISIBLE_DEVICES: the entries
+    of this process's own CUDA_VISIBLE_DEVICES where it is set (an index, a UUID, a MIG name), else 0..count-1.
+    A child given its parent's index instead (`CUDA_VISIBLE_DEVICES=1 lowprec bench --jobs 4` ran its jobs on GPU
+    0) shares another's device."""
+    visible = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    return visible[:count] if "CUDA_VISIBLE_DEVICES" in os.environ else [str(i) for i in range(count)]
+
+
+def run_one(config: dict, arch: str, common: list[str], out: str, raw: bool, gpu: str | None = None,
             seed: int | None = None) -> dict:
     """One training of `config` in a process of its own (`seed`: the run's, named in its file; None: the default)."""
     name = config["name"].replace(":", "_").replace(",", "_").replace("=", "-")
@@ -322,11 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lowprec bench: {len(jobs)} runs ({size}, {steps} steps each, {'compiled' if compiled else 'eager'}) "
           f"on {device}, each in its own process; results in {out}", flush=True)
     bar = tqdm(total=len(jobs), disable=args.no_progress, file=sys.stderr, dynamic_ncols=True)
-    gpus = torch.cuda.device_count() if cuda else 0
+    gpus = visible_devices(torch.cuda.device_count()) if cuda else []
 
     def one(index: int) -> dict:
         arch, config, seed = jobs[index]
-        gpu = index % gpus if gpus and args.jobs > 1 else None
+        gpu = gpus[index % len(gpus)] if gpus and args.jobs > 1 else None
         result = run_one(config, arch, common, out, raw=not args.no_raw, gpu=gpu, seed=seed)
         bar.update(1)
         return result
@@ -337,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarise(results, speeds=args.jobs == 1)
     header = (f"lowprec bench: {size} ({PRESETS[size].note}), {steps} steps, "
               f"{'compiled' if compiled else 'eager'}, {device}, torch {torch.__version__}"
-              + ("" if args.jobs == 1 else f", {args.jobs} runs at a time over {max(gpus, 1)} device(s): speeds not "
-                 "compared"))
+              + ("" if args.jobs == 1 else f", {args.jobs} runs at a time over {max(len(gpus), 1)} device(s): "
+                 "speeds not compared"))
     table = markdown(rows, header)
     by_seed = seed_summary(rows) if args.seeds > 1 else None
     if by_seed is not None:

@@ -231,3 +231,40 @@ def test_fp8_activation_counts_say_where_the_tensors_were_encoded():
                             counts=ActivationCounts(packed=8, bytes_before=800, bytes_after=404))
     assert activation_counts(eager, 4)["packed_tensors_per_forward"] == 2.0
     assert activation_counts(None, 4) is None
+
+
+@pytest.mark.parametrize(("visible", "count", "expected"), [
+    (None, 2, ["0", "1"]),          # unset: the devices by index
+    ("1", 1, ["1"]),                # a parent on GPU 1: its children too (they were given "0", another's GPU)
+    ("3,1", 2, ["3", "1"]),
+    (" GPU-5b2c , MIG-0 ", 2, ["GPU-5b2c", "MIG-0"]),
+])
+def test_parallel_runs_are_placed_on_the_devices_the_bench_itself_sees(visible, count, expected, monkeypatch):
+    from lowprec.demo.bench import visible_devices
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert visible_devices(count) == expected
+
+
+def test_each_parallel_run_gets_a_device_the_bench_sees(tmp_path, monkeypatch):
+    # `CUDA_VISIBLE_DEVICES=1 lowprec bench --jobs 4` put its four runs on GPU 0, beside another call's work there
+    from lowprec.demo import bench
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda *a: "a GPU")
+    monkeypatch.setattr(bench, "plot", lambda *a: [])
+    placed = []
+
+    def fake_run_one(config, arch, common, out, raw, gpu=None, seed=None):
+        placed.append(gpu)
+        return {"config": config["name"], "arch": arch, "seed": seed, "error": "not run"}
+
+    monkeypatch.setattr(bench, "run_one", fake_run_one)
+    bench.main(["--size", "tiny", "--steps", "2", "--no-progress", "--no-raw", "--no-compile", "--jobs", "4",
+                "--configs", "msamp:delayed:O2", "--seeds", "2", "--out", str(tmp_path)])
+    assert placed == ["1"] * 4
