@@ -592,3 +592,26 @@ def test_call_sites_take_an_events_own_stack_where_no_python_call_is_its_parent(
     assert sites["aten::mm"] == ["/work/model.py(12): forward"]
     assert sites["aten::add"] == ["/work/train.py(40): step"]  # the parents first, where there are any
     assert sites["aten::relu"] == []
+
+
+def test_every_configuration_scripts_gpu_memory_sh_names_exists():
+    # a label the headline does not know fails on the GPU host, a device call spent: caught here
+    import shlex
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import headline
+
+    labels, command = set(), []
+    for line in open(os.path.join(ROOT, "scripts", "gpu", "memory.sh")):
+        if "benchmarks/headline.py" in line or command:
+            command.append(line.rstrip().removesuffix("\\"))
+            if not line.rstrip().endswith("\\"):
+                taking = False
+                for token in shlex.split(" ".join(command).split(">")[0]):
+                    if token.startswith("--"):
+                        taking = token in ("--configs", "--profile-configs", "--peak-configs")
+                    elif taking and "$" not in token:
+                        labels.add(token)
+                command = []
+    assert {"msamp O2 act8 recompute", "msamp O2 act8 own rows realize64", "bf16 compiled"} <= labels
+    assert labels <= set(headline.CONFIGS), labels - set(headline.CONFIGS)

@@ -68,13 +68,15 @@ def _size(n: float) -> str:
 
 def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, activation_dtype: str | None,
                       blocks: tuple[str, int, str] | None, compiled: bool = False,
-                      in_graph: bool = False, loss: str | None = None, fp32: str = "fp8") -> SavedActivations:
+                      in_graph: bool = False, loss: str | None = None, fp32: str = "fp8",
+                      recompute_fp8_copies: bool = False) -> SavedActivations:
     """The section for a plan whose Linear decisions are `modules`, whose backend keeps an FP8 layer's input
     as `fp8_input`; `blocks` is (block list name, count, block class) or None; `compiled`: the model is
     compiled whole (its graph decides what is saved); `in_graph`: compiled graphs encode what they save
     themselves (by default for a model compiled on one process; LOWPREC_FP8_ACTIVATIONS_IN_GRAPH); `loss`: what
     the model's loss keeps for backward (runtime/loss.py); `fp32`: how the FP32 tensors the hooks would encode are
-    stored (fp8, bf16 or keep: LOWPREC_FP8_ACTIVATIONS_FP32)."""
+    stored (fp8, bf16 or keep: LOWPREC_FP8_ACTIVATIONS_FP32); `recompute_fp8_copies`: the graphs cast their FP8
+    Linears' inputs again in backward rather than keep them (LOWPREC_RECOMPUTE_FP8_COPIES)."""
     hooks = activation_dtype == "fp8"
     fp8 = fp8_input
     if hooks and fp8.packable:
@@ -104,6 +106,9 @@ def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, 
         if in_graph:
             others += ("; compiled graphs encode and decode theirs inside the graph "
                        "(LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0: through Python hooks after each graph)")
+        if recompute_fp8_copies:
+            others += ("; an FP8 Linear's transposed input, where cast from tensors the backward keeps anyway, cast "
+                       "again in backward rather than kept (LOWPREC_RECOMPUTE_FP8_COPIES=1)")
     else:
         others = ("as autograd saves them (BF16 under autocast, FP32 in norms computed in FP32); "
                   "activation_dtype='fp8' stores them in FP8")

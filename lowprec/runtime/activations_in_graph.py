@@ -36,6 +36,7 @@ import torch
 
 from ..kernels.activations import PackedFP8, unpack_fp8, unpack_traced_fp8
 from .activations_fp32 import NarrowedTensor, widen
+from .fp8_copies_recompute import recompute_fp8_copies, requested
 
 ENV = "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH"
 # the storages whose forward is under way, innermost last: the hooks are module-level functions
@@ -215,13 +216,15 @@ def graph_hooks() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
 
 @contextlib.contextmanager
 def graph_hooks_context(storage, hooks: tuple[torch.fx.GraphModule, torch.fx.GraphModule]) -> Iterator[None]:
-    """`storage`'s rules as its GraphModule `hooks` (from `graph_hooks`), around one forward."""
+    """`storage`'s rules as its GraphModule `hooks` (from `graph_hooks`), around one forward; with
+    `LOWPREC_RECOMPUTE_FP8_COPIES=1`, the graphs compiled in it recompute in backward the FP8 copies they would keep
+    (`fp8_copies_recompute`)."""
     import torch._functorch.config as functorch_config  # not imported by `import torch` alone
 
     _ACTIVE.append(storage)
     try:
         with functorch_config.patch(saved_tensors_hooks_filtering_mode=filtering_mode()), \
-                torch.autograd.graph.saved_tensors_hooks(*hooks):
+                recompute_fp8_copies(requested()), torch.autograd.graph.saved_tensors_hooks(*hooks):
             yield
     finally:
         # this storage's own entry (the last one that is it), whatever order other contexts end in

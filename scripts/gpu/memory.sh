@@ -18,6 +18,10 @@
 #                                                #   msamp's amaxes over own rows, one round (at 2a04d10 a second
 #                                                #   round's peaks rose 2-12 GiB, unexplained);
 #                                                #   realize.peak.tgz: the msamp peaks, with the code they name
+#   bash scripts/gpu/memory.sh OUT recompute     # ~6 min: the FP8 Linears' transposed inputs recomputed in backward
+#                                                #   (LOWPREC_RECOMPUTE_FP8_COPIES=1) for msamp O2 act8 (and with
+#                                                #   own-row amaxes), torchao act8 and O2 act8, one round, against
+#                                                #   compiled BF16 and the same without; recompute.peak.tgz: peaks
 #   bash scripts/gpu/memory.sh OUT whole         # ~6 min: the model compiled as one graph (head and loss too):
 #                                                #   BF16, torchao and msamp O2 with and without FP8 activations;
 #                                                #   (and block by block, for the peak report);
@@ -101,6 +105,17 @@ for part in "$@"; do
         > "$dir/realize.log" 2>&1 || status=1
       python3 benchmarks/headline.py --summarize "$dir/realize.json" > "$dir/realize.md" 2>&1
       tar czf "$dir/realize.peak.tgz" -C "$dir" realize_peaks && rm -rf "$dir/realize_peaks" ;;
+    recompute)
+      # the FP8 copies a compiled block keeps only for its backward, cast again there (runtime/fp8_copies_recompute):
+      # 0.81 GiB of msamp O2 act8's steady 10.77 GiB (results/gpu/2026-11-28-h200x2-realize-teloss-0e7acfb)
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/recompute.json" --configs "bf16 compiled" \
+        "msamp O2 act8 own rows" "msamp O2 act8 own rows recompute" "msamp O2 act8" "msamp O2 act8 recompute" \
+        "torchao act8" "torchao act8 recompute" "torchao O2 act8 recompute" \
+        --profile-dir "$dir/recompute_peaks" --profile-configs --peak-configs "msamp O2 act8 own rows recompute" \
+        "msamp O2 act8 recompute" \
+        > "$dir/recompute.log" 2>&1 || status=1
+      python3 benchmarks/headline.py --summarize "$dir/recompute.json" > "$dir/recompute.md" 2>&1
+      tar czf "$dir/recompute.peak.tgz" -C "$dir" recompute_peaks && rm -rf "$dir/recompute_peaks" ;;
     headline_te)
       # eager: BF16 and te with and without FP8 activations (TE's compiled extension needed); te O2's kernel table
       # (its step is ~4 ms longer than te act8's) and what is live at te O1's peak
@@ -129,7 +144,7 @@ for part in "$@"; do
       python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
         ${LARGEST_CAPACITY_GIB:+--capacity-gib "$LARGEST_CAPACITY_GIB"} \
         --configs "${LARGEST_CONFIGS[@]}" > "$dir/largest.log" 2>&1 || status=1 ;;
-    *) echo "unknown part '$part' (headline|headline_te|loss|states|realize|whole|convergence|largest)" >&2
+    *) echo "unknown part '$part' (headline|headline_te|loss|states|realize|recompute|whole|convergence|largest)" >&2
        exit 2 ;;
   esac
   tail -15 "$dir/$part.log" 2>/dev/null
