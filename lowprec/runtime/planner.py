@@ -4,6 +4,7 @@ and describe the modules."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,6 +65,19 @@ def model_mode(context: RunContext) -> str:
     return "compiled (torch.compile)" + (f": {context.compile_source}" if context.compile_source else "")
 
 
+def kv_cache_note(model: nn.Module, compiled: bool) -> str | None:
+    """What to say of a compiled Hugging Face model that builds a KV cache in training (`config.use_cache`, True by
+    default): each decoder block then guards on the cache's state and, compiled block by block (Accelerate's
+    regional compilation), compiles a graph of its own; past dynamo's recompile limit (8) the remaining blocks run
+    eager. A 10-block Llama recompiled 9 times with the cache, once without (CPU, `TORCH_LOGS=recompiles`)."""
+    config = getattr(model, "config", None)
+    if not compiled or not getattr(config, "use_cache", False):
+        return None
+    return ("the model builds a KV cache in training (model.config.use_cache=True): compiled block by block, each "
+            "decoder block then compiles a graph of its own, and past torch's recompile limit (8) the rest run eager "
+            "with no FP8 fusion; set model.config.use_cache = False for training")
+
+
 def build_plan(
     model: nn.Module,
     recipe: FP8RecipeKwargs,
@@ -121,6 +135,10 @@ def build_plan(
                                          loss=loss_storage(model, recipe.activation_dtype),
                                          fp32=fp32_policy() if recipe.activation_dtype == "fp8" else "fp8")
     plan.notes = backend.notes(plan) + backend.communication.notes()
+    cache = kv_cache_note(model, context.compiled)
+    if cache is not None:
+        plan.notes.append(cache)
+        warnings.warn(f"lowprec: {cache}", stacklevel=4)
     if recompute and not in_graph:
         plan.notes.append("LOWPREC_RECOMPUTE_FP8_COPIES=1 does nothing here: it acts in compiled graphs that store "
                           "their saved tensors in FP8 themselves (activation_dtype='fp8', a compiled model)")

@@ -3,7 +3,8 @@ prints {config: {"calls": {"method file:function": count}, "fused_launches": n}}
 
 On a GPU `.item()`, `.tolist()`, `.cpu()`, `bool()`, `float()`, `int()` and `.nonzero()` of a device tensor wait
 for every kernel queued before them (the step then cannot run ahead of the GPU). Here, on the CPU, each such
-call from lowprec's code during the third step is recorded, whoever's tensor it is. LowBitAdamW takes its
+call made by a line of lowprec's (the innermost frame outside torch) during the third step is recorded, whoever's
+tensor it is. LowBitAdamW takes its
 CUDA path (the fused Triton kernels, interpreted: run with TRITON_INTERPRET=1), since its CPU path reads the
 FP8 gradients' presence flags on the host by design. A CONFIG is `backend[:opt_level][,activation_dtype]`.
 """
@@ -56,10 +57,14 @@ def run(config: str) -> dict:
 
         def method(self, *args, **kwargs):
             if recording[0]:
+                # whose line made the call: the innermost frame outside torch. A library's own (transformers'
+                # packed-sequence check in a model without a KV cache) is not lowprec's, though lowprec called it
                 for frame in reversed(traceback.extract_stack()[:-1]):
+                    if "/torch/" in frame.filename:
+                        continue
                     if "/lowprec/" in frame.filename:
                         calls[f"{name} lowprec/{frame.filename.split('/lowprec/')[-1]}:{frame.name}"] += 1
-                        break
+                    break
             return original(self, *args, **kwargs)
 
         return method
