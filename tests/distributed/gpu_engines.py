@@ -255,17 +255,21 @@ def main() -> None:
     # torchao:tensorwise:fsdp2:::model hit dynamo's recompile limit and ran eager (no kernel of inductor's in their
     # profile, 0.53x compiled BF16 FSDP2). The counter is the module's own (not a closure's index: dynamo guards on
     # that, one graph for each block), so the guards stay as they are.
+    # In an eager model the counters are Python ints: a tensor's add would be two more kernel launches a Linear, which
+    # the BF16 cells (no hooks) do not pay.
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    for m in fp8_modules:
-        m._evidence_forwards = torch.zeros(2, dtype=torch.int64, device=device)  # [forwards, of them in FP8]
+    for m in fp8_modules:  # [forwards, of them in FP8]
+        m._evidence_forwards = torch.zeros(2, dtype=torch.int64, device=device) if args.compile_model else [0, 0]
 
     def count_forward(mod, inputs, output):
         mod._evidence_forwards[0] += 1
         mod._evidence_forwards[1] += int(bool(getattr(mod, "fp8", True)))
 
     evidence_hooks = [m.register_forward_hook(count_forward) for m in fp8_modules]
-    counts = (lambda: torch.stack([m._evidence_forwards for m in fp8_modules]).cpu() if fp8_modules
-              else torch.zeros(0, 2, dtype=torch.int64))
+
+    def counts() -> torch.Tensor:
+        return torch.tensor([[int(n) for n in m._evidence_forwards] for m in fp8_modules],
+                            dtype=torch.int64).reshape(-1, 2)
 
     gathered_types: set[str] = set()
     if plan is not None and plan.opt_level == "O3":
