@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..utils.env import switch
 from .grad_reduce import FP8GradReducer
 
 ENV = "LOWPREC_FP8_GRAD_OVERLAP"
@@ -50,14 +51,9 @@ DEFAULTS = {"ddp": True, "deepspeed": False}
 def overlap_requested(engine: str = "ddp") -> bool:
     """`LOWPREC_FP8_GRAD_OVERLAP`: 1 averages the stored FP8 gradients block by block during the backward,
     0 once after it; unset, the engine's default (`DEFAULTS`: on under DDP, off under DeepSpeed)."""
-    value = os.environ.get(ENV, "").strip()
-    if not value:
-        return DEFAULTS.get(engine, False)
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r} is not one of '0', '1' (1: average FP8 weight gradients block by "
-                         "block during the backward; 0: once after it; unset: per block under DDP, once after "
-                         "the backward under DeepSpeed)")
-    return value == "1"
+    value = switch(ENV, "1: average FP8 weight gradients block by block during the backward; 0: once after it; "
+                        "unset: per block under DDP, once after the backward under DeepSpeed")
+    return DEFAULTS.get(engine, False) if value is None else value
 
 
 def reduction_timing(engine: str = "ddp") -> str:

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import os
 from collections.abc import Iterator
 
 import torch
 
 from ..kernels.activations import PackedFP8, unpack_fp8, unpack_traced_fp8
+from ..utils.env import switch
 from .activations_fp32 import NarrowedTensor, widen
 from .fp8_copies_recompute import recompute_fp8_copies, requested
 
@@ -46,12 +46,8 @@ _ACTIVE: list = []
 def in_graph_requested() -> bool | None:
     """`LOWPREC_FP8_ACTIVATIONS_IN_GRAPH`: 1 stores compiled graphs' saved tensors in FP8 inside the graphs, 0
     through Python hooks around them; None where unset (`in_graph_wanted` decides)."""
-    value = os.environ.get(ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{ENV}={value!r} is not one of '0', '1' (1: encode the tensors a compiled graph saves "
-                         "inside the graph; 0: through Python hooks after it; unset: 1 for a model compiled on one "
-                         "process)")
-    return None if value == "" else value == "1"
+    return switch(ENV, "1: encode the tensors a compiled graph saves inside the graph; 0: through Python hooks after "
+                       "it; unset: 1 for a model compiled on one process")
 
 
 # Where a compiled model encodes inside its graphs by default: measured on one GPU only. Under DDP, FSDP2 and

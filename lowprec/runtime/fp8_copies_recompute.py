@@ -25,10 +25,11 @@ Off unless `LOWPREC_RECOMPUTE_FP8_COPIES=1`: its speed and peak have not been me
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
+
+from ..utils.env import switch
 
 ENV = "LOWPREC_RECOMPUTE_FP8_COPIES"
 # tensors of at most this many elements (scales, amax windows) are kept where they are: saving them costs nothing
@@ -42,11 +43,8 @@ _COPIES = ("aten.clone.", "aten._to_copy.", "prims.convert_element_type.", "aten
 
 def requested() -> bool:
     """`LOWPREC_RECOMPUTE_FP8_COPIES`: 1 recomputes in backward the FP8 copies compiled graphs save only for it."""
-    value = os.environ.get(ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{ENV}={value!r} is not one of '0', '1' (1: recompute in backward the FP8 copies of tensors "
-                         "a compiled graph's backward keeps anyway; 0 or unset: keep them from the forward)")
-    return value == "1"
+    return switch(ENV, "1: recompute in backward the FP8 copies of tensors a compiled graph's backward keeps anyway; "
+                       "0 or unset: keep them from the forward") is True
 
 
 def _value(node: torch.fx.Node):
@@ -96,6 +94,8 @@ def recompute_chain(copy: torch.fx.Node, backward: set[torch.fx.Node]) -> set[to
     def kept_anyway(node: torch.fx.Node) -> bool:
         return node.op == "placeholder" or _is_small(node) or any(user in backward for user in node.users)
 
+    if not _is_cheap(copy):
+        return None
     chain, todo = {copy}, [copy]
     while todo:
         for arg in todo.pop().all_input_nodes:
@@ -105,7 +105,7 @@ def recompute_chain(copy: torch.fx.Node, backward: set[torch.fx.Node]) -> set[to
                 return None
             chain.add(arg)
             todo.append(arg)
-    return chain if _is_cheap(copy) else None
+    return chain
 
 
 def mark_fp8_copies(graph: torch.fx.Graph) -> int:
@@ -136,10 +136,8 @@ def _pass_class():
     class RecomputeFP8Copies(CustomGraphPass):
         """`mark_fp8_copies` as inductor's joint-graph pass (its uuid: this file, for inductor's caches)."""
 
-        marked = 0  # copies marked over the process's compiles, for tests and the curious
-
         def __call__(self, graph: torch.fx.Graph) -> None:
-            RecomputeFP8Copies.marked += mark_fp8_copies(graph)
+            mark_fp8_copies(graph)
 
         def uuid(self) -> bytes:
             return get_hash_for_files((__file__,))
@@ -162,9 +160,12 @@ def graph_pass():
 def recompute_fp8_copies(enabled: bool) -> Iterator[None]:
     """Around a compiled model's forward (where its graphs compile): inductor's joint-graph post pass set to this
     one, where `enabled` and no other post pass is set (a user's own is left alone, this one then not run)."""
+    if not enabled:  # every forward of such a model comes through here: nothing more to do
+        yield
+        return
     import torch._inductor.config as inductor_config
 
-    if not enabled or inductor_config.joint_custom_post_pass is not None:
+    if inductor_config.joint_custom_post_pass is not None:
         yield
         return
     with inductor_config.patch(joint_custom_post_pass=graph_pass()):
