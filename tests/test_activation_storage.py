@@ -572,6 +572,50 @@ def test_a_losss_log_probabilities_stay_as_they_are(layout):
     assert torch.equal(grad, reference)
 
 
+def test_an_eager_models_constants_are_kept_and_a_compiled_graphs_outputs_packed():
+    # a BF16 model's rotary tables: each layer saves a view (cos.unsqueeze(1)) of a tensor with no history
+    from lowprec.kernels.activations import PackedFP8
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    table = torch.randn(1, 1024, 32, dtype=torch.bfloat16)
+    graph_output = torch.randn(1, 1024, 32, dtype=torch.bfloat16)  # what a compiled graph hands the hooks: no _base
+    for eager_model in (True, False):
+        storage = FP8ActivationStorage(nn.Linear(2, 2), min_elements=0, eager_model=eager_model)
+        with storage.context():
+            view = table.unsqueeze(1)
+            assert (storage.pack(view) is view) is eager_model
+            assert isinstance(storage.pack(graph_output), PackedFP8)
+        assert storage.counts.constants_kept == int(eager_model)
+
+
+def test_an_eager_bf16_llamas_rotary_tables_are_kept_and_its_attention_gradients_closer():
+    # FP8 tables would round the gradient of every q and k through them (2**-4 relative on cos and sin)
+    import lowprec.demo.model as demo
+    from lowprec.runtime.activations import FP8ActivationStorage
+
+    torch.manual_seed(0)
+    model = demo.build_model(demo.PRESETS["tiny"]).to(torch.bfloat16)
+    ids = torch.randint(0, 200, (1, 1024), generator=torch.Generator().manual_seed(1))
+
+    def grads(storage):
+        model.zero_grad()
+        with storage.context() if storage is not None else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return [p.grad.float().clone() for n, p in model.named_parameters() if "q_proj" in n or "k_proj" in n]
+
+    reference = grads(None)
+    kept, packed = FP8ActivationStorage(model, eager_model=True), FP8ActivationStorage(model)
+    errors = {}
+    for name, storage in (("kept", kept), ("packed", packed)):
+        errors[name] = [float((g - r).norm() / r.norm()) for g, r in zip(grads(storage), reference)]
+    assert kept.counts.constants_kept >= 2 * demo.PRESETS["tiny"].layers
+    # the same saves, each table's views kept instead of packed (q and k share one view's copy: `shared`)
+    assert (kept.counts.packed + kept.counts.shared + kept.counts.constants_kept
+            == packed.counts.packed + packed.counts.shared)
+    assert sum(errors["kept"]) < sum(errors["packed"]), errors
+
+
 def test_fp32_tensors_with_no_autograd_history_are_kept():
     # A compiled graph hands the Python hooks what it saves as tensors with no history, among them FP32 rotary
     # angles it takes cos/sin of again in backward, which FP8 spoils (held-out loss +10.6% against BF16's on the

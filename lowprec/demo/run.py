@@ -45,10 +45,11 @@ def activation_counts(storage, forwards: int) -> dict | None:
         return None
     counts = storage.counts
     # how FP32 saved tensors were stored (LOWPREC_FP8_ACTIVATIONS_FP32), and how many the Python hooks kept as FP32
-    # and as a compiled graph's logits
+    # and as a compiled graph's logits, and an eager model's constants (rotary tables) kept
     fp32 = {"fp32_saved_as": storage.fp32_policy,
             "untracked_fp32_kept_per_forward": counts.untracked_fp32_kept / forwards,
-            "logits_kept_per_forward": counts.logits_kept / forwards}
+            "logits_kept_per_forward": counts.logits_kept / forwards,
+            "constants_kept_per_forward": counts.constants_kept / forwards}
     if storage.in_graph and counts.traced_packed:
         return {**fp32, "inside_compiled_graphs": True, "packed_tensors_per_graph": counts.traced_packed,
                 "kept_tensors_per_graph": counts.traced_kept,

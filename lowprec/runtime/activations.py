@@ -69,6 +69,9 @@ class ActivationCounts:
     # FP32 tensors with no autograd history: an eager model's inputs and constants (held anyway); every FP32 tensor a
     # compiled graph hands these hooks, among them rotary angles FP8 would spoil (activations_in_graph.is_angle)
     untracked_fp32_kept: int = 0
+    # in an eager model, views of BF16/FP16 tensors with no autograd history: its constants (a rotary embedding's
+    # cos/sin tables, of which every layer saves a view), held anyway; FP8 would round every gradient through them
+    constants_kept: int = 0
     narrowed: int = 0  # of packed, FP32 tensors stored in BF16 (LOWPREC_FP8_ACTIVATIONS_FP32=bf16: activations_fp32)
     fp32_kept: int = 0  # FP32 tensors kept as they are (=keep, or =bf16 for a strided view)
     # in-graph storage (activations_in_graph): a compiled graph's saved tensors, counted once when the graph
@@ -80,7 +83,8 @@ class ActivationCounts:
 class FP8ActivationStorage:
     """The pack and unpack hooks of one prepared model; `counts` says what they did."""
 
-    def __init__(self, model: nn.Module, min_elements: int = MIN_ELEMENTS, converted=None, in_graph: bool = False):
+    def __init__(self, model: nn.Module, min_elements: int = MIN_ELEMENTS, converted=None, in_graph: bool = False,
+                 eager_model: bool = False):
         # Weights are saved by reference (their memory is held anyway): packing them would add a copy and
         # an error. One set of storage pointers, built once, catches the parameters and every view of them
         # (a transpose, a slice) at the cost of one lookup per saved tensor.
@@ -119,6 +123,9 @@ class FP8ActivationStorage:
         # FP32 tensors with no autograd history stay as saved (`ActivationCounts.untracked_fp32_kept`); False only
         # to compare these hooks with the in-graph form bit for bit
         self.keep_untracked_fp32 = True
+        # only an eager model's tensors with no history are its constants: a compiled graph hands these hooks its
+        # activations so (`eager_model`: the model is not compiled)
+        self.keep_constants = eager_model
         self.fp32_policy = fp32_policy()
 
     def leave_alone(self, module: nn.Module) -> None:
@@ -167,6 +174,10 @@ class FP8ActivationStorage:
             return tensor
         if self.keep_untracked_fp32 and tensor.dtype == torch.float32 and untracked:
             self.counts.untracked_fp32_kept += 1
+            return tensor
+        # a view (cos.unsqueeze(1)) of a tensor with no history either: a compiled graph's outputs have no `_base`
+        if self.keep_constants and untracked and tensor._base is not None and tensor._base.grad_fn is None:
+            self.counts.constants_kept += 1
             return tensor
         if tensor.dim() == 4:  # a query, perhaps: its rows' shape tells its log-sum-exp, saved after it
             self._row_shapes.add(tuple(tensor.shape[:-1]))
@@ -351,7 +362,7 @@ def install_activation_storage(prepared: nn.Module, inner: nn.Module, converted=
                       f"saved-tensor hooks into compiled graphs (2.8 or later; this is {torch.__version__}): the "
                       "tensors compiled graphs save are stored in FP8 by the Python hooks after each graph instead",
                       stacklevel=3)
-    storage = FP8ActivationStorage(inner, converted=converted, in_graph=in_graph)
+    storage = FP8ActivationStorage(inner, converted=converted, in_graph=in_graph, eager_model=not compiled)
     for module in inner.modules():
         if keep_saved_by is not None and keep_saved_by(module):
             storage.leave_alone(module)

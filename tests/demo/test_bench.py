@@ -215,11 +215,11 @@ def test_fp8_activation_counts_say_where_the_tensors_were_encoded():
 
     hooks = SimpleNamespace(in_graph=False, fp32_policy="fp8",
                             counts=ActivationCounts(packed=8, bytes_before=800, bytes_after=404, untracked_fp32_kept=4,
-                                                    logits_kept=2))
+                                                    logits_kept=2, constants_kept=8))
     assert activation_counts(hooks, 4) == {"inside_compiled_graphs": False, "packed_tensors_per_forward": 2.0,
                                            "bytes_before_per_forward": 200.0, "bytes_after_per_forward": 101.0,
                                            "fp32_saved_as": "fp8", "untracked_fp32_kept_per_forward": 1.0,
-                                           "logits_kept_per_forward": 0.5}
+                                           "logits_kept_per_forward": 0.5, "constants_kept_per_forward": 2.0}
     graphs = SimpleNamespace(in_graph=True, fp32_policy="bf16",
                              counts=ActivationCounts(packed=0, traced_packed=10, traced_kept=3))
     counted = activation_counts(graphs, 4)
