@@ -39,6 +39,7 @@ from .activations_in_graph import (
     static_shape,
     traced_node,
 )
+from .graph_inputs_without_grad import last_inputs_without_grad
 from .loss import swap_causal_lm_loss
 from .wrapping import models_of, wrap_forward
 
@@ -215,7 +216,7 @@ class FP8ActivationStorage:
                 or (static_shape(tensor), tensor.dtype) in self._weight_copy_keys
                 or is_attention_statistic(node) or is_log_probabilities(node) or is_angle(node)
                 or (node is None and static_shape(tensor) is not None and self._is_attention_logsumexp(tensor))
-                or self._is_parameter_shaped_input(node)):
+                or self._is_parameter_shaped_input(node) or self._is_input_without_grad(node)):
             self._count_traced(node, packed=False)
             return tensor
         if tensor.dim() == 4 and static_shape(tensor) is not None:
@@ -226,6 +227,12 @@ class FP8ActivationStorage:
             return tensor if self.fp32_policy == "keep" else tuple(narrow(tensor))
         self._count_traced(node, packed=True)
         return pack_traced_fp8(tensor)
+
+    @staticmethod
+    def _is_input_without_grad(node) -> bool:
+        """A graph input that gets no gradient (a rotary table every block takes): held anyway, and every gradient
+        through it would be rounded (`graph_inputs_without_grad`)."""
+        return node is not None and node.op == "placeholder" and node.name in last_inputs_without_grad()
 
     def _is_parameter_shaped_input(self, node) -> bool:
         base = graph_input_of(node)

@@ -13,8 +13,9 @@ later). The hooks here are such GraphModules: each calls one function that torch
 (`torch.fx.wrap`). Called on a tensor being traced (a fake tensor), it applies the storage's rules to the
 tensor's metadata and returns the graph form (`kernels.activations.pack_traced_fp8`); called on a real tensor
 (an op outside a compiled graph), it is the storage's own `pack`/`unpack`. What the graph saves of its inputs
-is packed too, except parameters and buffers and any input of a parameter's shape
-(`saved_tensors_hooks_filtering_mode="no_static"` while the forward compiles, `filtering_mode`): a block's input,
+is packed too, except parameters and buffers, any input of a parameter's shape
+(`saved_tensors_hooks_filtering_mode="no_static"` while the forward compiles, `filtering_mode`) and any input that gets
+no gradient (a rotary table: `graph_inputs_without_grad`): a block's input,
 which nothing else holds once the next block has run, is then kept in FP8 only, as with the Python hooks.
 
 On by default for models compiled through Accelerate's dynamo plugin on one process
@@ -37,6 +38,7 @@ from ..kernels.activations import PackedFP8, unpack_fp8, unpack_traced_fp8
 from ..utils.env import switch
 from .activations_fp32 import NarrowedTensor, widen
 from .fp8_copies_recompute import recompute_fp8_copies, requested
+from .graph_inputs_without_grad import recording
 
 ENV = "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH"
 # the storages whose forward is under way, innermost last: the hooks are module-level functions
@@ -212,14 +214,15 @@ def graph_hooks() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
 
 @contextlib.contextmanager
 def graph_hooks_context(storage, hooks: tuple[torch.fx.GraphModule, torch.fx.GraphModule]) -> Iterator[None]:
-    """`storage`'s rules as its GraphModule `hooks` (from `graph_hooks`), around one forward; with
+    """`storage`'s rules as its GraphModule `hooks` (from `graph_hooks`), around one forward, the graphs' inputs
+    without a gradient recorded for them (`graph_inputs_without_grad`); with
     `LOWPREC_RECOMPUTE_FP8_COPIES=1`, the graphs compiled in it recompute in backward the FP8 copies they would keep
     (`fp8_copies_recompute`)."""
     import torch._functorch.config as functorch_config  # not imported by `import torch` alone
 
     _ACTIVE.append(storage)
     try:
-        with functorch_config.patch(saved_tensors_hooks_filtering_mode=filtering_mode()), \
+        with functorch_config.patch(saved_tensors_hooks_filtering_mode=filtering_mode()), recording(), \
                 recompute_fp8_copies(requested()), torch.autograd.graph.saved_tensors_hooks(*hooks):
             yield
     finally:
