@@ -137,6 +137,11 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     "msamp O2 act8 own rows recompute": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
     "torchao O2 act8 recompute": ("compiled", dict(backend="torchao", opt_level="O2", activation_dtype="fp8")),
     "torchao act8 recompute": ("compiled", dict(backend="torchao", activation_dtype="fp8")),
+    # with the recompute SiLU's backward half came back as an FP32 block at the steady peak (0.44 GiB, its fused chain
+    # past inductor's op-count rule again: results/gpu/2026-11-28-h200x2-recompute-aabeb3e): the three together
+    "msamp O2 act8 own rows recompute realize64": ("compiled", dict(backend="msamp", opt_level="O2",
+                                                                    activation_dtype="fp8")),
+    "msamp O2 act8 recompute realize64": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
     # the whole model as one graph (the head and the loss compiled too: inductor fuses the FP32 log-softmax that
     # regional compilation leaves to eager), against BF16 compiled the same way
     "bf16 whole": ("whole", None),
@@ -155,18 +160,23 @@ ENVIRONMENT: dict[str, dict[str, str]] = {
     "msamp O2 act8 own rows recompute": {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"},
     "torchao O2 act8 recompute": {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"},
     "torchao act8 recompute": {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"},
+    "msamp O2 act8 own rows recompute realize64": {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"},
+    "msamp O2 act8 recompute realize64": {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"},
 }
 # label -> torch._inductor.config settings while that configuration runs (its forward and backward compile in it)
 INDUCTOR: dict[str, dict] = {
     "msamp O2 act8 realize64": {"realize_opcount_threshold": 64},
     "torchao O2 act8 realize64": {"realize_opcount_threshold": 64},
     "msamp O2 act8 own rows realize64": {"realize_opcount_threshold": 64},
+    "msamp O2 act8 own rows recompute realize64": {"realize_opcount_threshold": 64},
+    "msamp O2 act8 recompute realize64": {"realize_opcount_threshold": 64},
 }
 # label -> lowprec module attributes set while that configuration runs ("module:attribute": value)
 PATCHES: dict[str, dict[str, object]] = {
     "msamp O2 act8 own rows": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
     "msamp O2 act8 own rows realize64": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
     "msamp O2 act8 own rows recompute": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
+    "msamp O2 act8 own rows recompute realize64": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
 }
 # FP8Linear's amax_history_len (MS-AMP's 16): msamp's steps before it take current scales, another compiled graph
 MSAMP_WINDOW = 16

@@ -22,6 +22,9 @@
 #                                                #   (LOWPREC_RECOMPUTE_FP8_COPIES=1) for msamp O2 act8 (and with
 #                                                #   own-row amaxes), torchao act8 and O2 act8, one round, against
 #                                                #   compiled BF16 and the same without; recompute.peak.tgz: peaks
+#   bash scripts/gpu/memory.sh OUT combined      # ~6 min: msamp O2 act8 with the recompute and inductor's
+#                                                #   realize_opcount_threshold at 64, with and without own-row
+#                                                #   amaxes, one round; combined.peak.tgz: their peaks
 #   bash scripts/gpu/memory.sh OUT whole         # ~6 min: the model compiled as one graph (head and loss too):
 #                                                #   BF16, torchao and msamp O2 with and without FP8 activations;
 #                                                #   (and block by block, for the peak report);
@@ -46,8 +49,8 @@
 # OUT/<date>-<gpu>-memory/: one file per part plus commit.txt; commit that folder under results/gpu/. Set COMMIT=<hash>
 # (the tree's commit) on the device: its copy of the tree may carry a stale .git.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|loss|states|realize|whole|convergence|largest ...}; shift
-[ $# -gt 0 ] || { echo "name at least one part: headline headline_te loss states realize whole convergence largest" >&2
+out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|loss|states|realize|recompute|combined|whole|convergence|largest ...}; shift
+[ $# -gt 0 ] || { echo "name at least one part: headline headline_te loss states realize recompute combined whole convergence largest" >&2
                   exit 2; }
 cd "$(dirname "$0")/../.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H100|H200|B200' || echo gpu)
@@ -116,6 +119,18 @@ for part in "$@"; do
         > "$dir/recompute.log" 2>&1 || status=1
       python3 benchmarks/headline.py --summarize "$dir/recompute.json" > "$dir/recompute.md" 2>&1
       tar czf "$dir/recompute.peak.tgz" -C "$dir" recompute_peaks && rm -rf "$dir/recompute_peaks" ;;
+    combined)
+      # with the recompute, SiLU's backward half came back as an FP32 block at the steady peak (0.44 GiB, past
+      # inductor's op-count rule: results/gpu/2026-11-28-h200x2-recompute-aabeb3e): the recompute with the rule at 64,
+      # with and without the own-row amaxes, one round (a second one's peaks rose at 2a04d10) against compiled BF16
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/combined.json" --configs "bf16 compiled" \
+        "msamp O2 act8 own rows recompute" "msamp O2 act8 own rows recompute realize64" \
+        "msamp O2 act8 recompute realize64" \
+        --profile-dir "$dir/combined_peaks" --profile-configs --peak-configs \
+        "msamp O2 act8 own rows recompute realize64" "msamp O2 act8 recompute realize64" \
+        > "$dir/combined.log" 2>&1 || status=1
+      python3 benchmarks/headline.py --summarize "$dir/combined.json" > "$dir/combined.md" 2>&1
+      tar czf "$dir/combined.peak.tgz" -C "$dir" combined_peaks && rm -rf "$dir/combined_peaks" ;;
     headline_te)
       # eager: BF16 and te with and without FP8 activations (TE's compiled extension needed); te O2's kernel table
       # (its step is ~4 ms longer than te act8's) and what is live at te O1's peak
@@ -144,7 +159,7 @@ for part in "$@"; do
       python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
         ${LARGEST_CAPACITY_GIB:+--capacity-gib "$LARGEST_CAPACITY_GIB"} \
         --configs "${LARGEST_CONFIGS[@]}" > "$dir/largest.log" 2>&1 || status=1 ;;
-    *) echo "unknown part '$part' (headline|headline_te|loss|states|realize|recompute|whole|convergence|largest)" >&2
+    *) echo "unknown part '$part' (headline|headline_te|loss|states|realize|recompute|combined|whole|convergence|largest)" >&2
        exit 2 ;;
   esac
   tail -15 "$dir/$part.log" 2>/dev/null
