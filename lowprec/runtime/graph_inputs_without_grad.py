@@ -33,6 +33,14 @@ def inputs_without_grad(graph: torch.fx.Graph) -> set[str]:
     if len(flat) < len(primals):
         return set()
     grads = flat[len(flat) - len(primals):]
+
+    def shape(node):
+        return tuple(getattr(node.meta.get("val"), "shape", ())) if isinstance(node, torch.fx.Node) else None
+
+    # each gradient has its input's shape: where one does not, the outputs are not laid out as read here, and no
+    # input is named (packed, as before) rather than a wrong one kept
+    if any(g is not None and shape(g) != shape(p) for p, g in zip(primals, grads)):
+        return set()
     return {p.name for p, g in zip(primals, grads)
             if g is None and getattr(p.meta.get("val"), "is_floating_point", lambda: False)()}
 

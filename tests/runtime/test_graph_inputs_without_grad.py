@@ -104,3 +104,23 @@ def test_the_joint_graph_names_its_inputs_without_gradient():
     x, weight = torch.randn(8, 16, requires_grad=True), torch.randn(16, 4, requires_grad=True)
     compiled(x, torch.randn(8, 16), weight).sum().backward()
     assert seen == [{"primals_2"}]  # the table, the second input; x and the weight get gradients
+
+
+def test_gradients_laid_out_otherwise_name_no_input():
+    # a gradient whose shape is not its input's: the outputs are not (forward outputs, one gradient per input)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def joint(primals_1, primals_2):
+        return [primals_1 * 2, primals_1.sum(0), None]  # the "gradient" of primals_1 has another shape
+
+    graph = make_fx(joint)(torch.randn(4, 8), torch.randn(4, 8)).graph
+    for node in graph.nodes:  # make_fx names placeholders after the arguments
+        assert node.op != "placeholder" or node.name.startswith("primals")
+    assert inputs_without_grad(graph) == set()
+
+    def aligned(primals_1, primals_2):
+        return [primals_1 * 2, primals_1 * 3, None]
+
+    graph = make_fx(aligned)(torch.randn(4, 8), torch.randn(4, 8)).graph
+    second = [n.name for n in graph.nodes if n.op == "placeholder"][1]
+    assert inputs_without_grad(graph) == {second}
