@@ -34,6 +34,7 @@ from collections.abc import Iterator
 import torch
 
 from ..utils.env import switch
+from .joint_graph_passes import joint_graph_pass, joint_pass_set
 
 _log = logging.getLogger(__name__)
 ENV = "LOWPREC_RECOMPUTE_FP8_COPIES"
@@ -139,30 +140,9 @@ def mark_fp8_copies(graph: torch.fx.Graph) -> int:
     return marked
 
 
-def _pass_class():
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
-    class RecomputeFP8Copies(CustomGraphPass):
-        """`mark_fp8_copies` as inductor's joint-graph pass (its uuid: this file, for inductor's caches)."""
-
-        def __call__(self, graph: torch.fx.Graph) -> None:
-            mark_fp8_copies(graph)
-
-        def uuid(self) -> bytes:
-            return get_hash_for_files((__file__,))
-
-    return RecomputeFP8Copies
-
-
-_PASS = None
-
-
 def graph_pass():
-    """The one pass instance (inductor keys its caches on the pass's uuid, and compares configs by value)."""
-    global _PASS
-    if _PASS is None:
-        _PASS = _pass_class()()
-    return _PASS
+    """`mark_fp8_copies` as inductor's joint-graph post pass (one instance)."""
+    return joint_graph_pass("RecomputeFP8Copies", mark_fp8_copies, __file__)
 
 
 @contextlib.contextmanager
@@ -172,10 +152,5 @@ def recompute_fp8_copies(enabled: bool) -> Iterator[None]:
     if not enabled:  # every forward of such a model comes through here: nothing more to do
         yield
         return
-    import torch._inductor.config as inductor_config
-
-    if inductor_config.joint_custom_post_pass is not None:
-        yield
-        return
-    with inductor_config.patch(joint_custom_post_pass=graph_pass()):
+    with joint_pass_set("joint_custom_post_pass", graph_pass()):
         yield

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import torch
 
+from .joint_graph_passes import joint_graph_pass, joint_pass_set
+
 # the joint graph last partitioned: its floating-point inputs without a gradient (placeholder names)
 _LAST: set[str] = set()
 
@@ -50,42 +52,21 @@ def last_inputs_without_grad() -> set[str]:
     return _LAST
 
 
-def _pass_class():
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-
-    class InputsWithoutGradient(CustomGraphPass):
-        """Records `inputs_without_grad` of each joint graph; changes nothing in it."""
-
-        def __call__(self, graph: torch.fx.Graph) -> None:
-            _LAST.clear()
-            _LAST.update(inputs_without_grad(graph))
-
-        def uuid(self) -> bytes:
-            return get_hash_for_files((__file__,))
-
-    return InputsWithoutGradient
-
-
-_PASS = None
+def _record(graph: torch.fx.Graph) -> None:
+    _LAST.clear()
+    _LAST.update(inputs_without_grad(graph))
 
 
 def graph_pass():
-    """The one pass instance (inductor keys its caches on the pass's uuid and compares configs by value)."""
-    global _PASS
-    if _PASS is None:
-        _PASS = _pass_class()()
-    return _PASS
+    """`InputsWithoutGradient`: records `inputs_without_grad` of each joint graph, changes nothing in it."""
+    return joint_graph_pass("InputsWithoutGradient", _record, __file__)
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[None]:
     """Around a compiled model's forward: inductor's joint-graph pre-pass set to `InputsWithoutGradient`, where no
     other is set (a user's own is left alone; the storage then packs such inputs, as before)."""
-    import torch._inductor.config as inductor_config
-
-    if inductor_config.joint_custom_pre_pass is not None:
-        _LAST.clear()
-        yield
-        return
-    with inductor_config.patch(joint_custom_pre_pass=graph_pass()):
+    with joint_pass_set("joint_custom_pre_pass", graph_pass()) as ours:
+        if not ours:
+            _LAST.clear()
         yield
