@@ -97,7 +97,9 @@ def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, 
     if hooks:
         others = (f"{HOOKS_STORAGE}, decoded for backward; parameters and their views, 8-bit tensors, tensors "
                   f"under {MIN_ELEMENTS} elements, attention's log-sum-exp, a loss's log-probabilities, rotary angles "
-                  "and, through the Python hooks, FP32 tensors with no autograd history kept as saved")
+                  "and tables (a compiled graph's inputs without a gradient, an eager model's views of tensors with no "
+                  "autograd history) and, through the Python hooks, FP32 tensors with no autograd history kept as "
+                  "saved")
         if fp32 != "fp8":
             others += ("; FP32 tensors (the residual stream under autocast) "
                        + ("in BF16" if fp32 == "bf16" else "kept in FP32") + " (LOWPREC_FP8_ACTIVATIONS_FP32)")
