@@ -35,7 +35,8 @@ def joint_pass_set(slot: str, graph_pass) -> Iterator[bool]:
     unset; yields whether it is lowprec's."""
     import torch._inductor.config as inductor_config
 
-    if getattr(inductor_config, slot) is not None:
+    # a torch without the slot runs no pass of lowprec's rather than failing every forward
+    if not hasattr(inductor_config, slot) or getattr(inductor_config, slot) is not None:
         yield False
         return
     with inductor_config.patch(**{slot: graph_pass}):

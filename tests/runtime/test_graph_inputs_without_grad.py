@@ -124,3 +124,21 @@ def test_gradients_laid_out_otherwise_name_no_input():
     graph = make_fx(aligned)(torch.randn(4, 8), torch.randn(4, 8)).graph
     second = [n.name for n in graph.nodes if n.op == "placeholder"][1]
     assert inputs_without_grad(graph) == {second}
+
+
+def test_a_slot_set_by_the_user_or_missing_is_left_alone():
+    import torch._inductor.config as inductor_config
+
+    from lowprec.runtime.joint_graph_passes import joint_pass_set
+
+    def mine(graph):
+        return None
+
+    with joint_pass_set("joint_custom_pre_pass", object()) as ours:
+        assert ours and inductor_config.joint_custom_pre_pass is not None
+    assert inductor_config.joint_custom_pre_pass is None
+    with inductor_config.patch(joint_custom_pre_pass=mine):
+        with joint_pass_set("joint_custom_pre_pass", object()) as ours:
+            assert not ours and inductor_config.joint_custom_pre_pass is mine
+    with joint_pass_set("no_such_slot_in_this_torch", object()) as ours:
+        assert not ours
