@@ -615,3 +615,17 @@ def test_every_configuration_scripts_gpu_memory_sh_names_exists():
                 command = []
     assert {"msamp O2 act8 recompute", "msamp O2 act8 own rows realize64", "bf16 compiled"} <= labels
     assert labels <= set(headline.CONFIGS), labels - set(headline.CONFIGS)
+
+
+def test_multi_sh_says_what_it_cannot_import_before_the_first_launch(tmp_path):
+    # a python3 without the packages (here: an empty PATH but for a stub that fails every import)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "multi.sh"), str(tmp_path / "m"),
+                           "bf16::zero2", "te:current:fsdp2"], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot import all of accelerate torchao deepspeed transformer_engine.pytorch" in proc.stderr
+    assert "== bf16::zero2" not in proc.stdout  # nothing launched

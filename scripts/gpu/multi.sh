@@ -55,6 +55,19 @@ for case in "$@"; do
   layers=${layers//+/_}
   level=""; [[ $backend == *@* ]] && { level=${backend#*@}; backend=${backend%@*}; }
   name="${backend}${level:+_$level}${recipe:+_$recipe}_${engine}${comm:+_$comm}${layers:+_$layers}"
+  if [ -z "${imports_checked:-}" ]; then
+    # before the first launch: a cell without its packages fails after ~16 s of device time each, its message deep
+    # in a log ("FP8 is not available on this machine": /tmp/site not on PYTHONPATH, 2026-11-28)
+    imports_checked=1
+    modules=(accelerate torchao)
+    for c in "$@"; do
+      [[ $(cut -d: -f3 <<< "$c") == zero* ]] && modules+=(deepspeed)
+      [[ ${c%%:*} == te || ${c%%:*} == te@* ]] && modules+=(transformer_engine.pytorch)
+    done
+    python3 -c 'import importlib, sys; [importlib.import_module(m) for m in sys.argv[1:]]' "${modules[@]}" \
+      2>/dev/null || { echo "multi.sh: python3 cannot import all of ${modules[*]}: on the GPU host run" \
+        "'bash .gpubundle/setup.sh' and export PYTHONPATH=/tmp/site:\$PWD first" >&2; exit 2; }
+  fi
   echo "== $case"
   t0=$(date +%s)
   if [ "${NPROC:-2}" = 1 ]; then
