@@ -1,5 +1,6 @@
 """A compiled graph's inputs that get no gradient (a rotary table every block takes) are kept by the in-graph FP8
-storage, told by the joint graph (`lowprec/runtime/graph_inputs_without_grad.py`); the block's own input is packed."""
+storage, told by the joint graph (`lowprec/runtime/graph_inputs_without_grad.py`), and the gradient through them is
+closer to FP32's than with them packed."""
 
 from __future__ import annotations
 
