@@ -287,11 +287,13 @@ def checkpoint(mesh) -> dict:
     return record
 
 
-def through_accelerate_fsdp2() -> dict:
+def through_accelerate_fsdp2(compiled: bool = False) -> dict:
     """The steps Accelerate's FSDP2 path takes, around lowprec's hooks: `before_engine_prepare` shards the
     O3 layers with the plugin's settings and freezes them, Accelerate's own `fsdp2_prepare_model` (its
     mixed-precision upcast included) shards the decoder layers and the root, `setup_grad_comm`
-    thaws the layers, and training runs. (Accelerate itself builds FSDP only on GPUs.)"""
+    thaws the layers, and training runs. (Accelerate itself builds FSDP only on GPUs.) `compiled`: the model
+    compiled block by block in between, as Accelerate's `_prepare_fsdp2` does under a regional dynamo plugin
+    (`compile_regions_fsdp2`), with a dynamo backend that records each graph it is given and runs it as traced."""
     from types import SimpleNamespace
 
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -313,12 +315,23 @@ def through_accelerate_fsdp2() -> dict:
     accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin), mixed_precision="bf16",
                                   is_main_process=rank == 0, torch_device_mesh=None, parallelism_config=None)
     recipe = FP8RecipeKwargs(backend="msamp", opt_level="O3", skip_first_last=False)
-    context = RunContext(device=device_info("cpu"), engine="fsdp2", world_size=dist.get_world_size())
+    context = RunContext(device=device_info("cpu"), engine="fsdp2", world_size=dist.get_world_size(),
+                         compiled=compiled)
     backend = create_backend(recipe, context)
     plan = build_plan(model, recipe, context=context, backend=backend)
     model = backend.convert(model, plan)
     optimizer = backend.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), plan)
     backend.before_engine_prepare([model, optimizer], accelerator)
+    graphs = []
+    if compiled:
+        from accelerate.utils.other import compile_regions_fsdp2
+
+        def recording(gm, example_inputs):  # the graphs dynamo hands a backend; run as traced
+            graphs.append(str(gm.graph))
+            return gm.forward
+
+        torch._dynamo.reset()
+        compile_regions_fsdp2(model, backend=recording)
     frozen = sum(not p.requires_grad for p in model.parameters())
     # Accelerate's _prepare_fsdp2 around fsdp2_prepare_model: the optimizer's parameters are keyed by
     # data_ptr() (of a DTensor's local tensor) before wrapping and swapped for the wrapped ones by name.
@@ -366,6 +379,11 @@ def through_accelerate_fsdp2() -> dict:
         "other_dtypes": sorted({str(p.dtype) for n, p in model.named_parameters() if "norm" in n}),
         "optimizer_holds_the_sharded_params": sorted(in_optimizer) == sorted(id(p) for p in model.parameters()),
         "losses": losses,
+        "layer_class": sorted({cls.__name__ for m in layers for cls in type(m).__mro__ if "FP8Linear" in cls.__name__}),
+        "plan_notes": plan.notes,
+        "graphs": len(graphs),
+        "graphs_with_fp8_function": sum("autograd_function_apply" in g or "_FP8LinearFunction" in g for g in graphs),
+        "graphs_with_norm": sum("rsqrt" in g for g in graphs),
     }
 
 
@@ -374,7 +392,8 @@ def main(out_path: str) -> None:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {"gather": gather_numerics(mesh), "train": train(mesh), "checkpoint": checkpoint(mesh),
-              "accelerate": through_accelerate_fsdp2(), "accumulation": accumulation(mesh),
+              "accelerate": through_accelerate_fsdp2(),
+              "accelerate_compiled": through_accelerate_fsdp2(compiled=True), "accumulation": accumulation(mesh),
               "precomputed": precomputed_scales(mesh), "health": health(mesh),
               "master_class": FP8MasterWeight.__name__, "gathered_class": FP8GatheredWeight.__name__}
     write_ranks(result, out_path)

@@ -60,6 +60,13 @@ O3_FSDP2_EAGER_NOTE = (
     "(d4096, two H200s: 1.17x BF16 FSDP2 at 0.73x its peak, against 0.99x at 0.79x); compile_fp8_layers=True "
     "compiles them"
 )
+# Under FSDP2 each O3 layer group is an FSDP2 module: dynamo breaks a compiled block's graph around it anyway, and
+# on torch 2.11 it failed tracing the layer (results/gpu/2026-11-28-h200-world1-6365b0b); eager_layers.py says more.
+O3_FSDP2_COMPILED_NOTE = (
+    "O3 under FSDP2 in a compiled model: the FP8 layers run eager (a graph break each, as FSDP2's hooks around each "
+    "layer group make anyway), the rest of each block compiled; eager O3 layers measured faster than compiled ones "
+    "under FSDP2"
+)
 
 # O3 under FSDP2 on two H200s of one host, d4096 proxy, steps 18-37, the same machine: gradients reduce-scattered in
 # BF16 1.26x BF16 FSDP2, in FP8 1.16x, the same peak (results/gpu/2026-11-27-h200x2-gradcomm-f48b76f). On NVLink the
@@ -185,7 +192,12 @@ class MSAMPBackend(Backend):
                        margin=opts["margin"], emulate=self.emulated, fp8_eval=opts["use_autocast_during_eval"],
                        sharded_master=self.sharded)
         self.weight_storage.remember_dtypes(model, plan)
-        root = swap_planned_modules(model, plan, lambda module, _: FP8Linear.from_float(module, **options))
+        layer_cls = FP8Linear
+        if self.sharded and self.context.compiled:
+            from .eager_layers import EagerFP8Linear
+
+            layer_cls = EagerFP8Linear
+        root = swap_planned_modules(model, plan, lambda module, _: layer_cls.from_float(module, **options))
         named = {}
         for name, m in root.named_modules():
             if isinstance(m, FP8Linear) and id(m) not in named:
@@ -296,6 +308,8 @@ class MSAMPBackend(Backend):
             notes.append(O3_FSDP2_COMM_NOTE.format(dtype=dtype))
         if self.context.engine == "ddp":
             notes.append("DDP: FP8 weight gradients are averaged once per optimizer step, after the last backward")
+        if self.sharded and self.context.compiled:
+            notes.append(O3_FSDP2_COMPILED_NOTE)
         if not self.emulated and not self.context.compiled and not self.layer_compile()[0]:
             notes.append(O3_FSDP2_EAGER_NOTE if self.sharded else EAGER_LAYERS_NOTE)
         return notes

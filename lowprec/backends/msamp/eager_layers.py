@@ -1,0 +1,28 @@
+"""MS-AMP O3 under FSDP2 in a model compiled whole: the FP8 layers run eager, the rest of each block compiled.
+
+Each O3 layer group is an FSDP2 module of its own (its FP16 master shards all-gathered as E4M3), so dynamo breaks
+the block's graph around it whatever the layer does, and compiles the layer's forward as a frame of its own: the
+layers compiled one by one, which under O3 FSDP2 measured slower than eager ones past the warm-up (d4096, two H200s:
+0.99x BF16 FSDP2 against 1.17x, results/gpu/2026-11-27-h200x2-steady-e8bb2bd). On the GPU host's torch 2.11 that
+frame did not even compile: dynamo's autograd.Function tracing asserted on the all-gathered E4M3 weight and ended the
+run (the model compiled block by block through Accelerate, results/gpu/2026-11-28-h200-world1-6365b0b). The layers
+here keep the eager path those measurements chose, and the compiled blocks the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .linear import FP8Linear
+
+
+@torch.compiler.disable(recursive=True)
+def _eager_forward(layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
+    return FP8Linear.forward(layer, x)
+
+
+class EagerFP8Linear(FP8Linear):
+    """An `FP8Linear` whose forward dynamo does not trace (a graph break): O3 under FSDP2 in a compiled model."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _eager_forward(self, x)
