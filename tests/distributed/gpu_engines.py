@@ -167,6 +167,10 @@ def main() -> None:
                    help="compile the model block by block through Accelerate (TorchDynamoPlugin(backend='inductor', "
                         "use_regional_compilation=True)), as torchtitan runs FP8 under FSDP2; BF16 with it is the "
                         "compiled baseline")
+    p.add_argument("--fused-adamw", action="store_true",
+                   help="torch.optim.AdamW(fused=True), as the one-process headline and torchtitan step (default: "
+                        "torch's choice, foreach); an optimizer lowprec replaces (msamp's levels, optimizer_states) "
+                        "steps its own way either way")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="small")
     p.add_argument("--out", required=True)
@@ -221,7 +225,7 @@ def main() -> None:
         corpus = stdlib_corpus(max_bytes=8 * 2**20)
         data = Windows(corpus.train, preset.seq_len, args.steps * preset.batch * accelerator.num_processes, seed=0)
         loader = torch.utils.data.DataLoader(data, batch_size=preset.batch)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, **({"fused": True} if args.fused_adamw else {}))
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     except refusals as exc:  # a refused combination: its message is the result
         if os.environ.get("RANK", "0") == "0":
@@ -386,6 +390,7 @@ def main() -> None:
                 "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
                 "model_type": type(model).__name__,
                 "wrapped_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+                "optimizer_fused": bool(getattr(optimizer, "optimizer", optimizer).defaults.get("fused")),
                 "fp8_modules": len(fp8_modules),
                 "planned_fp8_linears": sum(d.kind == "linear" for d in plan.converted) if plan else 0,
                 "fp8_forward_calls": int(counts()[:, 0].sum()),

@@ -33,11 +33,12 @@ def test_a_compiled_models_cell_watches_two_forwards_and_stays_compiled(tmp_path
     out = tmp_path / "cell.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
            str(HERE / "gpu_engines.py"), "--backend", "torchao", "--recipe", "tensorwise", "--engine", "fsdp2",
-           "--compile-model", "--size", "tiny", "--steps", "6", "--out", str(out)]
+           "--compile-model", "--fused-adamw", "--size", "tiny", "--steps", "6", "--out", str(out)]
     proc = run_processes(cmd, environ, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     cell = json.loads(out.read_text())
     assert cell["compiled_model"] is True and cell["all_forwards_in_fp8"] is True
+    assert cell["optimizer_fused"] is True  # multi.sh's 'fused': torch's fused AdamW over FSDP2's DTensors
     assert cell["fp8_forward_calls"] == EVIDENCE_STEPS * cell["planned_fp8_linears"]  # watched, then let go
     assert proc.stderr.count("Recompiling function") == 1, proc.stderr[-3000:]
     assert cell["last_loss"] < cell["first_loss"]
