@@ -57,8 +57,8 @@ EAGER_LAYERS_NOTE = (
 # bound by the host there (each gathered weight's graph call costs more than the eager kernels it fuses).
 O3_FSDP2_EAGER_NOTE = (
     "O3 under FSDP2: the FP8 layers run eager by default, measured faster than compiled ones past the warm-up "
-    "(d4096, two H200s: 1.17x BF16 FSDP2 at 0.73x its peak, against 0.99x at 0.79x); compile_fp8_layers=True "
-    "compiles them"
+    "(d4096, two H200s: 1.17x BF16 FSDP2 at 0.73x its peak, against 0.99x at 0.79x), and stay eager (a graph break "
+    "each) under a torch.compile of the model; compile_fp8_layers=True compiles them"
 )
 # Under FSDP2 each O3 layer group is an FSDP2 module: dynamo breaks a compiled block's graph around it anyway, and
 # on torch 2.11 it failed tracing the layer (results/gpu/2026-11-28-h200-world1-6365b0b); eager_layers.py says more.
@@ -193,7 +193,7 @@ class MSAMPBackend(Backend):
                        sharded_master=self.sharded)
         self.weight_storage.remember_dtypes(model, plan)
         layer_cls = FP8Linear
-        if self.sharded and self.context.compiled:
+        if self.sharded and not self.layer_compile()[0]:  # eager O3 layers under FSDP2, in a compiled model too
             from .eager_layers import EagerFP8Linear
 
             layer_cls = EagerFP8Linear
