@@ -400,3 +400,33 @@ def test_checkpoint_round_trip_and_plain_export(tmp_path):
     torch.testing.assert_close(model2(x).float(), expected)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert sqnr(expected, plain(x).float()) > 20
+
+
+# ---- O3 under Accelerate's FSDP2 on one GPU (a world of one), the model compiled or not -----------------------------
+@pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "model_compiled"])
+def test_o3_under_accelerates_fsdp2_trains_with_the_model_compiled_block_by_block(tmp_path, compile_model):
+    # tests/distributed/gpu_engines.py (what scripts/gpu/multi.sh launches) under torchrun as a world of one: FSDP2's
+    # own code path with its E4M3 all-gather. Compiled block by block through Accelerate, dynamo ended this run on torch
+    # 2.11 tracing the FP8 layer on the gathered weight (results/gpu/2026-11-28-h200-world1-6365b0b): now the layers
+    # stay eager there (EagerFP8Linear), the rest of each block compiled.
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from conftest import free_port, run_processes
+
+    script = Path(__file__).parent.parent / "distributed" / "gpu_engines.py"
+    out = tmp_path / "cell.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+           str(script), "--backend", "msamp", "--opt-level", "O3", "--engine", "fsdp2", "--size", "tiny",
+           "--steps", "8", "--out", str(out), *(["--compile-model"] if compile_model else [])]
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    proc = run_processes(cmd, {**environ, "CUDA_VISIBLE_DEVICES": environ.get("CUDA_VISIBLE_DEVICES", "0")},
+                         timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cell = json.loads(out.read_text())
+    assert "refused" not in cell, cell.get("refused")
+    assert cell["opt_level"] == "O3" and cell["compiled_model"] is compile_model
+    assert cell["all_forwards_in_fp8"] is True
+    assert cell["last_loss"] < cell["first_loss"]
