@@ -129,6 +129,8 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     # which inductor may fuse with the kernel computing the gradient, whose BF16 copy it stored for the amax alone
     # (results/gpu/2026-11-28-h200-act8-steady-2a04d10); with the realize threshold at 64 too
     "msamp O2 act8 own rows": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
+    # and without FP8 activations: the default's configuration, before own rows may become the default
+    "msamp O2 own rows": ("compiled", dict(backend="msamp", opt_level="O2")),
     "msamp O2 act8 own rows realize64": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
     # the FP8 Linears' transposed inputs cast again in backward from what it keeps anyway, not kept from the forward
     # (ENVIRONMENT: LOWPREC_RECOMPUTE_FP8_COPIES=1; 0.81 GiB of msamp O2 act8's 10.77 GiB steady peak, results/gpu/
@@ -174,6 +176,7 @@ INDUCTOR: dict[str, dict] = {
 # label -> lowprec module attributes set while that configuration runs ("module:attribute": value)
 PATCHES: dict[str, dict[str, object]] = {
     "msamp O2 act8 own rows": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
+    "msamp O2 own rows": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
     "msamp O2 act8 own rows realize64": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
     "msamp O2 act8 own rows recompute": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
     "msamp O2 act8 own rows recompute realize64": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},

@@ -25,6 +25,8 @@
 #   bash scripts/gpu/memory.sh OUT combined      # ~6 min: msamp O2 act8 with the recompute and inductor's
 #                                                #   realize_opcount_threshold at 64, with and without own-row
 #                                                #   amaxes, one round; combined.peak.tgz: their peaks
+#   bash scripts/gpu/memory.sh OUT ownrows       # ~6 min: msamp O2 (no FP8 activations) with its amaxes over
+#                                                #   fixed-length rows (the default) and over own rows, two rounds
 #   bash scripts/gpu/memory.sh OUT whole         # ~6 min: the model compiled as one graph (head and loss too):
 #                                                #   BF16, torchao and msamp O2 with and without FP8 activations;
 #                                                #   (and block by block, for the peak report);
@@ -140,6 +142,14 @@ for part in "$@"; do
         > "$dir/headline_te.log" 2>&1 || status=1
       python3 benchmarks/headline.py --summarize "$dir/headline_te.json" > "$dir/headline_te.md" 2>&1
       tar czf "$dir/te_peaks.tgz" -C "$dir" te_peaks && rm -rf "$dir/te_peaks" ;;
+    ownrows)
+      # msamp's amaxes over each matrix's own rows (kernels.scaling.AMAX_OVER_OWN_ROWS, off by default): with FP8
+      # activations as fast and 0.02x BF16's peak lower at 0e7acfb, aabeb3e and 6365b0b; not yet run without them,
+      # the default's configuration: with and without, two rounds (ABAB), before it may become the default
+      python3 benchmarks/headline.py --widths d4096 --rounds 2 --out "$dir/ownrows.json" --configs "bf16 compiled" \
+        "msamp O2" "msamp O2 own rows" \
+        > "$dir/ownrows.log" 2>&1 || status=1
+      python3 benchmarks/headline.py --summarize "$dir/ownrows.json" > "$dir/ownrows.md" 2>&1 ;;
     whole)
       # the loss's FP32 log-softmax, which regional compilation leaves to eager, fused by inductor
       python3 benchmarks/headline.py --widths d4096 --out "$dir/whole.json" --configs "bf16 whole" \
@@ -159,7 +169,7 @@ for part in "$@"; do
       python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
         ${LARGEST_CAPACITY_GIB:+--capacity-gib "$LARGEST_CAPACITY_GIB"} \
         --configs "${LARGEST_CONFIGS[@]}" > "$dir/largest.log" 2>&1 || status=1 ;;
-    *) echo "unknown part '$part' (headline|headline_te|loss|states|realize|recompute|combined|whole|convergence|largest)" >&2
+    *) echo "unknown part '$part' (headline|headline_te|loss|states|realize|recompute|combined|ownrows|whole|convergence|largest)" >&2
        exit 2 ;;
   esac
   tail -15 "$dir/$part.log" 2>/dev/null
