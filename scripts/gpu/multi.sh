@@ -26,6 +26,8 @@
 # under FSDP2): bf16::fsdp2:::model is the compiled baseline for torchao:tensorwise:fsdp2:::model.
 # 'fused' steps torch's AdamW fused (--fused-adamw), as the one-process headline and torchtitan do: the default
 # (foreach over FSDP2's DTensors) took 22 ms of a 111 ms BF16 FSDP2 step as a world of one (h200-world1-6365b0b).
+# 'noag' (torchao under FSDP2) sets enable_fsdp_float8_all_gather=False: BF16 all-gathers and the cast inside the
+# compiled layer, against the FP8 all-gather's cast before it (eager: aten::mul 196 calls, 16.8 ms of one step at 85a7575).
 # Several sixth-field flags join with '+' (te:current:fsdp2:::fp8w+act8, msamp@O3::fsdp2:::eager+act8); the cell's
 # file names them with '_' instead.
 # ROUNDS=N (default 1) runs the whole list N times in order, round r into OUTDIR/rR/ (ABAB on one machine: a ratio
@@ -45,12 +47,13 @@ for round in $(seq 1 "$rounds"); do
 for case in "$@"; do
   IFS=: read -r backend recipe engine comm steps layers <<< "$case"
   compile_layers=${COMPILE_FP8_LAYERS:-}
-  fp8w=""; overlap=0; act=""; states=""; whole=""; fused=""
+  fp8w=""; overlap=0; act=""; states=""; whole=""; fused=""; noag=""
   IFS=+ read -ra flags <<< "$layers"
   for flag in "${flags[@]}"; do
     case "$flag" in compiled) compile_layers=true ;; eager) compile_layers=false ;; fp8w) fp8w=1 ;; overlap) overlap=1 ;;
       act8) act=fp8 ;; bf16m) states=bf16 ;; fp8m) states=fp8 ;; model) whole=1 ;; fused) fused=1 ;;
-      *) echo "unknown sixth field '$flag' in '$layers' (compiled|eager|fp8w|overlap|act8|bf16m|fp8m|model|fused, joined with +)" >&2
+      noag) noag=1 ;;
+      *) echo "unknown sixth field '$flag' in '$layers' (compiled|eager|fp8w|overlap|act8|bf16m|fp8m|model|fused|noag, joined with +)" >&2
          exit 2 ;;
     esac
   done
@@ -83,6 +86,7 @@ for case in "$@"; do
     --engine "$engine" ${comm:+--grad-comm-dtype "$comm"} --steps "${steps:-${STEPS:-30}}" --size "${SIZE:-small}" \
     ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${fp8w:+--fp8-weights} ${act:+--activation-dtype "$act"} \
     ${states:+--optimizer-states "$states"} ${whole:+--compile-model} ${fused:+--fused-adamw} \
+    ${noag:+--no-fp8-all-gather} \
     --out "$out/$name.json" > "$out/$name.log" 2>&1
   rc=$?; echo "exit $rc in $(( $(date +%s) - t0 )) s"
   if [ -f "$out/$name.json" ]; then

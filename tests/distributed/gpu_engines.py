@@ -167,6 +167,9 @@ def main() -> None:
                    help="compile the model block by block through Accelerate (TorchDynamoPlugin(backend='inductor', "
                         "use_regional_compilation=True)), as torchtitan runs FP8 under FSDP2; BF16 with it is the "
                         "compiled baseline")
+    p.add_argument("--no-fp8-all-gather", action="store_true",
+                   help="FP8RecipeKwargs(enable_fsdp_float8_all_gather=False) (torchao under FSDP2): weights "
+                        "all-gathered in the FSDP policy's dtype and cast inside the layer, not cast before the gather")
     p.add_argument("--fused-adamw", action="store_true",
                    help="torch.optim.AdamW(fused=True), as the one-process headline and torchtitan step (default: "
                         "torch's choice, foreach); an optimizer lowprec replaces (msamp's levels, optimizer_states) "
@@ -178,9 +181,10 @@ def main() -> None:
                    help="write one step's CUDA kernels (torch.profiler, by self time) to this file (rank 0; "
                         "NAME.rankR.txt for the others) and each rank's Chrome trace beside it")
     args = p.parse_args()
-    if args.backend == "bf16" and (args.activation_dtype or args.fp8_weights or args.optimizer_states):
-        p.error("--activation-dtype, --fp8-weights and --optimizer-states are FP8RecipeKwargs fields: backend 'bf16' "
-                "has no recipe")
+    if args.backend == "bf16" and (args.activation_dtype or args.fp8_weights or args.optimizer_states
+                                   or args.no_fp8_all_gather):
+        p.error("--activation-dtype, --fp8-weights, --optimizer-states and --no-fp8-all-gather are FP8RecipeKwargs "
+                "fields: backend 'bf16' has no recipe")
     time_fp8_reductions()
 
     from lowprec.demo.data import Windows, stdlib_corpus
@@ -216,6 +220,7 @@ def main() -> None:
             recipe = FP8RecipeKwargs(backend=args.backend, recipe=args.recipe or None, opt_level=args.opt_level,
                                      grad_comm_dtype=args.grad_comm_dtype, fp8_weights=args.fp8_weights or None,
                                      activation_dtype=args.activation_dtype, optimizer_states=args.optimizer_states,
+                                     enable_fsdp_float8_all_gather=False if args.no_fp8_all_gather else None,
                                      compile_fp8_layers=None if args.compile_fp8_layers is None
                                      else args.compile_fp8_layers == "true")
             accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
@@ -391,6 +396,7 @@ def main() -> None:
                 "model_type": type(model).__name__,
                 "wrapped_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
                 "optimizer_fused": bool(getattr(optimizer, "optimizer", optimizer).defaults.get("fused")),
+                "options": {k: str(v) for k, v in (plan.options if plan else {}).items()},
                 "fp8_modules": len(fp8_modules),
                 "planned_fp8_linears": sum(d.kind == "linear" for d in plan.converted) if plan else 0,
                 "fp8_forward_calls": int(counts()[:, 0].sum()),
