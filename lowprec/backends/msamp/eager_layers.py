@@ -26,7 +26,8 @@ def _eager_forward(layer: FP8Linear, x: torch.Tensor) -> torch.Tensor:
 
 class EagerFP8Linear(FP8Linear):
     """An `FP8Linear` whose forward dynamo does not trace (a graph break): eager O3 layers under FSDP2. In an eager
-    model the only cost is the wrapper's (it sets dynamo's frame callback off and back on, ~1 us a call)."""
+    model the only cost is the wrapper's (dynamo's frame callback set off and back on: 0.37 us a call more than a
+    plain call, torch 2.13 on this project's CPU host)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _eager_forward(self, x)
