@@ -152,35 +152,31 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     "msamp O2 whole": ("whole", dict(backend="msamp", opt_level="O2")),
     "msamp O2 act8 whole": ("whole", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
 }
-# label -> environment variables set while that configuration runs
-ENVIRONMENT: dict[str, dict[str, str]] = {
-    "torchao act8 hooks": {"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "0"},
-    "msamp O2 act8 hooks": {"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "0"},
-    "msamp O2 act8 torch loss": {"LOWPREC_FUSED_CROSS_ENTROPY": "0"},
-    "torchao act8 torch loss": {"LOWPREC_FUSED_CROSS_ENTROPY": "0"},
-    "msamp O2 act8 recompute": {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"},
-    "msamp O2 act8 own rows recompute": {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"},
-    "torchao O2 act8 recompute": {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"},
-    "torchao act8 recompute": {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"},
-    "msamp O2 act8 own rows recompute realize64": {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"},
-    "msamp O2 act8 recompute realize64": {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"},
+# a word of a label -> what it sets while that configuration runs: environment variables (ENVIRONMENT),
+# torch._inductor.config settings, its forward and backward compiling in them (INDUCTOR), and lowprec module
+# attributes, "module:attribute": value (PATCHES); a label with several such words sets each one's
+LABEL_WORDS: dict[str, tuple[str, dict[str, object]]] = {
+    "hooks": ("environment", {"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "0"}),
+    "torch loss": ("environment", {"LOWPREC_FUSED_CROSS_ENTROPY": "0"}),
+    "recompute": ("environment", {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"}),
+    "realize64": ("inductor", {"realize_opcount_threshold": 64}),
+    "own rows": ("patches", {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True}),
 }
-# label -> torch._inductor.config settings while that configuration runs (its forward and backward compile in it)
-INDUCTOR: dict[str, dict] = {
-    "msamp O2 act8 realize64": {"realize_opcount_threshold": 64},
-    "torchao O2 act8 realize64": {"realize_opcount_threshold": 64},
-    "msamp O2 act8 own rows realize64": {"realize_opcount_threshold": 64},
-    "msamp O2 act8 own rows recompute realize64": {"realize_opcount_threshold": 64},
-    "msamp O2 act8 recompute realize64": {"realize_opcount_threshold": 64},
-}
-# label -> lowprec module attributes set while that configuration runs ("module:attribute": value)
-PATCHES: dict[str, dict[str, object]] = {
-    "msamp O2 act8 own rows": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
-    "msamp O2 own rows": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
-    "msamp O2 act8 own rows realize64": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
-    "msamp O2 act8 own rows recompute": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
-    "msamp O2 act8 own rows recompute realize64": {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True},
-}
+
+
+def _settings(kind: str) -> dict[str, dict]:
+    """label -> the `kind` settings its words set (LABEL_WORDS), for every configuration with any."""
+    out: dict[str, dict] = {}
+    for label in CONFIGS:
+        for word, (of_kind, values) in LABEL_WORDS.items():
+            if of_kind == kind and f" {word} " in f" {label} ":
+                out.setdefault(label, {}).update(values)
+    return out
+
+
+ENVIRONMENT: dict[str, dict[str, str]] = _settings("environment")
+INDUCTOR: dict[str, dict] = _settings("inductor")
+PATCHES: dict[str, dict[str, object]] = _settings("patches")
 # FP8Linear's amax_history_len (MS-AMP's 16): msamp's steps before it take current scales, another compiled graph
 MSAMP_WINDOW = 16
 DEFAULT_CONFIGS = ["bf16 eager", "te", "auto", "raw te", "bf16 compiled", "torchao", "msamp O2", "auto compiled"]

@@ -197,6 +197,21 @@ def test_headline_has_a_whole_model_mode_with_its_own_bf16():
     assert runs["msamp O2 whole"]["speedup_vs_bf16"] == 1.25 and runs["msamp O2 whole"]["peak_vs_bf16"] == 0.5
 
 
+def test_a_headline_labels_words_say_what_it_sets():
+    # "own rows", "recompute", "realize64", "hooks", "torch loss": each a setting, a label with several sets each
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import headline
+
+    label = "msamp O2 act8 own rows recompute realize64"
+    assert headline.ENVIRONMENT[label] == {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"}
+    assert headline.INDUCTOR[label] == {"realize_opcount_threshold": 64}
+    assert headline.PATCHES[label] == {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True}
+    assert headline.ENVIRONMENT["torchao act8 torch loss"] == {"LOWPREC_FUSED_CROSS_ENTROPY": "0"}
+    assert headline.ENVIRONMENT["msamp O2 act8 hooks"] == {"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "0"}
+    for plain in ("msamp O2", "msamp O2 act8", "bf16 compiled", "torchao act8 whole"):
+        assert all(plain not in settings for settings in (headline.ENVIRONMENT, headline.INDUCTOR, headline.PATCHES))
+
+
 def test_headline_sets_a_configurations_environment_only_while_it_runs(monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import headline
