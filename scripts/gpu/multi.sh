@@ -28,6 +28,8 @@
 # (foreach over FSDP2's DTensors) took 22 ms of a 111 ms BF16 FSDP2 step as a world of one (h200-world1-6365b0b).
 # 'noag' (torchao under FSDP2) sets enable_fsdp_float8_all_gather=False: BF16 all-gathers and the cast inside the
 # compiled layer, against the FP8 all-gather's cast before it (eager: aten::mul 196 calls, 16.8 ms of one step at 85a7575).
+# 'aocast' (torchao under FSDP2) keeps torchao's own three-kernel cast of each shard before the FP8 all-gather, for the
+# A/B of lowprec's one-kernel cast (lowprec/backends/torchao_gather.py).
 # Several sixth-field flags join with '+' (te:current:fsdp2:::fp8w+act8, msamp@O3::fsdp2:::eager+act8); the cell's
 # file names them with '_' instead.
 # ROUNDS=N (default 1) runs the whole list N times in order, round r into OUTDIR/rR/ (ABAB on one machine: a ratio
@@ -47,13 +49,13 @@ for round in $(seq 1 "$rounds"); do
 for case in "$@"; do
   IFS=: read -r backend recipe engine comm steps layers <<< "$case"
   compile_layers=${COMPILE_FP8_LAYERS:-}
-  fp8w=""; overlap=0; act=""; states=""; whole=""; fused=""; noag=""
+  fp8w=""; overlap=0; act=""; states=""; whole=""; fused=""; noag=""; aocast=""
   IFS=+ read -ra flags <<< "$layers"
   for flag in "${flags[@]}"; do
     case "$flag" in compiled) compile_layers=true ;; eager) compile_layers=false ;; fp8w) fp8w=1 ;; overlap) overlap=1 ;;
       act8) act=fp8 ;; bf16m) states=bf16 ;; fp8m) states=fp8 ;; model) whole=1 ;; fused) fused=1 ;;
-      noag) noag=1 ;;
-      *) echo "unknown sixth field '$flag' in '$layers' (compiled|eager|fp8w|overlap|act8|bf16m|fp8m|model|fused|noag, joined with +)" >&2
+      noag) noag=1 ;; aocast) aocast=1 ;;
+      *) echo "unknown sixth field '$flag' in '$layers' (compiled|eager|fp8w|overlap|act8|bf16m|fp8m|model|fused|noag|aocast, joined with +)" >&2
          exit 2 ;;
     esac
   done
@@ -86,7 +88,7 @@ for case in "$@"; do
     --engine "$engine" ${comm:+--grad-comm-dtype "$comm"} --steps "${steps:-${STEPS:-30}}" --size "${SIZE:-small}" \
     ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${fp8w:+--fp8-weights} ${act:+--activation-dtype "$act"} \
     ${states:+--optimizer-states "$states"} ${whole:+--compile-model} ${fused:+--fused-adamw} \
-    ${noag:+--no-fp8-all-gather} \
+    ${noag:+--no-fp8-all-gather} ${aocast:+--torchao-gather-cast} \
     --out "$out/$name.json" > "$out/$name.log" 2>&1
   rc=$?; echo "exit $rc in $(( $(date +%s) - t0 )) s"
   if [ -f "$out/$name.json" ]; then

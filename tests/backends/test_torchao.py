@@ -189,6 +189,8 @@ def test_fsdp2_fp8_all_gather_two_processes(tmp_path):
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["weight_types"] == ["WeightWithDynamicFloat8CastTensor"]
     assert "weights all-gathered in FP8" in result["notes"][0]
+    assert result["fused_gather_casts"] == 3  # each Linear's shard, after its precomputed scale
+    assert result["losses"] == result["torchaos_cast_losses"]
     assert result["scales_equal_across_ranks"]
     assert result["max_scale_rel_error"] < 1e-5  # the precomputed scale is the global amax's
     assert result["last_loss"] < result["first_loss"]

@@ -2,7 +2,8 @@
 
 FSDP2 (`fully_shard`) on a model converted by lowprec's torchao adapter for engine "fsdp2": weights
 are all-gathered in FP8, and the adapter's post-step hook precomputes every weight's scale with one
-all-reduce. Accelerate builds FSDP only on GPUs, so this drives FSDP2 directly.
+all-reduce; after wrapping, the adapter gives each shard its one-kernel cast (trained again without it:
+the same losses). Accelerate builds FSDP only on GPUs, so this drives FSDP2 directly.
 """
 
 import json
@@ -17,13 +18,11 @@ from torch.distributed.fsdp import fully_shard
 
 from lowprec import FP8RecipeKwargs, RunContext, build_plan
 from lowprec.backends import create_backend
+from lowprec.backends.torchao_gather import fused_gather_casts
 from lowprec.planning.hardware import device_info
 
 
-def main(out_path: str) -> None:
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+def train(mesh, rank: int, world: int, fuse: bool) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16))
     recipe = FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, skip_first_last=False)
@@ -36,6 +35,8 @@ def main(out_path: str) -> None:
         if isinstance(module, nn.Linear):
             fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if fuse:  # what lowprec.Accelerator does once the engine wrapped the model
+        backend.setup_communication(model, plan)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     hook = backend.post_optimizer_step(model)
 
@@ -59,16 +60,28 @@ def main(out_path: str) -> None:
     scales = torch.stack([m.weight._local_tensor._precomputed_scale.float() for m in model if isinstance(m, nn.Linear)])
     gathered = [torch.zeros_like(scales) for _ in range(world)]
     dist.all_gather(gathered, scales)
+    return {
+        "notes": plan.notes,
+        "weight_types": weight_types,
+        "fused_gather_casts": fused_gather_casts(model),
+        "max_scale_rel_error": max(scale_errors),
+        "scales_equal_across_ranks": all(torch.equal(gathered[0], t) for t in gathered[1:]),
+        "losses": losses,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
+
+
+def main(out_path: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    result = train(mesh, rank, world, fuse=True)
+    # torchao's own cast of each shard before the all-gather: the same bytes, so the same training to the bit
+    result["torchaos_cast_losses"] = train(mesh, rank, world, fuse=False)["losses"]
     if rank == 0:
         with open(out_path, "w") as fh:
-            json.dump({
-                "notes": plan.notes,
-                "weight_types": weight_types,
-                "max_scale_rel_error": max(scale_errors),
-                "scales_equal_across_ranks": all(torch.equal(gathered[0], t) for t in gathered[1:]),
-                "first_loss": losses[0],
-                "last_loss": losses[-1],
-            }, fh)
+            json.dump(result, fh)
     end_ranks()
 
 

@@ -170,6 +170,9 @@ def main() -> None:
     p.add_argument("--no-fp8-all-gather", action="store_true",
                    help="FP8RecipeKwargs(enable_fsdp_float8_all_gather=False) (torchao under FSDP2): weights "
                         "all-gathered in the FSDP policy's dtype and cast inside the layer, not cast before the gather")
+    p.add_argument("--torchao-gather-cast", action="store_true",
+                   help="torchao's own cast of each shard before the FP8 all-gather (three eager kernels), not "
+                        "lowprec's one-kernel cast (torchao under FSDP2): the A/B of torchao_gather.py")
     p.add_argument("--fused-adamw", action="store_true",
                    help="torch.optim.AdamW(fused=True), as the one-process headline and torchtitan step (default: "
                         "torch's choice, foreach); an optimizer lowprec replaces (msamp's levels, optimizer_states) "
@@ -182,9 +185,9 @@ def main() -> None:
                         "NAME.rankR.txt for the others) and each rank's Chrome trace beside it")
     args = p.parse_args()
     if args.backend == "bf16" and (args.activation_dtype or args.fp8_weights or args.optimizer_states
-                                   or args.no_fp8_all_gather):
-        p.error("--activation-dtype, --fp8-weights, --optimizer-states and --no-fp8-all-gather are FP8RecipeKwargs "
-                "fields: backend 'bf16' has no recipe")
+                                   or args.no_fp8_all_gather or args.torchao_gather_cast):
+        p.error("--activation-dtype, --fp8-weights, --optimizer-states, --no-fp8-all-gather and "
+                "--torchao-gather-cast are FP8 settings: backend 'bf16' has none")
     time_fp8_reductions()
 
     from lowprec.demo.data import Windows, stdlib_corpus
@@ -240,6 +243,9 @@ def main() -> None:
         return
     plan = accelerator.precision_plan
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if args.torchao_gather_cast:  # the instance's override removed: the class's (torchao's) method again
+        for q in inner.parameters():
+            vars(getattr(q, "_local_tensor", q)).pop("fsdp_pre_all_gather", None)
     compiled = plan is not None and accelerator._lowprec[-1][1].layer_compile()[0]
     # what prepare() leaves allocated: model state before any step (a converted weight kept alive beside its
     # FSDP2 shard once showed here as 4 bytes per element on every rank)
@@ -345,6 +351,9 @@ def main() -> None:
         local = [getattr(w, "_local_tensor", w) for w in weights]
         evidence["fp8_all_gather_weights"] = sum(type(t).__name__ == "WeightWithDynamicFloat8CastTensor" for t in local)
         evidence["precomputed_scales"] = sum(getattr(t, "_precomputed_scale", None) is not None for t in local)
+        from lowprec.backends.torchao_gather import fused_gather_casts
+
+        evidence["fused_gather_casts"] = fused_gather_casts(inner)
     if args.engine in ("ddp", "zero1", "zero2") and accelerator.num_processes > 1:  # replicated weights
         flat = torch.cat([q.detach().float().flatten() for q in inner.parameters()])
         gathered = accelerator.gather(flat.unsqueeze(0))

@@ -44,12 +44,13 @@ def test_a_compiled_models_cell_watches_two_forwards_and_stays_compiled(tmp_path
     assert cell["last_loss"] < cell["first_loss"]
 
 
-@pytest.mark.parametrize("flag", ["--no-fp8-all-gather", "--optimizer-states=bf16", "--fp8-weights"])
+@pytest.mark.parametrize("flag", ["--no-fp8-all-gather", "--optimizer-states=bf16", "--fp8-weights",
+                                  "--torchao-gather-cast"])
 def test_the_harness_refuses_recipe_fields_for_the_bf16_baseline(tmp_path, flag):
     # a BF16 cell has no FP8RecipeKwargs: a recipe field there would be a baseline silently unlike what it says
     import subprocess
 
     proc = subprocess.run([sys.executable, str(HERE / "gpu_engines.py"), "--backend", "bf16", flag,
                            "--out", str(tmp_path / "cell.json")], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "backend 'bf16' has no recipe" in proc.stderr
+    assert proc.returncode == 2 and "backend 'bf16' has none" in proc.stderr
     assert "--no-fp8-all-gather" in proc.stderr and not (tmp_path / "cell.json").exists()

@@ -115,3 +115,68 @@ def test_compiled_llama_training_on_gpu(level):
         weights = [m.weight for m in inner.modules() if type(m).__name__ == "Float8Linear"]
         assert all(w.dtype == torch.float16 and w.grad is None for w in weights)
         assert type(optimizer.optimizer).__name__ == "LowBitAdamW"
+
+
+# ---- FSDP2's FP8 all-gather: each shard cast in one kernel (lowprec/backends/torchao_gather.py) ---------------------
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7168, 4096), (4096, 7168), (1000, 96)], ids=["w1", "w2", "odd"])
+def test_one_kernel_gather_cast_gives_torchaos_bytes(fp8_dtype, dtype, shape):
+    import types
+
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from lowprec.backends.torchao_gather import _pre_all_gather
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    data = (torch.randn(shape, device="cuda", generator=g) * torch.logspace(-3, 1, shape[1], device="cuda")).to(dtype)
+    # twice the amax's scale: the largest values saturate, as after a step that grew the weights
+    scale = (torch.finfo(fp8_dtype).max / data.abs().max().float() * 2).reshape(())
+
+    def weight():
+        w = WeightWithDynamicFloat8CastTensor(data, LinearMMConfig(), fp8_dtype)
+        w._precomputed_scale = scale
+        return w
+
+    (expected,), _ = weight().fsdp_pre_all_gather(None)
+    fused = weight()
+    fused.fsdp_pre_all_gather = types.MethodType(_pre_all_gather, fused)
+    (got,), (got_scale,) = fused.fsdp_pre_all_gather(None)
+    assert got_scale is scale
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    data.view(-1)[:3] = torch.tensor([float("inf"), float("-inf"), float("nan")], device="cuda", dtype=dtype)
+    (got,), _ = fused.fsdp_pre_all_gather(None)
+    assert got.view(-1)[:3].float().isnan().all() and got.view(-1)[3:].float().isfinite().all()
+
+
+@pytest.mark.parametrize("cast", ["lowprec", "torchao"])
+def test_fsdp2_world_of_one_trains_with_the_one_kernel_cast(tmp_path, cast):
+    # tests/distributed/gpu_engines.py under torchrun as a world of one: FSDP2's own all-gather path, the model
+    # compiled block by block (as torchtitan runs FP8 under FSDP2)
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from conftest import free_port, run_processes
+
+    script = Path(__file__).parent.parent / "distributed" / "gpu_engines.py"
+    out = tmp_path / "cell.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
+           str(script), "--backend", "torchao", "--recipe", "tensorwise", "--engine", "fsdp2", "--size", "tiny",
+           "--steps", "8", "--compile-model", "--out", str(out)]
+    if cast == "torchao":
+        cmd.append("--torchao-gather-cast")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    environ["ACCELERATE_FP8_SKIP_SLOW_SHAPES"] = "0"  # d=128: every Linear would stay BF16
+    proc = run_processes(cmd, {**environ, "CUDA_VISIBLE_DEVICES": environ.get("CUDA_VISIBLE_DEVICES", "0")},
+                         timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    cell = json.loads(out.read_text())
+    summary = {k: cell.get(k) for k in ("fp8_modules", "fp8_all_gather_weights", "precomputed_scales",
+                                        "fused_gather_casts", "all_forwards_in_fp8", "notes")}
+    assert cell["fp8_modules"] > 0 and cell["all_forwards_in_fp8"] is True, summary
+    assert cell["fp8_all_gather_weights"] == cell["precomputed_scales"] == cell["fp8_modules"], summary
+    assert cell["fused_gather_casts"] == (cell["fp8_modules"] if cast == "lowprec" else 0), summary
+    assert cell["last_loss"] < cell["first_loss"]
