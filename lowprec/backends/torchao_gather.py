@@ -5,7 +5,7 @@ Before every all-gather (forward, and again in backward where FSDP2 reshards aft
 compiled graph: a multiply into a new FP32 tensor, a clamp into another, a copy to FP8. On the d4096 proxy as a
 world of one those three kernels were about 14 ms of an 82 ms step (56 casts of 28 weights), and the FP8 all-gather
 ran 1.18x compiled BF16 FSDP2 where BF16 all-gathers with the cast inside the compiled layer ran 1.29x
-(results/gpu/2026-11-29-h200-world1-9be81f4). With the scale precomputed after the optimizer step (lowprec's
+(results/gpu/2026-11-29-h200-world1-1a9b081). With the scale precomputed after the optimizer step (lowprec's
 post-step hook) the cast here is lowprec's one-pass Triton kernel (`kernels.cast`): it reads the shard once and
 writes the FP8 bytes. The same bits as torchao's for every finite value; an inf becomes NaN rather than a finite
 +-max (a non-finite weight never comes out finite). Before the first step, with no precomputed scale, torchao's own
