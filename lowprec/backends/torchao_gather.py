@@ -11,13 +11,14 @@ writes the FP8 bytes. The same bits as torchao's for every finite value; an inf 
 +-max (a non-finite weight never comes out finite). Before the first step, with no precomputed scale, torchao's own
 cast runs (it all-reduces the amax).
 
-FSDP2 calls `fsdp_pre_all_gather` on the sharded local tensor it made, so the override is the instance's own,
-installed after the model is wrapped (`fuse_gather_casts`); torchao's class is left as it is.
+FSDP2 calls `fsdp_pre_all_gather` on the sharded local tensors it made when it wrapped the model; the weights
+lowprec prepared are marked then (`fuse_gather_casts`), and torchao's class method, replaced once by `_pre_all_gather`,
+casts a marked weight here and hands any other to torchao's own. The mark is a bool in the tensor's `__dict__`, so a
+deep copy or a pickle of the weight keeps it (an override bound to the instance went along to a deep copy, where it
+cast the original's shard, and pickled as an attribute the class lacks).
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 from torch import nn
@@ -39,29 +40,44 @@ def gather_cast(shard: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
     return cast_transpose(shard, scale.reshape(()), fp8_dtype, amax, transpose=False)[0]
 
 
+_MARK = "_lowprec_one_kernel_cast"
+_torchao_pre_all_gather = None  # torchao's own method, once replaced
+
+
 def _pre_all_gather(self, mesh):
-    """`fsdp_pre_all_gather` of one sharded torchao weight: its FP8 bytes and scale, as torchao's returns them."""
+    """`fsdp_pre_all_gather` of torchao's sharded weights: for one lowprec marked, its FP8 bytes and scale (as
+    torchao's returns them) from one kernel; any other, torchao's own."""
     scale = self._precomputed_scale  # read once: the post-step hook re-assigns it
-    if scale is None or self._tensor.numel() == 0:
-        return type(self).fsdp_pre_all_gather(self, mesh)
+    if not vars(self).get(_MARK) or scale is None or self._tensor.numel() == 0:
+        return _torchao_pre_all_gather(self, mesh)
     return (gather_cast(self._tensor, scale, self._dtype),), (scale,)
 
 
+def _replace_torchaos_method() -> None:
+    global _torchao_pre_all_gather
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
+
+    if Weight.fsdp_pre_all_gather is not _pre_all_gather:
+        _torchao_pre_all_gather = Weight.fsdp_pre_all_gather
+        Weight.fsdp_pre_all_gather = _pre_all_gather
+
+
 def fuse_gather_casts(model: nn.Module) -> int:
-    """Give every FSDP2-sharded torchao weight of `model` the one-kernel cast before its all-gather; returns how
-    many. Run once the model is wrapped: FSDP2 makes the local tensors it gathers when it shards."""
+    """Mark every FSDP2-sharded torchao weight of `model` for the one-kernel cast before its all-gather; returns
+    how many. Run once the model is wrapped: FSDP2 makes the local tensors it gathers when it shards."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
+    _replace_torchaos_method()
     count = 0
     for param in model.parameters():
         local = getattr(param, "_local_tensor", None)
         if isinstance(local, WeightWithDynamicFloat8CastTensor):
-            local.fsdp_pre_all_gather = types.MethodType(_pre_all_gather, local)
+            setattr(local, _MARK, True)
             count += 1
     return count
 
 
 def fused_gather_casts(model: nn.Module) -> int:
-    """How many of `model`'s sharded weights carry the one-kernel cast (evidence for the harness and the tests)."""
-    return sum(getattr(getattr(getattr(p, "_local_tensor", None), "fsdp_pre_all_gather", None), "__func__", None)
-               is _pre_all_gather for p in model.parameters())
+    """How many of `model`'s sharded weights are cast in one kernel (evidence for the harness and the tests)."""
+    return sum(bool(vars(local).get(_MARK)) for p in model.parameters()
+               if (local := getattr(p, "_local_tensor", None)) is not None)

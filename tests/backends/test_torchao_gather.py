@@ -3,7 +3,8 @@ gives, its fallback before the first step, and what it does with non-finite weig
 
 from __future__ import annotations
 
-import types
+import copy
+import io
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ pytest.importorskip("torchao")
 from torchao.float8.float8_training_tensor import LinearMMConfig  # noqa: E402
 from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor  # noqa: E402
 
-from lowprec.backends.torchao_gather import _pre_all_gather, gather_cast  # noqa: E402
+from lowprec.backends.torchao_gather import _MARK, _replace_torchaos_method, gather_cast  # noqa: E402
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -25,7 +26,8 @@ def weight(data: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor | Non
 
 
 def fused(w):
-    w.fsdp_pre_all_gather = types.MethodType(_pre_all_gather, w)
+    _replace_torchaos_method()  # what fuse_gather_casts does for a wrapped model's shards
+    setattr(w, _MARK, True)
     return w
 
 
@@ -71,14 +73,17 @@ def test_a_non_finite_weight_stays_non_finite(fp8_dtype):
 
 def test_before_the_first_step_torchaos_own_cast_runs(monkeypatch):
     # no precomputed scale yet: torchao computes one from the shard (all-reducing the amax under FSDP2)
+    import lowprec.backends.torchao_gather as gather
+
+    _replace_torchaos_method()
     calls = []
-    original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+    original = gather._torchao_pre_all_gather
 
     def spy(self, mesh):
         calls.append(mesh)
         return original(self, mesh)
 
-    monkeypatch.setattr(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", spy)
+    monkeypatch.setattr(gather, "_torchao_pre_all_gather", spy)
     data = shard(torch.float32)
     (got,), (scale,) = fused(weight(data, torch.float8_e4m3fn, None)).fsdp_pre_all_gather("mesh")
     assert calls == ["mesh"]
@@ -92,12 +97,49 @@ def test_an_empty_shard_goes_to_torchao():
     assert got.shape == (0, 48) and got.dtype == torch.float8_e4m3fn
 
 
-def test_the_override_is_the_instances_own():
-    w = fused(weight(shard(torch.float32), torch.float8_e4m3fn, torch.tensor(1.0)))
-    other = weight(shard(torch.float32), torch.float8_e4m3fn, torch.tensor(1.0))
-    assert w.fsdp_pre_all_gather.__func__ is _pre_all_gather
-    assert other.fsdp_pre_all_gather.__func__ is WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+def inf_bytes(w) -> float:
+    (got,), _ = w.fsdp_pre_all_gather(None)
+    return got.float()[0, 0].item()
+
+
+def with_inf() -> torch.Tensor:
+    data = shard(torch.float32)
+    data[0, 0] = float("inf")
+    return data
+
+
+def test_only_the_weights_lowprec_marked_take_the_one_kernel_cast():
+    # torchao's class method is replaced once, for every instance: an unmarked weight (one lowprec did not prepare)
+    # gets torchao's cast, which saturates an inf, a marked one lowprec's, which keeps it non-finite
+    marked = fused(weight(with_inf(), torch.float8_e4m3fn, torch.tensor(1.0)))
+    plain = weight(with_inf(), torch.float8_e4m3fn, torch.tensor(1.0))
+    assert WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather.__module__ == "lowprec.backends.torchao_gather"
+    assert inf_bytes(plain) == 448.0 and torch.isnan(torch.tensor(inf_bytes(marked)))
+    _replace_torchaos_method()  # twice: torchao's method stays the one it hands the others to
+    assert inf_bytes(plain) == 448.0
     import inspect
 
     # FSDP2 picks the hook's calling convention from its signature: torchao's (mesh) one
-    assert list(inspect.signature(w.fsdp_pre_all_gather).parameters) == ["mesh"]
+    assert list(inspect.signature(marked.fsdp_pre_all_gather).parameters) == ["mesh"]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_keeps_the_mark_and_casts_its_own_shard(how):
+    # an override bound to the instance went with a deep copy and cast the original's shard, and its pickle did not
+    # load (an attribute the class lacks)
+    data = shard(torch.float32)
+    marked = fused(weight(data, torch.float8_e4m3fn, (448.0 / data.abs().max()).reshape(())))
+    if how == "deepcopy":
+        copied = copy.deepcopy(marked)
+    else:
+        buffer = io.BytesIO()
+        torch.save(marked, buffer)
+        copied = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert type(copied) is WeightWithDynamicFloat8CastTensor and vars(copied)[_MARK] is True
+    copied._tensor.mul_(2)  # the copy's own shard, not the original's
+    copied._precomputed_scale = marked._precomputed_scale / 2
+    copied._tensor[0, 0] = float("inf")
+    (got,), _ = copied.fsdp_pre_all_gather(None)
+    (original,), _ = marked.fsdp_pre_all_gather(None)
+    assert got.float()[0, 0].isnan() and not original.float()[0, 0].isnan()
+    assert torch.equal(got.view(torch.uint8).flatten()[1:], original.view(torch.uint8).flatten()[1:])

@@ -243,9 +243,11 @@ def main() -> None:
         return
     plan = accelerator.precision_plan
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
-    if args.torchao_gather_cast:  # the instance's override removed: the class's (torchao's) method again
+    if args.torchao_gather_cast:  # lowprec's mark taken off: torchao's own cast of every shard
+        from lowprec.backends.torchao_gather import _MARK
+
         for q in inner.parameters():
-            vars(getattr(q, "_local_tensor", q)).pop("fsdp_pre_all_gather", None)
+            vars(getattr(q, "_local_tensor", q)).pop(_MARK, None)
     compiled = plan is not None and accelerator._lowprec[-1][1].layer_compile()[0]
     # what prepare() leaves allocated: model state before any step (a converted weight kept alive beside its
     # FSDP2 shard once showed here as 4 bytes per element on every rank)

@@ -122,12 +122,10 @@ def test_compiled_llama_training_on_gpu(level):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(7168, 4096), (4096, 7168), (1000, 96)], ids=["w1", "w2", "odd"])
 def test_one_kernel_gather_cast_gives_torchaos_bytes(fp8_dtype, dtype, shape):
-    import types
-
     from torchao.float8.float8_training_tensor import LinearMMConfig
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    from lowprec.backends.torchao_gather import _pre_all_gather
+    from lowprec.backends.torchao_gather import _MARK, _replace_torchaos_method
 
     g = torch.Generator(device="cuda").manual_seed(0)
     data = (torch.randn(shape, device="cuda", generator=g) * torch.logspace(-3, 1, shape[1], device="cuda")).to(dtype)
@@ -141,7 +139,8 @@ def test_one_kernel_gather_cast_gives_torchaos_bytes(fp8_dtype, dtype, shape):
 
     (expected,), _ = weight().fsdp_pre_all_gather(None)
     fused = weight()
-    fused.fsdp_pre_all_gather = types.MethodType(_pre_all_gather, fused)
+    _replace_torchaos_method()
+    setattr(fused, _MARK, True)
     (got,), (got_scale,) = fused.fsdp_pre_all_gather(None)
     assert got_scale is scale
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
