@@ -37,7 +37,7 @@ def gather_cast(shard: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
     amax = _scratch.get(shard.device)
     if amax is None:
         amax = _scratch[shard.device] = torch.zeros((), dtype=torch.float32, device=shard.device)
-    return cast_transpose(shard, scale.reshape(()), fp8_dtype, amax, transpose=False)[0]
+    return cast_transpose(shard, scale.float().reshape(()), fp8_dtype, amax, transpose=False)[0]
 
 
 _MARK = "_lowprec_one_kernel_cast"
@@ -48,7 +48,9 @@ def _pre_all_gather(self, mesh):
     """`fsdp_pre_all_gather` of torchao's sharded weights: for one lowprec marked, its FP8 bytes and scale (as
     torchao's returns them) from one kernel; any other, torchao's own."""
     scale = self._precomputed_scale  # read once: the post-step hook re-assigns it
-    if not vars(self).get(_MARK) or scale is None or self._tensor.numel() == 0:
+    # traced (FSDP2's hooks compiled, skip_fsdp_hooks=False), inductor fuses torchao's cast itself
+    if (torch.compiler.is_compiling() or not vars(self).get(_MARK) or scale is None
+            or self._tensor.numel() == 0):
         return _torchao_pre_all_gather(self, mesh)
     return (gather_cast(self._tensor, scale, self._dtype),), (scale,)
 

@@ -143,3 +143,17 @@ def test_a_copy_keeps_the_mark_and_casts_its_own_shard(how):
     (original,), _ = marked.fsdp_pre_all_gather(None)
     assert got.float()[0, 0].isnan() and not original.float()[0, 0].isnan()
     assert torch.equal(got.view(torch.uint8).flatten()[1:], original.view(torch.uint8).flatten()[1:])
+
+
+def test_a_traced_pre_all_gather_is_torchaos(monkeypatch):
+    # FSDP2's hooks traced by dynamo (skip_fsdp_hooks=False): inductor fuses torchao's cast, no eager kernel in a graph
+    import lowprec.backends.torchao_gather as gather
+
+    _replace_torchaos_method()
+    calls = []
+    original = gather._torchao_pre_all_gather
+    monkeypatch.setattr(gather, "_torchao_pre_all_gather",
+                        lambda self, mesh: calls.append(mesh) or original(self, mesh))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    fused(weight(shard(torch.float32), torch.float8_e4m3fn, torch.tensor(1.0))).fsdp_pre_all_gather("mesh")
+    assert calls == ["mesh"]
