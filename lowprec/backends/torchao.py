@@ -250,12 +250,16 @@ class TorchAOBackend(Backend):
                 why_not_fp8_gather = "enable_fsdp_float8_all_gather=False"
             else:
                 why_not_fp8_gather = f"recipe {self.recipe_name!r} has no FP8 all-gather"
-            notes.append(
-                "FSDP2: weights all-gathered in FP8, scales precomputed with one all-reduce after each optimizer step, "
-                "each shard cast in one kernel"
-                if self.fsdp_fp8_all_gather
-                else f"FSDP2: weights all-gathered in high precision ({why_not_fp8_gather})"
-            )
+            if self.fsdp_fp8_all_gather:
+                from .torchao_gather import supported
+
+                cast = ("each shard cast in one kernel" if supported() else
+                        "each shard cast by torchao (this torchao's fsdp_pre_all_gather is not the one lowprec's "
+                        "one-kernel cast stands in for)")
+                notes.append("FSDP2: weights all-gathered in FP8, scales precomputed with one all-reduce after each "
+                             f"optimizer step, {cast}")
+            else:
+                notes.append(f"FSDP2: weights all-gathered in high precision ({why_not_fp8_gather})")
         elif self.context.engine == "deepspeed":
             notes.append("DeepSpeed: FP8 weight all-gather stays off "
                          "(torchao's weight subclass breaks DeepSpeed's prepare)")

@@ -55,21 +55,37 @@ def _pre_all_gather(self, mesh):
     return (gather_cast(self._tensor, scale, self._dtype),), (scale,)
 
 
-def _replace_torchaos_method() -> None:
+def supported() -> bool:
+    """Whether torchao's `fsdp_pre_all_gather` is the one this cast stands in for: `(self, mesh)`, returning the
+    shard's FP8 bytes and scale. A torchao that changed it keeps its own cast (the plan says so)."""
+    import inspect
+
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
+
+    method = _torchao_pre_all_gather or Weight.fsdp_pre_all_gather
+    return list(inspect.signature(method).parameters) == ["self", "mesh"]
+
+
+def _replace_torchaos_method() -> bool:
     global _torchao_pre_all_gather
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as Weight
 
+    if not supported():
+        return False
     if Weight.fsdp_pre_all_gather is not _pre_all_gather:
         _torchao_pre_all_gather = Weight.fsdp_pre_all_gather
         Weight.fsdp_pre_all_gather = _pre_all_gather
+    return True
 
 
 def fuse_gather_casts(model: nn.Module) -> int:
     """Mark every FSDP2-sharded torchao weight of `model` for the one-kernel cast before its all-gather; returns
-    how many. Run once the model is wrapped: FSDP2 makes the local tensors it gathers when it shards."""
+    how many (none where torchao's method is not the one it stands in for). Run once the model is wrapped: FSDP2
+    makes the local tensors it gathers when it shards."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    _replace_torchaos_method()
+    if not _replace_torchaos_method():
+        return 0
     count = 0
     for param in model.parameters():
         local = getattr(param, "_local_tensor", None)

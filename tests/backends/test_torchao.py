@@ -188,7 +188,7 @@ def test_fsdp2_fp8_all_gather_two_processes(tmp_path):
     assert proc.returncode == 0, "\n".join(errors[:40]) + proc.stderr[-2000:]
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["weight_types"] == ["WeightWithDynamicFloat8CastTensor"]
-    assert "weights all-gathered in FP8" in result["notes"][0]
+    assert "weights all-gathered in FP8" in result["notes"][0] and "each shard cast in one kernel" in result["notes"][0]
     assert result["fused_gather_casts"] == 3  # each Linear's shard, after its precomputed scale
     assert result["losses"] == result["torchaos_cast_losses"]
     assert result["scales_equal_across_ranks"]

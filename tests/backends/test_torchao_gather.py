@@ -157,3 +157,24 @@ def test_a_traced_pre_all_gather_is_torchaos(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     fused(weight(shard(torch.float32), torch.float8_e4m3fn, torch.tensor(1.0))).fsdp_pre_all_gather("mesh")
     assert calls == ["mesh"]
+
+
+def test_a_torchao_with_another_pre_all_gather_keeps_its_own_cast(monkeypatch):
+    # a torchao whose method takes more (FSDP2's newer convention) is not the one this cast stands in for: nothing is
+    # replaced or marked, and the plan says torchao casts
+    import lowprec.backends.torchao_gather as gather
+    from lowprec import FP8RecipeKwargs, RunContext
+    from lowprec.backends import create_backend
+    from lowprec.planning.hardware import device_info
+
+    def newer(self, mesh, outer_size, outer_stride, module, mp_policy):
+        raise AssertionError("not called here")
+
+    monkeypatch.setattr(gather, "_torchao_pre_all_gather", None)
+    monkeypatch.setattr(WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", newer)
+    assert not gather.supported()
+    model = torch.nn.Linear(32, 32)
+    assert gather.fuse_gather_casts(model) == 0 and WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather is newer
+    backend = create_backend(FP8RecipeKwargs(backend="torchao"),
+                             RunContext(device=device_info("cpu"), engine="fsdp2", world_size=2))
+    assert any("each shard cast by torchao" in note for note in backend.notes(None))
