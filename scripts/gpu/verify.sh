@@ -6,7 +6,7 @@
 #
 # Writes OUT/<date>-<gpu>-verify/: commit.txt (the tree measured: COMMIT, or `git rev-parse HEAD` where
 # the tree is a checkout; the device's copy of the working tree has no .git), env.txt (packages),
-# pytest_msamp.txt + pytest_rest.txt + pytest_te.txt (the suite in four parts, the two-GPU one appended to
+# pytest_msamp.txt + pytest_rest.txt + pytest_te.txt (the suite in five parts, the two-GPU one and torchao's appended to
 # pytest_rest.txt; TE's once its extension is compiled; -rfEsxXp: a line per test, failures' output, but not every
 # passing test's captured log, which made these files 0.4-0.7 MB each and the device's 64 MiB carry overflow),
 # headline.json + headline.md + headline.log (benchmarks/headline.py). Commit that folder under results/gpu/. The set-up (.gpubundle, see ../shared/gpu/make_bundle.sh) runs once per machine.
@@ -51,19 +51,23 @@ suite() {  # suite NAME TESTS...: one part of the GPU suite, bounded so that the
   echo "pytest ($name) exit $code" | tee -a "$dir/pytest_$name.txt"
   return $code
 }
-# The suite's four parts run side by side on the GPU (correctness tests: nothing in them is timed): msamp's file
+# The suite's parts run side by side on the GPU (correctness tests: nothing in them is timed): msamp's file
 # and the rest from the start, TE's once its extension is built; the headline runs alone after them. As one part,
 # msamp's and the rest took 322 s at 85a7575 and ran past 415 s at 7ec8725 while TE compiled on every core.
-# Every GPU test file but TE's, msamp's and the two-GPU one goes in the rest, so a new file is never left out of the
-# suite. The two-GPU file (torchrun over both cards, ~110 s of process starts) runs as a fourth part beside the
+# Every GPU test file but TE's, msamp's, torchao's and the two-GPU one goes in the rest, so a new file is never left
+# out of the suite. The two-GPU file (torchrun over both cards, ~110 s of process starts) runs as a fourth part beside the
 # others since bebfea9, where the rest with it ran past its budget at 69 of 71 tests; its output is appended to
 # pytest_rest.txt, so the folder keeps its 8 files.
 suite msamp tests/gpu/test_msamp_gpu.py > "$dir/.suite1" 2>&1 &
 msamp_pid=$!
 # shellcheck disable=SC2046
 suite rest $(ls tests/gpu/test_*_gpu.py | grep -v -e '/test_te_gpu.py$' -e '/test_msamp_gpu.py$' \
-  -e '/test_grad_overlap_gpu.py$') > "$dir/.suite2" 2>&1 &
+  -e '/test_grad_overlap_gpu.py$' -e '/test_torchao_gpu.py$') > "$dir/.suite2" 2>&1 &
 rest_pid=$!
+# torchao's file as a part of its own since 94c2778: with its FSDP2 tests the rest would pass the suite's budget
+# (373 s of its 420 at 9be81f4 without them); its output is appended to pytest_rest.txt, as the two-GPU part's
+suite torchao tests/gpu/test_torchao_gpu.py > "$dir/.suite4" 2>&1 &
+torchao_pid=$!
 suite multi tests/gpu/test_grad_overlap_gpu.py > "$dir/.suite3" 2>&1 &
 multi_pid=$!
 if [ -n "$setup_pid" ]; then
@@ -83,12 +87,17 @@ suite te tests/gpu/test_te_gpu.py; rc=$?
 wait "$msamp_pid"; rc_msamp=$?
 wait "$rest_pid"; rc_rest=$?
 wait "$multi_pid"; rc_multi=$?
+wait "$torchao_pid"; rc_torchao=$?
 { echo; echo "==== the two-GPU part (tests/gpu/test_grad_overlap_gpu.py), run beside the rest"; cat "$dir/pytest_multi.txt"; } \
   >> "$dir/pytest_rest.txt" && rm -f "$dir/pytest_multi.txt"
-cat "$dir/.suite1" "$dir/.suite2" "$dir/.suite3"; rm -f "$dir/.suite1" "$dir/.suite2" "$dir/.suite3"
+{ echo; echo "==== torchao's part (tests/gpu/test_torchao_gpu.py), run beside the rest"; cat "$dir/pytest_torchao.txt"; } \
+  >> "$dir/pytest_rest.txt" && rm -f "$dir/pytest_torchao.txt"
+cat "$dir/.suite1" "$dir/.suite2" "$dir/.suite3" "$dir/.suite4"
+rm -f "$dir/.suite1" "$dir/.suite2" "$dir/.suite3" "$dir/.suite4"
 [ "$rc" = 0 ] && rc=$rc_msamp
 [ "$rc" = 0 ] && rc=$rc_rest
 [ "$rc" = 0 ] && rc=$rc_multi
+[ "$rc" = 0 ] && rc=$rc_torchao
 echo "GPU suite: exit $rc in $(( $(date +%s) - t0 )) s"
 left=$(( ${VERIFY_BUDGET_S:-570} - ($(date +%s) - start) ))
 echo "headline: $left s left"
