@@ -121,6 +121,28 @@ def run_two_ranks(script: str, *args: str, out, timeout: int = 300, **env: str):
         return json.load(fh)
 
 
+def world_of_one_cell(out_dir, *args: str, timeout: int = 300, **env: str) -> tuple:
+    """tests/distributed/gpu_engines.py (what scripts/gpu/multi.sh launches) with `*args` under `torchrun
+    --nproc_per_node 1`, a world of one: (the CompletedProcess, the cell's JSON, written into `out_dir`). The
+    environment has no ACCELERATE_* variable but those in `env`, and GPU 0 unless `env` names CUDA_VISIBLE_DEVICES
+    (or the caller's environment does; "" runs it on the CPU)."""
+    import json
+    import os
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    environ.setdefault("CUDA_VISIBLE_DEVICES", "0")
+    environ.update(env)
+    out = os.path.join(out_dir, "cell.json")
+    script = os.path.join(os.path.dirname(__file__), "distributed", "gpu_engines.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+           str(free_port()), script, *args, "--out", out]
+    proc = run_processes(cmd, environ, timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as fh:
+        return proc, json.load(fh)
+
+
 def scenario_ranks(run: dict, name: str) -> list:
     """The per-rank records of scenario `name` in a scenario script's result (error if it failed)."""
     scenario = run["scenarios"][name]

@@ -3,13 +3,11 @@ cell stays compiled."""
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_port, run_processes
+from conftest import world_of_one_cell
 
 HERE = Path(__file__).parent
 
@@ -27,16 +25,10 @@ def test_a_compiled_models_cell_watches_two_forwards_and_stays_compiled(tmp_path
         from gpu_engines import EVIDENCE_STEPS
     finally:
         sys.path.pop(0)
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    environ.update(OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", CUDA_VISIBLE_DEVICES="",
-                   TORCH_LOGS="recompiles")
-    out = tmp_path / "cell.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
-           str(HERE / "gpu_engines.py"), "--backend", "torchao", "--recipe", "tensorwise", "--engine", "fsdp2",
-           "--compile-model", "--fused-adamw", "--size", "tiny", "--steps", "6", "--out", str(out)]
-    proc = run_processes(cmd, environ, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cell = json.loads(out.read_text())
+    proc, cell = world_of_one_cell(tmp_path, "--backend", "torchao", "--recipe", "tensorwise", "--engine", "fsdp2",
+                                   "--compile-model", "--fused-adamw", "--size", "tiny", "--steps", "6", timeout=600,
+                                   OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1",
+                                   CUDA_VISIBLE_DEVICES="", TORCH_LOGS="recompiles")
     assert cell["compiled_model"] is True and cell["all_forwards_in_fp8"] is True
     assert cell["optimizer_fused"] is True  # multi.sh's 'fused': torch's fused AdamW over FSDP2's DTensors
     assert cell["fp8_forward_calls"] == EVIDENCE_STEPS * cell["planned_fp8_linears"]  # watched, then let go

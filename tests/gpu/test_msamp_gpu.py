@@ -409,26 +409,13 @@ def test_o3_under_accelerates_fsdp2_trains_with_the_model_compiled_block_by_bloc
     # own code path with its E4M3 all-gather. Compiled block by block through Accelerate, dynamo ended this run on torch
     # 2.11 tracing the FP8 layer on the gathered weight (results/gpu/2026-11-28-h200-world1-6365b0b): now the layers
     # stay eager there (EagerFP8Linear), the rest of each block compiled.
-    import json
-    import os
-    import sys
-    from pathlib import Path
+    from conftest import world_of_one_cell
 
-    from conftest import free_port, run_processes
-
-    script = Path(__file__).parent.parent / "distributed" / "gpu_engines.py"
-    out = tmp_path / "cell.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
-           str(script), "--backend", "msamp", "--opt-level", "O3", "--engine", "fsdp2", "--size", "tiny",
-           "--steps", "8", "--out", str(out), *(["--compile-model"] if compile_model else [])]
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     # at d=128 skip_slow_shapes keeps every Linear of the tiny model in BF16 on a GPU: at 9be81f4 this test ran with
     # no FP8 layer at all (results/gpu/2026-11-29-h200-verify-9be81f4)
-    environ["ACCELERATE_FP8_SKIP_SLOW_SHAPES"] = "0"
-    proc = run_processes(cmd, {**environ, "CUDA_VISIBLE_DEVICES": environ.get("CUDA_VISIBLE_DEVICES", "0")},
-                         timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cell = json.loads(out.read_text())
+    _, cell = world_of_one_cell(tmp_path, "--backend", "msamp", "--opt-level", "O3", "--engine", "fsdp2", "--size",
+                                "tiny", "--steps", "8", *(["--compile-model"] if compile_model else []),
+                                ACCELERATE_FP8_SKIP_SLOW_SHAPES="0")
     assert "refused" not in cell, cell.get("refused")
     assert cell["opt_level"] == "O3" and cell["compiled_model"] is compile_model
     summary = {k: cell.get(k) for k in ("fp8_modules", "planned_fp8_linears", "fp8_forward_calls", "o3")}

@@ -152,24 +152,12 @@ def test_one_kernel_gather_cast_gives_torchaos_bytes(fp8_dtype, dtype, shape):
 def test_fsdp2_world_of_one_trains_with_the_one_kernel_cast(tmp_path):
     # tests/distributed/gpu_engines.py under torchrun as a world of one: FSDP2's own all-gather path, the model
     # compiled block by block (as torchtitan runs FP8 under FSDP2)
-    import json
-    import os
-    import sys
-    from pathlib import Path
+    from conftest import world_of_one_cell
 
-    from conftest import free_port, run_processes
-
-    script = Path(__file__).parent.parent / "distributed" / "gpu_engines.py"
-    out = tmp_path / "cell.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(free_port()),
-           str(script), "--backend", "torchao", "--recipe", "tensorwise", "--engine", "fsdp2", "--size", "tiny",
-           "--steps", "8", "--compile-model", "--out", str(out)]
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    environ["ACCELERATE_FP8_SKIP_SLOW_SHAPES"] = "0"  # d=128: every Linear would stay BF16
-    proc = run_processes(cmd, {**environ, "CUDA_VISIBLE_DEVICES": environ.get("CUDA_VISIBLE_DEVICES", "0")},
-                         timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cell = json.loads(out.read_text())
+    # d=128: skip_slow_shapes would keep every Linear in BF16
+    _, cell = world_of_one_cell(tmp_path, "--backend", "torchao", "--recipe", "tensorwise", "--engine", "fsdp2",
+                                "--size", "tiny", "--steps", "8", "--compile-model",
+                                ACCELERATE_FP8_SKIP_SLOW_SHAPES="0")
     summary = {k: cell.get(k) for k in ("fp8_modules", "fp8_all_gather_weights", "precomputed_scales",
                                         "fused_gather_casts", "all_forwards_in_fp8", "notes")}
     assert cell["fp8_modules"] > 0 and cell["all_forwards_in_fp8"] is True, summary
