@@ -37,7 +37,7 @@ def gather_cast(shard: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype
     amax = _scratch.get(shard.device)
     if amax is None:
         amax = _scratch[shard.device] = torch.zeros((), dtype=torch.float32, device=shard.device)
-    return cast_transpose(shard, scale.float().reshape(()), fp8_dtype, amax, transpose=False)[0]
+    return cast_transpose(shard, scale.float(), fp8_dtype, amax, transpose=False)[0]
 
 
 _MARK = "_lowprec_one_kernel_cast"
