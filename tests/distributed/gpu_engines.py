@@ -188,6 +188,12 @@ def main() -> None:
                                    or args.no_fp8_all_gather or args.torchao_gather_cast):
         p.error("--activation-dtype, --fp8-weights, --optimizer-states, --no-fp8-all-gather and "
                 "--torchao-gather-cast are FP8 settings: backend 'bf16' has none")
+    if (args.no_fp8_all_gather or args.torchao_gather_cast) and (args.backend, args.engine) != ("torchao", "fsdp2"):
+        p.error("--no-fp8-all-gather and --torchao-gather-cast set torchao's FP8 all-gather under FSDP2: they need "
+                f"--backend torchao --engine fsdp2 (got --backend {args.backend} --engine {args.engine})")
+    if args.no_fp8_all_gather and args.torchao_gather_cast:
+        p.error("--torchao-gather-cast sets the cast before torchao's FP8 all-gather, which --no-fp8-all-gather "
+                "turns off: name one of them")
     time_fp8_reductions()
 
     from lowprec.demo.data import Windows, stdlib_corpus

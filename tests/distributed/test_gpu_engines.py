@@ -46,3 +46,21 @@ def test_the_harness_refuses_recipe_fields_for_the_bf16_baseline(tmp_path, flag)
                            "--out", str(tmp_path / "cell.json")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "backend 'bf16' has none" in proc.stderr
     assert "--no-fp8-all-gather" in proc.stderr and not (tmp_path / "cell.json").exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--backend", "msamp", "--opt-level", "O3", "--engine", "fsdp2", "--torchao-gather-cast"],
+     "need --backend torchao --engine fsdp2 (got --backend msamp --engine fsdp2)"),
+    (["--backend", "torchao", "--engine", "ddp", "--no-fp8-all-gather"],
+     "need --backend torchao --engine fsdp2 (got --backend torchao --engine ddp)"),
+    (["--backend", "torchao", "--engine", "fsdp2", "--no-fp8-all-gather", "--torchao-gather-cast"],
+     "which --no-fp8-all-gather turns off: name one of them"),
+])
+def test_the_harness_refuses_all_gather_flags_where_they_would_do_nothing(tmp_path, args, says):
+    # a cell named ..._aocast or ..._noag that ran as the default would be an A/B of nothing
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(HERE / "gpu_engines.py"), *args, "--out", str(tmp_path / "cell.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "cell.json").exists()
