@@ -13,6 +13,12 @@ A test double, not an emulator:
   is a TypeError here as it is in TE.
 - `quantized_model_init` records how it was entered (`quantized_init_calls`); the weights built inside it
   stay plain tensors (TE's are `Float8Tensor`s).
+- `init_fp8_metadata` sets up `fp8_meta` under autocast as TE's does (recipe, FP8 maxima, DelayedScaling's scales
+  of 1 and empty amax histories), once per recipe.
+- With `emulation.delayed_casts` on (off by default), `Linear` under DelayedScaling casts its input and weight to
+  E4M3 and its output gradient to E5M2 with the scales in `fp8_meta`, recording each amax in the history's first
+  row as TE's casts do; `update_delayed_scales` is TE's update at the end of a step. Only for the tests of how
+  those scales start (test_te_first_scales.py).
 - `is_fp8_block_scaling_available` answers what `block_scaling` says; `optimizers.FusedAdam` takes TE's
   arguments and records the master weights it is given, and cannot step.
 
@@ -37,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 _state = types.SimpleNamespace(enabled=False, recipe=None)
+emulation = types.SimpleNamespace(delayed_casts=False)
 autocast_calls: list[dict] = []
 quantized_init_calls: list[dict] = []
 
@@ -129,6 +136,19 @@ class _BaseModule(nn.Module):
                 scale=torch.ones(n), amax_history=torch.zeros(recipe.amax_history_len, n)
             )
 
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        self.fp8 = _state.enabled
+        if not self.fp8:
+            return
+        recipe = _state.recipe if _state.recipe is not None else DelayedScaling()
+        if self.fp8_meta.get("recipe") == recipe and ("scaling_fwd" in self.fp8_meta or not recipe.delayed()):
+            return
+        hybrid = recipe.fp8_format == Format.HYBRID
+        self.fp8_meta.update(recipe=recipe, num_gemms=num_gemms, fp8_max_fwd=448.0,
+                             fp8_max_bwd=57344.0 if hybrid else 448.0, fp8_checkpoint=True)
+        if "scaling_fwd" not in self.fp8_meta:
+            self.init_fp8_meta_tensors(recipe)
+
     def get_extra_state(self) -> torch.Tensor:
         if not (self.fp8_meta["fp8_checkpoint"] or self.fp8):
             return torch.empty(0, dtype=torch.uint8)
@@ -161,7 +181,9 @@ class Linear(_BaseModule):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.fp8 = _state.enabled
+        self.init_fp8_metadata()
+        if self.fp8 and emulation.delayed_casts and self.fp8_meta["recipe"].delayed():
+            return self._delayed_forward(x)
         # TE computes in the activation dtype whatever its parameters are stored in (FP16 weights
         # of level O1/O2 included): it quantises or casts them first.
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -169,6 +191,63 @@ class Linear(_BaseModule):
             return _SaturatingCast.apply(F.linear(_SaturatingCast.apply(x, 448.0, None), self.weight.to(x.dtype), bias),
                                          None, 57344.0)
         return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+    def _delayed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        meta, fwd = self.fp8_meta, self.fp8_meta["scaling_fwd"]
+        xq = _DelayedCast.apply(x, fwd, 0, meta["fp8_max_fwd"], torch.float8_e4m3fn)
+        wq = _DelayedCast.apply(self.weight.to(x.dtype), fwd, 1, meta["fp8_max_fwd"], torch.float8_e4m3fn)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        bwd_dtype = torch.float8_e5m2 if meta["fp8_max_bwd"] > 448 else torch.float8_e4m3fn
+        return _DelayedGradCast.apply(F.linear(xq, wq, bias), meta["scaling_bwd"], meta["fp8_max_bwd"], bwd_dtype)
+
+
+def _cast(t: torch.Tensor, state, index: int, fp8_max: float, dtype: torch.dtype) -> torch.Tensor:
+    """TE's delayed-scaling cast: the amax into the history's first row, then saturate(t * scale) in FP8 / scale."""
+    with torch.no_grad():
+        row = state.amax_history[0]
+        row[index] = torch.maximum(row[index], t.detach().abs().amax().float())
+        scale = state.scale[index]
+        return ((t * scale).clamp(-fp8_max, fp8_max).to(dtype).to(t.dtype) / scale).to(t.dtype)
+
+
+class _DelayedCast(torch.autograd.Function):
+    """Forward: `_cast`. Backward: the gradient as it is (TE's GEMMs take the FP8 copies as their operands)."""
+
+    @staticmethod
+    def forward(ctx, t, state, index, fp8_max, dtype):
+        return _cast(t, state, index, fp8_max, dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None, None
+
+
+class _DelayedGradCast(torch.autograd.Function):
+    """Forward: the tensor as it is. Backward: `_cast` of the gradient with the output-gradient slot."""
+
+    @staticmethod
+    def forward(ctx, y, state, fp8_max, dtype):
+        ctx.state, ctx.fp8_max, ctx.dtype = state, fp8_max, dtype
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _cast(grad, ctx.state, 0, ctx.fp8_max, ctx.dtype), None, None, None
+
+
+@torch.no_grad()
+def update_delayed_scales(module: nn.Module) -> None:
+    """TE's update at the end of a step (amax_compute_algo "max"): each scale from its history's amax, then the
+    history rolled and its first row cleared."""
+    meta = module.fp8_meta
+    for key, fp8_max in (("scaling_fwd", meta["fp8_max_fwd"]), ("scaling_bwd", meta["fp8_max_bwd"])):
+        state = meta[key]
+        amax = state.amax_history.amax(dim=0)
+        new = fp8_max / amax / 2.0 ** meta["recipe"].margin
+        state.scale.copy_(torch.where((amax > 0) & torch.isfinite(amax), new, state.scale))
+        state.amax_history.copy_(torch.roll(state.amax_history, -1, 0))
+        state.amax_history[0].zero_()
 
 
 class _SaturatingCast(torch.autograd.Function):
@@ -294,6 +373,7 @@ def install(monkeypatch) -> types.ModuleType:
     """Make `import transformer_engine[.pytorch|.common.recipe]` return this double for one test."""
     autocast_calls.clear()
     quantized_init_calls.clear()
+    emulation.delayed_casts = False
     _state.enabled, _state.recipe = False, None
     block_scaling.available, block_scaling.reason = True, ""
     recipe = _module("transformer_engine.common.recipe", Format=Format, DelayedScaling=DelayedScaling,

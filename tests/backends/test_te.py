@@ -646,8 +646,16 @@ def test_precision_table_row(recipe, fmt):
     assert plan.bytes_per_param["weight"] == 4 and plan.bytes_per_param["master_weight"] == 0
     assert (plan.recipe, plan.fp8_format, plan.backend) == (recipe, fmt, "te")
     assert "TE FP8 GEMMs need batch x sequence divisible by 8 at run time (pad sequences)" in plan.notes
-    delayed_note = "DelayedScaling: checkpoints keep scales and amax histories without pickle; not compilable"
+    delayed_note = ("DelayedScaling: the first step cast with scales from its own tensors (TE starts them at 1); "
+                    "checkpoints keep scales and amax histories without pickle; not compilable")
     assert (delayed_note in plan.notes) is (recipe == "delayed")
+
+
+def test_the_plan_says_how_delayed_scalings_first_step_is_cast(monkeypatch):
+    monkeypatch.setenv("LOWPREC_TE_FIRST_SCALES", "0")
+    plan, _ = te_plan(nn.Sequential(nn.Linear(256, 256)), "delayed")
+    assert ("DelayedScaling: the first step cast with TE's initial scales of 1 (LOWPREC_TE_FIRST_SCALES=0); "
+            "checkpoints keep scales and amax histories without pickle; not compilable") in plan.notes
 
 
 @pytest.mark.parametrize("compiled", [False, True])

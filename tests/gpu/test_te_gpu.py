@@ -87,6 +87,38 @@ def test_numerics_against_fp32(recipe, fmt):
     assert 15 < sqnr(x_ref.grad, x_fp8.grad) < 35
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_first_delayed_step_is_cast_with_its_own_scales(monkeypatch, seeded):
+    """lowprec/backends/te/first_scales.py: TE starts DelayedScaling's scales at 1, so its first step's output
+    gradients (here about 1e-8, below E5M2's 1.5e-5 at scale 1) are lost; seeded from the step's own tensors the
+    first step's gradients are FP8-accurate. LOWPREC_TE_FIRST_SCALES=0 is TE's own first step."""
+    from transformer_engine.pytorch import constants
+
+    from lowprec.backends.te import first_scales
+
+    # the slots first_scales writes are TE's
+    assert constants.FP8FwdTensorIdx.GEMM1_INPUT == first_scales.FWD_INPUT
+    assert constants.FP8FwdTensorIdx.GEMM1_WEIGHT == first_scales.FWD_WEIGHT
+    assert constants.FP8BwdTensorIdx.GRAD_OUTPUT1 == first_scales.BWD_GRAD_OUTPUT
+    monkeypatch.setenv(first_scales.ENV, "1" if seeded else "0")
+    reference = mlp()
+    accelerator = accelerator_for("delayed")
+    model = accelerator.prepare(copy.deepcopy(reference))
+    x = torch.randn(256, 1024, device="cuda")
+    (reference(x).float().pow(2).mean() * 0.01).backward()
+    (model(x).float().pow(2).mean() * 0.01).backward()
+    ref = {n: p.grad for n, p in reference.named_parameters() if n.endswith("weight") and p.dim() == 2}
+    got = {n: p.grad for n, p in accelerator.unwrap_model(model).named_parameters() if n in ref}
+    assert set(got) == set(ref)
+    db = {n: sqnr(ref[n], got[n]) if got[n] is not None else float("-inf") for n in ref}
+    if seeded:
+        assert all(v > 15 for v in db.values()), db
+        inner = accelerator.unwrap_model(model)
+        assert all(m._lowprec_first_scales == first_scales.DONE for m in inner.modules() if isinstance(m, te.Linear))
+    else:
+        assert db["4.weight"] < 3, db  # the last Linear's gradient, from E5M2 at scale 1
+
+
 def test_mxfp8_is_a_clear_error_on_hopper():
     from lowprec import BackendUnavailableError
 

@@ -18,6 +18,7 @@ from ...utils.imports import require
 from ...utils.modules import own_class
 from ..base import Backend, BackendUnavailableError, RunContext
 from ..torchao import _is_mha_projection
+from . import first_scales
 from .fsdp import FP8_WEIGHT_DTYPE, TECommunication, fp8_weights_problem
 from .optimizer import TEOptimizerPrecision, check_fused_adam_source, fused_adam_state_dtypes, moments_problem
 from .storage import TEWeightStorage
@@ -346,7 +347,11 @@ class TEBackend(Backend):
         if not self.effective_options()["use_autocast_during_eval"]:
             notes.append("eval runs in high precision (use_autocast_during_eval=False)")
         if self.recipe_name == "delayed":
-            notes.append("DelayedScaling: checkpoints keep scales and amax histories without pickle; not compilable")
+            first = ("the first step cast with scales from its own tensors (TE starts them at 1)"
+                     if first_scales.enabled()
+                     else f"the first step cast with TE's initial scales of 1 ({first_scales.ENV}=0)")
+            notes.append(f"DelayedScaling: {first}; checkpoints keep scales and amax histories without pickle; "
+                         "not compilable")
         if self.recipe.fp8_weights:
             moments = self.optimizer_state_precision(plan.param_dtype).dtype
             notes.append(f"fp8_weights: Adam/AdamW is replaced by TE FusedAdam(master_weights=True), moments {moments}")

@@ -8,6 +8,7 @@
   without unpickling anything. TE's own pickled payloads still go through TE's gate.
 - A state dict without `_extra_state` (a plain model's) loads into them with `strict=True`.
 - Their Linear turns inf into NaN before TE's saturating FP8 casts (guard.py).
+- Their Linear casts DelayedScaling's first step with scales from that step's tensors, not 1 (first_scales.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from ...utils.imports import require
+from .first_scales import SeedsFirstScales
 from .guard import guard_input, guard_output_grad
 
 MAGIC = b"LOWPREC-TE-STATE1\n"
@@ -188,7 +190,7 @@ def module_classes() -> dict[str, type]:
     """lowprec's TE module classes (TE is imported on first use only)."""
     te = require("transformer_engine", feature="backend='te'")
 
-    class Linear(_KeepsOverflowVisible, _PickleFreeExtraState, te.Linear):
+    class Linear(SeedsFirstScales, _KeepsOverflowVisible, _PickleFreeExtraState, te.Linear):
         pass
 
     class LayerNorm(_AcceptsPlainCheckpoints, te.LayerNorm):
