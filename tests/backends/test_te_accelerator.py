@@ -97,6 +97,33 @@ def test_prepare_converts_runs_in_te_autocast_and_trains(te_accelerator, recipe)
     assert fake.autocast_calls[-1]["enabled"] is False  # TE's and Accelerate's default: eval in high precision
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_delayed_first_step_is_seeded_through_prepare(te_accelerator, monkeypatch, seeded):
+    """backends/te/first_scales.py through Accelerate: the first training step's casts (emulated by the stand-in)
+    use scales from that step's tensors; LOWPREC_TE_FIRST_SCALES=0 leaves TE's initial 1."""
+    monkeypatch.setattr(fake.emulation, "delayed_casts", True)
+    monkeypatch.setenv("LOWPREC_TE_FIRST_SCALES", "1" if seeded else "0")
+    accelerator = te_accelerator("delayed")
+    model = accelerator.prepare(small_model())
+    inner = accelerator.unwrap_model(model)
+    converted = [inner[int(d.fqn)] for d in accelerator.precision_plan.converted if d.kind == "linear"]
+    assert len(converted) == 3
+    seen = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.__setitem__(mod, args[0].detach())) for m in converted]
+    x, y = data()[:16]
+    accelerator.backward(nn.functional.mse_loss(model(x).float(), y))
+    for h in hooks:
+        h.remove()
+    for module in converted:
+        scales = module.fp8_meta["scaling_fwd"].scale, module.fp8_meta["scaling_bwd"].scale
+        if seeded:
+            torch.testing.assert_close(scales[0][0], 448.0 / seen[module].abs().amax().float())
+            torch.testing.assert_close(scales[0][1], 448.0 / module.weight.detach().abs().amax().float())
+            assert scales[1][0] != 1 and module._lowprec_first_scales == "done"
+        else:
+            assert torch.equal(scales[0], torch.ones(3)) and torch.equal(scales[1], torch.ones(2))
+
+
 def test_no_te_autocast_where_no_linear_runs_in_fp8(te_accelerator):
     accelerator = te_accelerator("current", exclude=["0", "2"])  # the norm is still replaced by TE's
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64))
