@@ -2,10 +2,10 @@
 step's tensors instead of TE's initial 1, against the stand-in TE (tests/backends/fake_te.py) with its
 delayed-scaling casts emulated (E4M3 forward, E5M2 or E4M3 gradients, amaxes recorded as TE records them).
 
-The numbers: a 0.02-std weight (E4M3's subnormals start at 2**-6 = 0.016) and output gradients of about 4e-7 (a
-mean over 8192 outputs, scaled by 0.01 as a loss averaged over many tokens leaves a deep layer's; E5M2's smallest
-subnormal is 2**-16 = 1.5e-5). At scale 1 the first step's weight gradient is lost (0 dB against FP32, measured
-here); at TE's own scale for each tensor's amax it is within FP8's error (28 dB).
+The numbers: a 0.02-std weight and output gradients of about 4e-7 (a mean over 8192 outputs, scaled by 0.01 as a
+loss averaged over many tokens leaves a deep layer's; E5M2's smallest subnormal is 2**-16 = 1.5e-5). At scale 1 the
+first step's weight gradient is lost (0 dB against FP32, measured here); at TE's own scale for each tensor's amax it
+is within FP8's error (28 dB).
 """
 
 from __future__ import annotations
