@@ -15,7 +15,10 @@ A configuration is `bf16` or `backend:recipe[:level]`, optionally followed by `,
 `,activations_fp32=fp8|bf16|keep` (how those store FP32 tensors: LOWPREC_FP8_ACTIVATIONS_FP32) and
 `,activations_in_graph=true|false` (inside compiled graphs or through the Python hooks:
 LOWPREC_FP8_ACTIVATIONS_IN_GRAPH), so that each form is a configuration of its own, never pooled with another;
-`,optimizer_states=fp32|bf16|fp16|fp8` stores Adam's moments so (FP8RecipeKwargs.optimizer_states).
+`,optimizer_states=fp32|bf16|fp16|fp8` stores Adam's moments so (FP8RecipeKwargs.optimizer_states);
+`,amax_compute_algo=max|most_recent` sets a delayed recipe's (FP8RecipeKwargs.amax_compute_algo), and te's
+`,te_first_scales=true|false` casts DelayedScaling's first step with scales from its own tensors or with TE's 1
+(LOWPREC_TE_FIRST_SCALES), for A/Bs paired with BF16 in one bench.
 Each runs `python -m lowprec.demo.run` in a fresh process (Accelerate's state is a process-wide
 singleton, and peak memory and compile caches must be the run's own) on the demo corpus: tokens/s
 (median step after warm-up), peak memory split into model state (weights, gradients, optimizer states,
@@ -40,7 +43,7 @@ import torch
 from ..runtime.activations_fp32 import POLICIES as FP32_POLICIES
 from .data import TOKENIZATIONS
 from .model import ARCHS, PRESETS, default_size
-from .run import OPTIMIZER_STATES, worker_args
+from .run import AMAX_COMPUTE_ALGOS, OPTIMIZER_STATES, worker_args
 from .seeds import lowprec_environment, seed_markdown, seed_summary
 
 LEVELS = (None, "O1", "O2")
@@ -49,11 +52,11 @@ LEVELS = (None, "O1", "O2")
 # Switches a configuration may set after a comma ("torchao:tensorwise,skip_first_last=false"), so one bench
 # compares a default against the same backend with a layer rule (or the in-graph FP8 activations) turned off,
 # each in its own process.
-CONFIG_OPTIONS = ("skip_first_last", "skip_slow_shapes", "activations_in_graph")
+CONFIG_OPTIONS = ("skip_first_last", "skip_slow_shapes", "activations_in_graph", "te_first_scales")
 _BOOLS = {"true": True, "false": False}
 # Recipe fields a configuration may set to one of a few values ("msamp:delayed:O2,activation_dtype=fp8").
 VALUE_OPTIONS = {"activation_dtype": ("fp8",), "activations_fp32": FP32_POLICIES,
-                 "optimizer_states": OPTIMIZER_STATES}
+                 "optimizer_states": OPTIMIZER_STATES, "amax_compute_algo": AMAX_COMPUTE_ALGOS}
 
 
 def parse_config(text: str) -> dict:
@@ -85,6 +88,9 @@ def parse_config(text: str) -> dict:
         if key in options and options.get("activation_dtype") != "fp8":
             raise argparse.ArgumentTypeError(f"configuration {text!r}: {key} says how FP8 activations are stored: "
                                              "it needs activation_dtype=fp8")
+    if "te_first_scales" in options and (parts[0], parts[1]) != ("te", "delayed"):
+        raise argparse.ArgumentTypeError(f"configuration {text!r}: te_first_scales says how te's DelayedScaling "
+                                         "casts its first step: it needs te:delayed")
     return {"name": text, "backend": parts[0], "recipe": parts[1], "opt_level": level, "options": options}
 
 

@@ -22,6 +22,8 @@ import warnings
 import torch
 from torch.utils.data import DataLoader
 
+from ..backends.te.first_scales import ENV as FIRST_SCALES_ENV
+from ..frontend.parsing import AMAX_COMPUTE_ALGOS
 from ..frontend.recipe import FP8RecipeKwargs
 from ..optim.levels import STATE_PRESETS
 from ..runtime.accelerator import Accelerator
@@ -98,6 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer-states", choices=OPTIMIZER_STATES, default=None,
                    help="FP8 runs: Adam's moments in this dtype (FP8RecipeKwargs.optimizer_states; fp8: E4M3 exp_avg, "
                         "FP16 exp_avg_sq; default: the level's, else the optimizer's own)")
+    p.add_argument("--amax-compute-algo", choices=AMAX_COMPUTE_ALGOS, default=None,
+                   help="FP8 runs with a delayed recipe: the scale from the max of the amax history or its most recent "
+                        "entry (FP8RecipeKwargs.amax_compute_algo; default: the backend's)")
+    p.add_argument("--te-first-scales", action=argparse.BooleanOptionalAction, default=None,
+                   help="te's delayed recipe: cast the first step with scales from its own tensors, or (--no-...) "
+                        "with TE's initial 1 (sets LOWPREC_TE_FIRST_SCALES for this run; default: the variable's, "
+                        "else on)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true",
                    help="torchao only: also train the same model converted by torchao directly (no lowprec) in "
@@ -110,6 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "--activation-dtype fp8")
     if args.activations_in_graph is not None and args.activation_dtype != "fp8":
         p.error("--activations-in-graph says where FP8 activations are stored: it needs --activation-dtype fp8")
+    if args.te_first_scales is not None and (args.variant, args.backend, args.recipe) != ("fp8", "te", "delayed"):
+        p.error("--te-first-scales says how te's DelayedScaling casts its first step: it needs --variant fp8 "
+                "--backend te --recipe delayed")
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
     if args.warmup is not None and args.warmup < 0:
@@ -159,12 +171,14 @@ def run(args: argparse.Namespace) -> dict:
         os.environ[FP32_ENV] = args.activations_fp32  # read when prepare() installs the storage
     if args.activations_in_graph is not None:
         os.environ[IN_GRAPH_ENV] = "1" if args.activations_in_graph else "0"
+    if args.te_first_scales is not None:
+        os.environ[FIRST_SCALES_ENV] = "1" if args.te_first_scales else "0"
     if args.variant == "fp8":
         recipe = FP8RecipeKwargs(
             # None unless given: the demo shows what the library's defaults convert, not a tuned subset.
             backend=args.backend, recipe=args.recipe, opt_level=args.opt_level, skip_slow_shapes=args.skip_slow_shapes,
             skip_first_last=args.skip_first_last, activation_dtype=args.activation_dtype,
-            optimizer_states=args.optimizer_states,
+            optimizer_states=args.optimizer_states, amax_compute_algo=args.amax_compute_algo,
         )
         accelerator = Accelerator(
             mixed_precision="fp8", kwargs_handlers=[recipe], gradient_accumulation_steps=args.grad_accum, **kwargs
@@ -289,6 +303,7 @@ def run(args: argparse.Namespace) -> dict:
                        "held_by_forward_bytes": held_by_forward},
         "activation_dtype": args.activation_dtype,
         "optimizer_states": args.optimizer_states,
+        "amax_compute_algo": args.amax_compute_algo,
         "fp8_activations": activation_counts(storage, forwards),
         "corpus_files": corpus.files,
         "tokens": args.tokens,

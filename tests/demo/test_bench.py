@@ -82,6 +82,34 @@ def test_parse_config_names_where_fp8_activations_are_stored(monkeypatch):
     assert _run_command(monkeypatch, config)[-3:] == ["--activation-dtype", "fp8", "--no-activations-in-graph"]
 
 
+def test_parse_config_takes_a_delayed_recipes_amax_algorithm_and_tes_first_scales(monkeypatch):
+    # the A/Bs of te's first delayed step and of its amax history, each paired with BF16 in one bench
+    config = parse_config("te:delayed,amax_compute_algo=MOST_RECENT,te_first_scales=false")
+    assert config["options"] == {"amax_compute_algo": "most_recent", "te_first_scales": False}
+    assert _run_command(monkeypatch, config)[-3:] == ["--amax-compute-algo", "most_recent", "--no-te-first-scales"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"amax_compute_algo=max\|most_recent"):
+        parse_config("te:delayed,amax_compute_algo=mean")
+    for bad in ("te:current,te_first_scales=false", "msamp:delayed:O2,te_first_scales=true"):
+        with pytest.raises(argparse.ArgumentTypeError, match="te_first_scales .* it needs te:delayed"):
+            parse_config(bad)
+
+
+def test_the_run_hands_the_amax_algorithm_to_the_recipe_and_the_first_scales_to_te(monkeypatch):
+    from lowprec.backends.te import first_scales
+    from lowprec.demo.run import parse_args as run_args
+
+    args = run_args(["--variant", "fp8", "--backend", "te", "--recipe", "delayed", "--amax-compute-algo", "most_recent",
+                     "--no-te-first-scales"])
+    assert (args.amax_compute_algo, args.te_first_scales) == ("most_recent", False)
+    with pytest.raises(SystemExit):
+        run_args(["--variant", "fp8", "--amax-compute-algo", "mean"])
+    for other in (["--backend", "te", "--recipe", "current"], ["--backend", "torchao"]):
+        with pytest.raises(SystemExit):
+            run_args(["--variant", "fp8", *other, "--te-first-scales"])
+    monkeypatch.delenv(first_scales.ENV, raising=False)
+    assert first_scales.enabled()
+
+
 def test_the_run_sets_where_fp8_activations_are_stored(monkeypatch):
     from lowprec.demo.run import parse_args as run_args
 

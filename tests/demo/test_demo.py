@@ -147,6 +147,23 @@ def test_demo_refuses_an_fp32_policy_without_fp8_activations(capsys):
         capsys.readouterr().err
 
 
+def test_demo_run_hands_the_amax_algorithm_to_the_recipe(tmp_path):
+    # `lowprec bench`'s ",amax_compute_algo=most_recent": the run's recipe takes it and its plan says so
+    from accelerate.state import AcceleratorState, GradientState
+
+    from lowprec.demo.run import parse_args, run
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    result = run(parse_args(["--variant", "fp8", "--backend", "msamp", "--recipe", "delayed", "--amax-compute-algo",
+                             "most_recent", "--steps", "2", "--batch", "2", "--no-progress",
+                             "--json", str(tmp_path / "r.json")]))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    assert result["amax_compute_algo"] == "most_recent"
+    assert "the most_recent amax of the last 16 steps" in result["plan_text"]
+
+
 # ---- a bad FP8 choice fails before the BF16 baseline runs (issue 16) ------------------------------
 @pytest.mark.parametrize("argv, expected", [
     (["--recipe", "bogus"], "FP8RecipeKwargs.recipe='bogus' is not a recipe of any backend"),
