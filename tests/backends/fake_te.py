@@ -138,6 +138,7 @@ class _BaseModule(nn.Module):
 
     def init_fp8_metadata(self, num_gemms: int = 1) -> None:
         self.fp8 = _state.enabled
+        self.fp8_meta["fp8_checkpoint"] = self.fp8  # as TE's: an eval forward outside FP8 clears it
         if not self.fp8:
             return
         recipe = _state.recipe if _state.recipe is not None else DelayedScaling()
@@ -145,7 +146,7 @@ class _BaseModule(nn.Module):
             return
         hybrid = recipe.fp8_format == Format.HYBRID
         self.fp8_meta.update(recipe=recipe, num_gemms=num_gemms, fp8_max_fwd=448.0,
-                             fp8_max_bwd=57344.0 if hybrid else 448.0, fp8_checkpoint=True)
+                             fp8_max_bwd=57344.0 if hybrid else 448.0)
         if "scaling_fwd" not in self.fp8_meta:
             self.init_fp8_meta_tensors(recipe)
 
