@@ -1,6 +1,6 @@
 """A stand-in for the few parts of `transformer_engine` that lowprec's TE adapter touches, for CPU tests.
 
-A test double, not an emulator:
+A test double, not an emulator (but for the opt-in delayed-scaling casts below):
 - `Linear`, `LayerNorm`, `RMSNorm` take TE 2.x's constructor arguments (names, keyword-only where TE's
   are, `device` defaulting to CUDA as TE's does) and compute in high precision.
 - `autocast` only records how it was entered, and sets `module.fp8` for the forwards inside it, which
@@ -192,7 +192,6 @@ class Linear(_BaseModule):
             return _SaturatingCast.apply(F.linear(_SaturatingCast.apply(x, 448.0, None), self.weight.to(x.dtype), bias),
                                          None, 57344.0)
         return F.linear(x, self.weight.to(x.dtype), bias)
-
 
     def _delayed_forward(self, x: torch.Tensor) -> torch.Tensor:
         meta, fwd = self.fp8_meta, self.fp8_meta["scaling_fwd"]
