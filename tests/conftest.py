@@ -162,9 +162,9 @@ def fused_on_cpu(monkeypatch):
     torch._dynamo.reset()
 
 
-def causal_lm_losses(accelerator, model, optimizer, loader) -> list[float]:
+def causal_lm_losses(accelerator, model, optimizer, loader, after_step=None) -> list[float]:
     """One pass of a Hugging Face causal LM over `loader` (token ids, labels = ids) through `accelerator`: each
-    step's loss."""
+    step's loss. `after_step()`, if given, runs after each optimizer step (what a stand-in library does there)."""
     losses = []
     for ids in loader:
         loss = model(input_ids=ids, labels=ids).loss
@@ -172,6 +172,8 @@ def causal_lm_losses(accelerator, model, optimizer, loader) -> list[float]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        if after_step is not None:
+            after_step()
     return losses
 
 

@@ -14,6 +14,7 @@ import fake_te as fake
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import causal_lm_losses
 from fake_te import fake_te  # noqa: F401  (fixture)
 
 from lowprec.backends.te import first_scales
@@ -201,16 +202,14 @@ def train_tiny_llama(variant: str, steps: int = 2) -> list[float]:
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=2e-3))
     start = torch.randint(0, 256, (steps, 16, 1), generator=torch.Generator().manual_seed(1))
     batches = (start + 7 * torch.arange(128)) % 256
-    losses = []
-    for ids in batches:
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        for module in accelerator.unwrap_model(model).modules():
-            if "scaling_fwd" in getattr(module, "fp8_meta", {}):
+    delayed = [m for m in accelerator.unwrap_model(model).modules() if hasattr(m, "fp8_meta")]
+
+    def tes_update():
+        for module in delayed:
+            if "scaling_fwd" in module.fp8_meta:
                 fake.update_delayed_scales(module)
+
+    losses = causal_lm_losses(accelerator, model, optimizer, batches, after_step=tes_update)
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     return losses

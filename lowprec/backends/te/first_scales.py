@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels.scaling import tensor_amax
 from ...utils.env import switch
 
 ENV = "LOWPREC_TE_FIRST_SCALES"
 # TE's slots for a Linear (one GEMM): FP8FwdTensors.GEMM1_INPUT, GEMM1_WEIGHT; FP8BwdTensors.GRAD_OUTPUT1.
 # The same numbers in every TE 2.x; the GPU test checks them against TE's constants.
 FWD_INPUT, FWD_WEIGHT, BWD_GRAD_OUTPUT = 0, 1, 0
+# a module's `_lowprec_first_scales`: before its first FP8 forward, between that forward and its first backward, after
+PENDING, BACKWARD, DONE = "pending", "backward", "done"
 
 
 def enabled() -> bool:
@@ -58,7 +61,7 @@ def seed(state, index: int, tensor: torch.Tensor, fp8_max: float, margin: int) -
     """Set `state.scale[index]` to TE's scale for `tensor`'s amax, if that slot's history is empty."""
     if not _plain(tensor):
         return
-    amax = tensor.detach().abs().amax().float().to(state.scale.device)
+    amax = tensor_amax(tensor).to(state.scale.device)
     unseen = state.amax_history[:, index].eq(0).all()
     new = (fp8_max / amax) / (2.0 ** margin)
     ok = unseen & torch.isfinite(amax) & (amax > 0) & torch.isfinite(new)
@@ -66,20 +69,23 @@ def seed(state, index: int, tensor: torch.Tensor, fp8_max: float, margin: int) -
     scale.copy_(torch.where(ok, new.to(scale.dtype), scale))
 
 
-def seed_forward(module: torch.nn.Module, inp: torch.Tensor) -> tuple[bool, bool]:
-    """Before a forward of `module`: seed its input and weight scales if it casts with DelayedScaling.
-    Returns (the forward casts to FP8, with DelayedScaling)."""
+def seed_forward(module: torch.nn.Module, inp: torch.Tensor) -> str:
+    """Before a forward of `module` in PENDING: seed its input and weight scales if it casts with DelayedScaling.
+    Returns its phase after this forward: PENDING outside FP8 (the first FP8 forward seeds), BACKWARD once a
+    DelayedScaling forward is seeded, DONE for other recipes and under LOWPREC_TE_FIRST_SCALES=0."""
+    if not enabled():
+        return DONE
     module.init_fp8_metadata()  # what TE's forward calls first; a no-op there once done here
     if not getattr(module, "fp8", False):
-        return False, False
+        return PENDING
     state = delayed_state(module, "scaling_fwd")
     if state is None:
-        return True, False
+        return DONE
     meta = module.fp8_meta
     fp8_max, margin = float(meta["fp8_max_fwd"]), int(meta["recipe"].margin)
     seed(state, FWD_INPUT, inp, fp8_max, margin)
     seed(state, FWD_WEIGHT, module.weight, fp8_max, margin)
-    return True, True
+    return BACKWARD
 
 
 class _SeedGradScale(torch.autograd.Function):
@@ -101,31 +107,21 @@ class _SeedGradScale(torch.autograd.Function):
         return grad, None
 
 
-PENDING, BACKWARD, DONE = "pending", "backward", "done"
-
-
 class SeedsFirstScales:
     """Mixin for lowprec's TE Linear: its first DelayedScaling forward and backward cast with scales from their own
-    tensors. `_lowprec_first_scales`: PENDING until the first FP8 forward, BACKWARD until the first backward after
-    it, then DONE (also at once for other recipes, under LOWPREC_TE_FIRST_SCALES=0, and while dynamo traces)."""
+    tensors. `_lowprec_first_scales` goes PENDING -> BACKWARD -> DONE (see `seed_forward`); nothing while dynamo
+    traces."""
 
     _lowprec_first_scales = PENDING
 
     def forward(self, inp, *args, **kwargs):
-        phase = self._lowprec_first_scales
-        if phase == DONE or torch.compiler.is_compiling():
+        if self._lowprec_first_scales == DONE or torch.compiler.is_compiling():
             return super().forward(inp, *args, **kwargs)
-        if phase == PENDING:
-            if not enabled():
-                self._lowprec_first_scales = DONE
-                return super().forward(inp, *args, **kwargs)
-            fp8, delayed = seed_forward(self, inp)
-            if not fp8:  # a forward outside FP8 autocast: the first FP8 one seeds
-                return super().forward(inp, *args, **kwargs)
-            self._lowprec_first_scales = BACKWARD if delayed else DONE
-            if not delayed:
-                return super().forward(inp, *args, **kwargs)
+        if self._lowprec_first_scales == PENDING:
+            self._lowprec_first_scales = seed_forward(self, inp)
         out = super().forward(inp, *args, **kwargs)
+        if self._lowprec_first_scales != BACKWARD:
+            return out
         if isinstance(out, tuple):  # return_bias=True: (output, bias)
             return (_seed_backward_of(out[0], self), *out[1:])
         return _seed_backward_of(out, self)
