@@ -17,6 +17,7 @@ then).
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import shutil
@@ -133,29 +134,38 @@ def copy_generated(report: dict, folder: str) -> list[str]:
     return written
 
 
-def record_step(step, path: str | None, max_entries: int = 500_000) -> dict | None:
-    """Run `step()` once with the allocator's history recorded; write `format_report` to `path` and the generated
-    code it names to `PATH_code/` (`copy_generated`; PATH without its `.txt`). Returns the report with its 25 largest
-    sites (None without CUDA)."""
+@contextlib.contextmanager
+def recorded(path: str | None, max_entries: int = 500_000):
+    """The block run with the allocator's history recorded; after it, `format_report` written to `path` and the
+    generated code it names to `PATH_code/` (`copy_generated`; PATH without its `.txt`). Yields a dict that then
+    holds the report with its 25 largest sites (stays empty without CUDA)."""
     import torch
 
+    report: dict = {}
     if not torch.cuda.is_available():
-        return None
+        yield report
+        return
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     # Python frames only: with C++ frames the allocator's unwinder named every block `??:0 torch::unwind::unwind()`
     # on the GPU host (results/gpu/2026-11-27-h200-memory-d8a48fa)
     torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks="python")
     try:
-        step()
+        yield report
         torch.cuda.synchronize()
         snapshot = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-    report = live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], baseline)
+    report.update(live_at_peak(snapshot["device_traces"][torch.cuda.current_device()], baseline))
     if path:
         with open(path, "w") as fh:
             fh.write(format_report(report))
         copy_generated(report, (path[:-4] if path.endswith(".txt") else path) + "_code")
     report["live_by_site"] = dict(list(report["live_by_site"].items())[:25])
-    return report
+
+
+def record_step(step, path: str | None, max_entries: int = 500_000) -> dict | None:
+    """Run `step()` once under `recorded(path)`; returns its report (None without CUDA)."""
+    with recorded(path, max_entries) as report:
+        step()
+    return report or None

@@ -18,7 +18,8 @@ LOWPREC_FP8_ACTIVATIONS_IN_GRAPH), so that each form is a configuration of its o
 `,optimizer_states=fp32|bf16|fp16|fp8` stores Adam's moments so (FP8RecipeKwargs.optimizer_states);
 `,amax_compute_algo=max|most_recent` sets a delayed recipe's (FP8RecipeKwargs.amax_compute_algo), and te's
 `,te_first_scales=true|false` casts DelayedScaling's first step with scales from its own tensors or with TE's 1
-(LOWPREC_TE_FIRST_SCALES), for A/Bs paired with BF16 in one bench.
+(LOWPREC_TE_FIRST_SCALES), and te's `,fp8_weights=true|false` keeps its Linear weights in FP8 only with FP32 masters in
+TE's FusedAdam (FP8RecipeKwargs.fp8_weights), for A/Bs paired with BF16 in one bench.
 Each runs `python -m lowprec.demo.run` in a fresh process (Accelerate's state is a process-wide
 singleton, and peak memory and compile caches must be the run's own) on the demo corpus: tokens/s
 (median step after warm-up), peak memory split into model state (weights, gradients, optimizer states,
@@ -52,7 +53,7 @@ LEVELS = (None, "O1", "O2")
 # Switches a configuration may set after a comma ("torchao:tensorwise,skip_first_last=false"), so one bench
 # compares a default against the same backend with a layer rule (or the in-graph FP8 activations) turned off,
 # each in its own process.
-CONFIG_OPTIONS = ("skip_first_last", "skip_slow_shapes", "activations_in_graph", "te_first_scales")
+CONFIG_OPTIONS = ("skip_first_last", "skip_slow_shapes", "activations_in_graph", "te_first_scales", "fp8_weights")
 _BOOLS = {"true": True, "false": False}
 # Recipe fields a configuration may set to one of a few values ("msamp:delayed:O2,activation_dtype=fp8").
 VALUE_OPTIONS = {"activation_dtype": ("fp8",), "activations_fp32": FP32_POLICIES,
@@ -91,6 +92,9 @@ def parse_config(text: str) -> dict:
     if "te_first_scales" in options and (parts[0], parts[1]) != ("te", "delayed"):
         raise argparse.ArgumentTypeError(f"configuration {text!r}: te_first_scales says how te's DelayedScaling "
                                          "casts its first step: it needs te:delayed")
+    if "fp8_weights" in options and parts[0] != "te":
+        raise argparse.ArgumentTypeError(f"configuration {text!r}: fp8_weights keeps TransformerEngine's weights in "
+                                         "FP8 only: it needs backend te")
     return {"name": text, "backend": parts[0], "recipe": parts[1], "opt_level": level, "options": options}
 
 

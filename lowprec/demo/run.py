@@ -107,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="te's delayed recipe: cast the first step with scales from its own tensors, or (--no-...) "
                         "with TE's initial 1 (sets LOWPREC_TE_FIRST_SCALES for this run; default: the variable's, "
                         "else on)")
+    p.add_argument("--fp8-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="te only: Linear weights in FP8 only, FP32 masters in TE's FusedAdam (FP8RecipeKwargs."
+                        "fp8_weights; default: the library's, off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true",
                    help="torchao only: also train the same model converted by torchao directly (no lowprec) in "
@@ -122,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.te_first_scales is not None and (args.variant, args.backend, args.recipe) != ("fp8", "te", "delayed"):
         p.error("--te-first-scales says how te's DelayedScaling casts its first step: it needs --variant fp8 "
                 "--backend te --recipe delayed")
+    if args.fp8_weights is not None and (args.variant, args.backend) != ("fp8", "te"):
+        p.error("--fp8-weights keeps TransformerEngine's weights in FP8 only: it needs --variant fp8 --backend te")
     if args.steps < 1:
         p.error(f"--steps must be at least 1, got {args.steps}")
     if args.warmup is not None and args.warmup < 0:
@@ -179,6 +184,7 @@ def run(args: argparse.Namespace) -> dict:
             backend=args.backend, recipe=args.recipe, opt_level=args.opt_level, skip_slow_shapes=args.skip_slow_shapes,
             skip_first_last=args.skip_first_last, activation_dtype=args.activation_dtype,
             optimizer_states=args.optimizer_states, amax_compute_algo=args.amax_compute_algo,
+            fp8_weights=args.fp8_weights,
         )
         accelerator = Accelerator(
             mixed_precision="fp8", kwargs_handlers=[recipe], gradient_accumulation_steps=args.grad_accum, **kwargs

@@ -94,6 +94,24 @@ def test_parse_config_takes_a_delayed_recipes_amax_algorithm_and_tes_first_scale
             parse_config(bad)
 
 
+def test_parse_config_takes_tes_fp8_only_weights(monkeypatch):
+    # te with FP8-only weights against te and BF16 in one bench: the loss of FusedAdam's moments measured so
+    from lowprec.demo.run import parse_args as run_args
+
+    config = parse_config("te:current,fp8_weights=true,optimizer_states=bf16")
+    assert config["options"] == {"fp8_weights": True, "optimizer_states": "bf16"}
+    assert _run_command(monkeypatch, config)[-3:] == ["--fp8-weights", "--optimizer-states", "bf16"]
+    assert _run_command(monkeypatch, parse_config("te:delayed,fp8_weights=false"))[-1] == "--no-fp8-weights"
+    for bad in ("torchao:tensorwise,fp8_weights=true", "msamp:delayed:O2,fp8_weights=false"):
+        with pytest.raises(argparse.ArgumentTypeError, match="fp8_weights .* it needs backend te"):
+            parse_config(bad)
+    assert run_args(["--variant", "fp8", "--backend", "te", "--fp8-weights"]).fp8_weights is True
+    assert run_args(["--variant", "fp8", "--backend", "te"]).fp8_weights is None  # the library's default
+    for other in (["--variant", "fp8", "--backend", "torchao"], ["--variant", "bf16"]):
+        with pytest.raises(SystemExit):
+            run_args([*other, "--fp8-weights"])
+
+
 def test_the_run_hands_the_amax_algorithm_to_the_recipe_and_the_first_scales_to_te(monkeypatch):
     from lowprec.backends.te import first_scales
     from lowprec.demo.run import parse_args as run_args

@@ -146,6 +146,19 @@ def profiled(path: str, record: dict):
     record["profiled_step"] = ranks
 
 
+def peak_recorded(path: str):
+    """The block under benchmarks/peak_memory.py's recorder: each rank writes what is live at the block's peak, by
+    allocating line, to `path` (rank 0) or NAME.rankR.txt."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+    from peak_memory import recorded
+
+    rank = int(os.environ.get("RANK", "0"))
+    stem, ext = os.path.splitext(path)
+    return recorded(path if rank == 0 else f"{stem}.rank{rank}{ext or '.txt'}")
+
+
 EVIDENCE_STEPS = 2  # a compiled model's forwards the evidence hooks watch (every forward in an eager one)
 
 
@@ -183,6 +196,9 @@ def main() -> None:
     p.add_argument("--profile", default=None,
                    help="write one step's CUDA kernels (torch.profiler, by self time) to this file (rank 0; "
                         "NAME.rankR.txt for the others) and each rank's Chrome trace beside it")
+    p.add_argument("--peak", default=None,
+                   help="write what is live at one steady step's peak, by allocating line (benchmarks/peak_memory.py), "
+                        "to this file (rank 0; NAME.rankR.txt for the others)")
     args = p.parse_args()
     if args.backend == "bf16" and (args.activation_dtype or args.fp8_weights or args.optimizer_states
                                    or args.no_fp8_all_gather or args.torchao_gather_cast):
@@ -324,9 +340,11 @@ def main() -> None:
         watch = torch.cuda.is_available() and step == max(args.steps - 2, 0)
         profiling = args.profile is not None and step == max(args.steps - 3, 0)
         counting = step == args.steps - 1 and not args.engine.startswith("zero")
-        if watch or profiling or counting:
+        peaking = args.peak is not None and step == max(args.steps - 4, 0)
+        if watch or profiling or counting or peaking:
             instrumented.add(step)
-        with sync_watch(syncs) if watch else profiled(args.profile, kernels) if profiling else contextlib.nullcontext():
+        with (sync_watch(syncs) if watch else profiled(args.profile, kernels) if profiling
+              else peak_recorded(args.peak) if peaking else contextlib.nullcontext()):
             marks = PhaseMarks()
             loss = model(input_ids=ids, labels=ids).loss
             marks.mark("forward")

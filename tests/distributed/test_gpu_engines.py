@@ -26,13 +26,15 @@ def test_a_compiled_models_cell_watches_two_forwards_and_stays_compiled(tmp_path
     finally:
         sys.path.pop(0)
     proc, cell = world_of_one_cell(tmp_path, "--backend", "torchao", "--recipe", "tensorwise", "--engine", "fsdp2",
-                                   "--compile-model", "--fused-adamw", "--size", "tiny", "--steps", "6", timeout=600,
+                                   "--compile-model", "--fused-adamw", "--size", "tiny", "--steps", "6",
+                                   "--peak", str(tmp_path / "cell.peak.txt"), timeout=600,
                                    OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1",
                                    CUDA_VISIBLE_DEVICES="", TORCH_LOGS="recompiles")
     assert cell["compiled_model"] is True and cell["all_forwards_in_fp8"] is True
     assert cell["optimizer_fused"] is True  # multi.sh's 'fused': torch's fused AdamW over FSDP2's DTensors
     assert cell["fp8_forward_calls"] == EVIDENCE_STEPS * cell["planned_fp8_linears"]  # watched, then let go
     assert proc.stderr.count("Recompiling function") == 1, proc.stderr[-3000:]
+    assert not (tmp_path / "cell.peak.txt").exists()  # the allocator's trace is CUDA's: nothing recorded on a CPU
     assert cell["last_loss"] < cell["first_loss"]
 
 

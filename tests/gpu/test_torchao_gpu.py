@@ -165,3 +165,19 @@ def test_fsdp2_world_of_one_trains_with_the_one_kernel_cast(tmp_path):
     assert cell["fused_gather_casts"] == cell["fp8_modules"], summary
     assert any("each shard cast in one kernel" in note for note in cell["notes"]), summary
     assert cell["last_loss"] < cell["first_loss"]
+
+
+def test_a_world_of_one_cell_reports_what_is_live_at_its_peak(tmp_path):
+    # multi.sh's PEAK=1: one steady step under the allocator's recorder, its peak's live blocks by allocating line
+    from conftest import world_of_one_cell
+
+    peak = tmp_path / "cell.peak.txt"
+    _, cell = world_of_one_cell(tmp_path, "--backend", "torchao", "--recipe", "tensorwise", "--engine", "fsdp2",
+                                "--size", "tiny", "--steps", "8", "--peak", str(peak),
+                                ACCELERATE_FP8_SKIP_SLOW_SHAPES="0")
+    text = peak.read_text()
+    head = text.splitlines()[0]
+    total, before = float(head.split()[1]), float(head.split("= ")[1].split()[0])
+    assert total > before > 0, text  # model state before the step, the step's own blocks on top
+    assert "GiB" in text.splitlines()[1] and "largest blocks live at the peak:" in text, text
+    assert cell["last_loss"] < cell["first_loss"]
