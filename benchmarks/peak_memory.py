@@ -81,11 +81,19 @@ def live_at_peak(events: list[dict], baseline: int = 0) -> dict:
         if current > peak:
             peak, at = current, i
     live: dict[int, dict] = {}
-    for event in events[: at + 1]:
+    left: dict[int, dict] = {}  # allocated in the recording and still allocated at its end (a step's leftovers)
+    for i, event in enumerate(events):
         if event["action"] == "alloc":
-            live[event["addr"]] = event
+            left[event["addr"]] = event
         elif event["action"] == "free_completed":
-            live.pop(event["addr"], None)
+            left.pop(event["addr"], None)
+        if i == at:
+            live = dict(left)
+    left_sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for event in left.values():
+        entry = left_sites[site(event.get("frames") or [])]
+        entry[0] += event["size"]
+        entry[1] += 1
     sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     code: dict[str, str] = {}
     files: set[str] = set()
@@ -104,7 +112,8 @@ def live_at_peak(events: list[dict], baseline: int = 0) -> dict:
     largest = sorted(live.values(), key=lambda e: -e["size"])[:10]
     return {"peak_bytes": peak, "baseline_bytes": baseline, "peak_event": at, "events": len(events),
             "live_by_site": ordered, "code": code, "generated_files": sorted(files),
-            "largest_blocks": [[e["size"], site(e.get("frames") or [])] for e in largest]}
+            "largest_blocks": [[e["size"], site(e.get("frames") or [])] for e in largest],
+            "left_by_site": dict(sorted(left_sites.items(), key=lambda kv: -kv[1][0]))}
 
 
 def format_report(report: dict, top: int = 25) -> str:
@@ -118,6 +127,11 @@ def format_report(report: dict, top: int = 25) -> str:
     if report.get("largest_blocks"):
         lines.append("largest blocks live at the peak:")
         lines += [f"{size / gib:9.3f} GiB  {name}" for size, name in report["largest_blocks"]]
+    if report.get("left_by_site"):
+        # what the step leaves for the next: state created lazily in a first step, or held where it should not be
+        lines.append("allocated in the step and still allocated after it:")
+        lines += [f"{size / gib:9.3f} GiB  {blocks:5d} blocks  {name}"
+                  for name, (size, blocks) in list(report["left_by_site"].items())[:top]]
     return "\n".join(lines) + "\n"
 
 

@@ -275,6 +275,11 @@ def test_peak_memory_replays_the_allocator_trace_to_its_highest_point():
                                         [50, "kernels/activations.py:90 unpack_fp8"], [30, "w/model.py:5 forward"]]
     text = format_report(report)
     assert "peak 0.000 GiB" in text and "unpack_fp8" in text and "largest blocks live at the peak" in text
+    # block 3 is still allocated when the recording ends: what a step leaves for the next, by the line that made it
+    assert report["left_by_site"] == {"w/model.py:5 forward": [30, 1]}
+    assert "allocated in the step and still allocated after it:" in text
+    assert "left_by_site" in live_at_peak(events[:2]) and live_at_peak(events[:2])["left_by_site"] == {
+        "w/model.py:5 forward": [100, 1], "kernels/activations.py:90 unpack_fp8": [50, 1]}
 
 
 def test_peak_memory_shows_a_compiled_graphs_allocation_with_its_shape_and_kernel(tmp_path):

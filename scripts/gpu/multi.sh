@@ -18,7 +18,8 @@
 # others), each rank's Chrome trace as NAME.prof[.rankR].trace.json.gz, and in the JSON `profiled_step`: per rank,
 # kernel, NCCL, busy and span ms (gpu_profile.py; NCCL far above busy's share = a rank waiting for the other).
 # Use PACK=1 with it. PEAK=1 writes what is live at one steady step's peak (step STEPS-4), by allocating line
-# (benchmarks/peak_memory.py), as NAME.peak.txt (rank 0; NAME.peak.rankR.txt for the others). A sixth field 'fp8w' (te) sets
+# (benchmarks/peak_memory.py), and what the step leaves allocated, as NAME.peak.txt (rank 0; NAME.peak.rankR.txt for
+# the others); PEAK_STEP=N records step N instead (1: what the first steps leave held for the rest). A sixth field 'fp8w' (te) sets
 # fp8_weights=True: te:current:fsdp2:::fp8w. A sixth field 'overlap' sets LOWPREC_FP8_GRAD_OVERLAP=1 (the stored FP8
 # weight gradients averaged block by block during the backward under DDP): msamp@O2::ddp:::overlap. A sixth field
 # 'act8' sets activation_dtype='fp8' (the tensors autograd saves stored in FP8, issue 32): msamp@O3::fsdp2:::act8.
@@ -87,7 +88,7 @@ for case in "$@"; do
   LOWPREC_FP8_GRAD_OVERLAP=$overlap timeout "${CASE_TIMEOUT:-300}" "${launch[@]}" \
     tests/distributed/gpu_engines.py --backend "$backend" ${recipe:+--recipe "$recipe"} ${level:+--opt-level "$level"} \
     --engine "$engine" ${comm:+--grad-comm-dtype "$comm"} --steps "${steps:-${STEPS:-30}}" --size "${SIZE:-small}" \
-    ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${PEAK:+--peak "$out/$name.peak.txt"} ${fp8w:+--fp8-weights} ${act:+--activation-dtype "$act"} \
+    ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${PEAK:+--peak "$out/$name.peak.txt"} ${PEAK_STEP:+--peak-step "$PEAK_STEP"} ${fp8w:+--fp8-weights} ${act:+--activation-dtype "$act"} \
     ${states:+--optimizer-states "$states"} ${whole:+--compile-model} ${fused:+--fused-adamw} \
     ${noag:+--no-fp8-all-gather} ${aocast:+--torchao-gather-cast} \
     --out "$out/$name.json" > "$out/$name.log" 2>&1

@@ -198,8 +198,14 @@ def main() -> None:
                         "NAME.rankR.txt for the others) and each rank's Chrome trace beside it")
     p.add_argument("--peak", default=None,
                    help="write what is live at one steady step's peak, by allocating line (benchmarks/peak_memory.py), "
-                        "to this file (rank 0; NAME.rankR.txt for the others)")
+                        "to this file (rank 0; NAME.rankR.txt for the others), and what the step leaves allocated")
+    p.add_argument("--peak-step", type=int, default=None,
+                   help="the step --peak records (default: the fourth from the end, a steady one; 0 or 1: what the "
+                        "first steps leave allocated for the rest of the training)")
     args = p.parse_args()
+    if args.peak_step is not None and (args.peak is None or not 0 <= args.peak_step < args.steps):
+        p.error(f"--peak-step {args.peak_step} needs --peak and a step of the run "
+                f"(0 to --steps - 1 = {args.steps - 1})")
     if args.backend == "bf16" and (args.activation_dtype or args.fp8_weights or args.optimizer_states
                                    or args.no_fp8_all_gather or args.torchao_gather_cast):
         p.error("--activation-dtype, --fp8-weights, --optimizer-states, --no-fp8-all-gather and "
@@ -340,7 +346,8 @@ def main() -> None:
         watch = torch.cuda.is_available() and step == max(args.steps - 2, 0)
         profiling = args.profile is not None and step == max(args.steps - 3, 0)
         counting = step == args.steps - 1 and not args.engine.startswith("zero")
-        peaking = args.peak is not None and step == max(args.steps - 4, 0)
+        peaking = args.peak is not None and step == (max(args.steps - 4, 0) if args.peak_step is None
+                                                     else args.peak_step)
         if watch or profiling or counting or peaking:
             instrumented.add(step)
         with (sync_watch(syncs) if watch else profiled(args.profile, kernels) if profiling

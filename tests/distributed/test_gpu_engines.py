@@ -51,6 +51,8 @@ def test_the_harness_refuses_recipe_fields_for_the_bf16_baseline(tmp_path, flag)
 
 
 @pytest.mark.parametrize("args, says", [
+    (["--backend", "bf16", "--peak-step", "1"], "--peak-step 1 needs --peak and a step of the run"),
+    (["--backend", "bf16", "--steps", "4", "--peak", "p.txt", "--peak-step", "4"], "(0 to --steps - 1 = 3)"),
     (["--backend", "msamp", "--opt-level", "O3", "--engine", "fsdp2", "--torchao-gather-cast"],
      "need --backend torchao --engine fsdp2 (got --backend msamp --engine fsdp2)"),
     (["--backend", "torchao", "--engine", "ddp", "--no-fp8-all-gather"],
