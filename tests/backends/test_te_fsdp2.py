@@ -131,8 +131,11 @@ def ranks(tmp_path_factory):
 def test_through_accelerates_fsdp2_preparation(ranks):
     for rank, r in enumerate(ranks):
         hooked = r["hooks"]
-        # the optimizer holds the sharded weights in their groups and places, its FP32 masters this rank's rows
+        # the optimizer holds the sharded weights in their groups and places, its FP32 masters this rank's rows,
+        # through AcceleratedOptimizer's state-dict round trip (new group dicts: until 2026-11-29 the FP8 weights
+        # went back into the old ones, and under Accelerate no TE Linear trained with fp8_weights under FSDP2)
         assert hooked["groups_after"] == hooked["groups_before"]
+        assert hooked["stepped"] == sorted(n for group in hooked["groups_before"] for n in group)
         assert all(hooked["masters_are_this_ranks_rows"].values())
         assert hooked["fp8_weights"]["head.weight"] == ["DTensor", "torch.float32", [24, 32]]
         assert hooked["other_dtypes"] == ["torch.float32"] and hooked["grads"]

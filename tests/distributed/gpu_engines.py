@@ -159,6 +159,14 @@ def peak_recorded(path: str):
     return recorded(path if rank == 0 else f"{stem}.rank{rank}{ext or '.txt'}")
 
 
+def weight_sample(weight: torch.Tensor, n: int = 4096) -> torch.Tensor:
+    """The first `n` values of this rank's part of `weight` in FP32 (a quantised weight dequantised first)."""
+    local = getattr(weight, "_local_tensor", weight).detach()
+    if getattr(type(local), "dequantize", None) not in (None, torch.Tensor.dequantize):  # TE's Float8Tensor
+        local = local.dequantize()
+    return local.reshape(-1)[:n].float().clone()
+
+
 EVIDENCE_STEPS = 2  # a compiled model's forwards the evidence hooks watch (every forward in an eager one)
 
 
@@ -280,8 +288,6 @@ def main() -> None:
     # what prepare() leaves allocated: model state before any step (a converted weight kept alive beside its
     # FSDP2 shard once showed here as 4 bytes per element on every rank)
     after_prepare = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
 
     evidence_hooks: list = []
     if plan is None:
@@ -325,6 +331,11 @@ def main() -> None:
 
     from lowprec.demo.memory import model_state_bytes
 
+    # a few values of each FP8 Linear's weight (its shard): the end of the run says whether the optimizer moved it
+    # (te's FP8-only weights under FSDP2 trained their Linears, or not, with the loss going down either way)
+    start_samples = [weight_sample(m.weight) for m in fp8_modules]
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     losses, times, state_bytes = [], [], None
     instrumented: set[int] = set()  # steps a measurement ran in: left out of the medians
     model.train()
@@ -377,7 +388,12 @@ def main() -> None:
     # took 12 GiB on the d4096 proxy and set the reported peak of DDP and ZeRO runs until 2026-11-27)
     steady_peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     peak = max(steady_peak, warm_peak or 0.0)
-    evidence = {}
+    evidence = {
+        "fp8_weights_moved": sum(not torch.equal(a, weight_sample(m.weight))
+                                 for a, m in zip(start_samples, fp8_modules)),
+        # after the last step's zero_grad: a gradient still held is memory the next step's peak carries
+        "grads_after_zero_grad": sum(q.grad is not None for q in model.parameters()),
+    }
     backend = plan.backend if plan is not None else "bf16"
     if backend == "torchao" and args.engine == "fsdp2":
         weights = [m.weight for m in fp8_modules]

@@ -76,6 +76,9 @@ def prepare(with_hooks: bool) -> dict:
     groups_before = [[names_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     if with_hooks:
         backend.before_engine_prepare([model, optimizer], accelerator)
+    # AcceleratedOptimizer's device placement: the optimizer's state dict loaded back, which gives it new group
+    # dicts (torch's load_state_dict); a weight put back into a group dict held from before was in no group
+    optimizer.load_state_dict(optimizer.state_dict())
 
     # Accelerate's _prepare_fsdp2 around fsdp2_prepare_model: optimizer parameters keyed by data_ptr()
     # before wrapping, swapped for the wrapped ones by name; Float8Tensor weights report 0.
@@ -114,6 +117,8 @@ def prepare(with_hooks: bool) -> dict:
         "masters_are_this_ranks_rows": masters,
         "other_dtypes": sorted({str(p.dtype) for n, p in new.items() if n not in fp8_names}),
         "grads": all(new[n].grad is not None for n in fp8_names),
+        # the optimizer's own groups, as it steps and zeroes them
+        "stepped": sorted(names_of[id(p)] for g in optimizer.param_groups for p in g["params"] if id(p) in names_of),
         "quantized_init_calls": len(fake_te.quantized_init_calls),
     }
 

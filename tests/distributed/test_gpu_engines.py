@@ -32,6 +32,8 @@ def test_a_compiled_models_cell_watches_two_forwards_and_stays_compiled(tmp_path
                                    CUDA_VISIBLE_DEVICES="", TORCH_LOGS="recompiles")
     assert cell["compiled_model"] is True and cell["all_forwards_in_fp8"] is True
     assert cell["optimizer_fused"] is True  # multi.sh's 'fused': torch's fused AdamW over FSDP2's DTensors
+    # every FP8 Linear's weight moved, and no gradient outlived the last step's zero_grad
+    assert cell["fp8_weights_moved"] == cell["fp8_modules"] > 0 and cell["grads_after_zero_grad"] == 0
     assert cell["fp8_forward_calls"] == EVIDENCE_STEPS * cell["planned_fp8_linears"]  # watched, then let go
     assert proc.stderr.count("Recompiling function") == 1, proc.stderr[-3000:]
     assert not (tmp_path / "cell.peak.txt").exists()  # the allocator's trace is CUDA's: nothing recorded on a CPU

@@ -506,3 +506,24 @@ def test_fp8_weights_with_low_precision_moments_under_fsdp2(recipe, states, mome
         dist.destroy_process_group()
     # the same model and data; only the moments' rounding differs (BF16: 8 bits; E4M3: 3 bits of exp_avg)
     _trains_and_follows(low["losses"], full["losses"], 0.05)
+
+
+@pytest.mark.parametrize("flags", [[], ["--fp8-weights"], ["--fp8-weights", "--optimizer-states", "bf16"]],
+                         ids=["bf16_weights", "fp8_weights", "fp8_weights_bf16_moments"])
+def test_every_linear_trains_through_accelerates_fsdp2(tmp_path, flags):
+    # The whole lowprec.Accelerator path under FSDP2 (tests/distributed/gpu_engines.py, a world of one), where
+    # _fsdp2_losses above calls the backend's hooks by hand. On the d4096 proxy (2026-11-29) te with fp8_weights did
+    # not spike at step 1 where BF16 and te without it did (19.5 from 6.3), and all of its Linears' FP32 gradients
+    # (3.6 GiB) were still allocated after the first step's zero_grad: the weights the optimizer steps must be the
+    # ones FSDP2 gives gradients to, and each must move.
+    from conftest import world_of_one_cell
+
+    _, cell = world_of_one_cell(tmp_path, "--backend", "te", "--recipe", "current", "--engine", "fsdp2", *flags,
+                                "--size", "tiny", "--steps", "4", ACCELERATE_FP8_SKIP_SLOW_SHAPES="0")
+    summary = {k: cell.get(k) for k in ("wrapped_optimizer", "fp8_modules", "fp8_weights_moved",
+                                        "grads_after_zero_grad", "losses", "after_prepare_gib_rank0",
+                                        "peak_memory_gib_per_rank")}
+    assert cell["fp8_modules"] > 0 and cell["all_forwards_in_fp8"] is True, summary
+    assert cell["wrapped_optimizer"] == ("FusedAdam" if flags else "AdamW"), summary
+    assert cell["fp8_weights_moved"] == cell["fp8_modules"], summary
+    assert cell["grads_after_zero_grad"] == 0, summary

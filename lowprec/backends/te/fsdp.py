@@ -101,8 +101,11 @@ class TECommunication(GradientCommunication):
 
     def __init__(self, owner: FP8WeightsOwner):
         super().__init__(owner)
-        # FP8 weights out of the optimizer while Accelerate prepares: (optimizer, its group, index, module)
-        self.held: list[tuple[torch.optim.Optimizer, dict, int, nn.Module]] = []
+        # FP8 weights out of the optimizer while Accelerate prepares: (optimizer, its group's index, the weight's
+        # index in the group, module). Indices, not the group dict: AcceleratedOptimizer's device placement
+        # (`load_state_dict(state_dict())`) gives the optimizer new group dicts, and Accelerate's FSDP2 remap new
+        # lists in them; a weight put back into the old dict's list was in no group the optimizer steps or zeroes.
+        self.held: list[tuple[torch.optim.Optimizer, int, int, nn.Module]] = []
         self.masters: dict[nn.Module, torch.Tensor] = {}  # module -> its weight before quantisation
 
     @property
@@ -119,14 +122,14 @@ class TECommunication(GradientCommunication):
                    for m in model.modules() if self.owner.converted_kind(m) == "linear"}
         for opt in (o for o in objects if isinstance(o, torch.optim.Optimizer)):
             base = getattr(opt, "optimizer", opt)
-            for group in base.param_groups:
+            for g, group in enumerate(base.param_groups):
                 kept = []
                 for i, p in enumerate(group["params"]):
                     module = modules.get(id(p))
                     if module is None:
                         kept.append(p)
                     else:
-                        self.held.append((base, group, i, module))
+                        self.held.append((base, g, i, module))
                 group["params"] = kept
         for module in modules.values():
             hp = self.owner.take_hp_weight(module.weight)
@@ -153,9 +156,9 @@ class TECommunication(GradientCommunication):
     def install(self, model: nn.Module) -> None:
         """After Accelerate's preparation: the sharded FP8 weights back in their optimizer groups, at their
         places, and their FP32 master shards seeded, before the shared part's hooks go in."""
-        held, self.held = sorted(self.held, key=lambda h: h[2]), []
-        for _, group, i, module in held:
-            group["params"].insert(i, module.weight)
+        held, self.held = sorted(self.held, key=lambda h: (h[1], h[2])), []
+        for opt, g, i, module in held:
+            opt.param_groups[g]["params"].insert(i, module.weight)
         seeded, skipped = 0, []
         for opt, _, _, module in held:
             hp = self.masters.pop(module, None)
