@@ -172,6 +172,9 @@ def test_o3_checkpoints_carry_the_masters(run):
         assert r["resumed"] == r["continued"]  # masters and states restored exactly by load_state
         # get_state_dict exports the FP16 masters (gathered from their owners), not the E4M3 weights
         assert r["o3"]["export_minus_master"] == 0 and r["o3"]["export_minus_fp8"] > 0
+        # the learning rate a scheduler sets after the resume reaches the masters (load_state gives the optimizer new
+        # group dicts: O3 read the old ones until 2026-11-29, and kept the rate they had at the load)
+        assert r["o3_lr_after_resume"] and set(r["o3_lr_after_resume"]) == {1.25e-3}
     assert a["state_dict_keys"] == sorted(f"{i}.{p}" for i in (0, 2, 4) for p in ("bias", "weight"))
 
 

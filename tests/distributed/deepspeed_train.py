@@ -312,6 +312,13 @@ def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
             activation_storage(model2).min_elements = 0
         accelerator2.load_state(checkpoint)
         record["resumed"] = run_steps(accelerator2, model2, optimizer2, range(STEPS, STEPS + 3))
+        if knobs.get("opt_level") == "O3":
+            # a scheduler after the resume sets the rate on the optimizer's groups, which load_state replaced:
+            # O3's masters must step with it
+            for group in optimizer2.optimizer.optimizer.param_groups:
+                group["lr"] = 1.25e-3
+            run_steps(accelerator2, model2, optimizer2, range(STEPS + 3, STEPS + 4))
+            record["o3_lr_after_resume"] = [g["lr"] for g in accelerator2._lowprec[-1][1].zero.optimizer.param_groups]
         dist.barrier()
     return record
 

