@@ -17,7 +17,8 @@ import traceback
 
 import torch
 import torch.distributed as dist
-from teardown import end_ranks, write_ranks  # beside this script: torchrun puts its folder on sys.path
+from gpu_engines import weight_sample  # beside this script: torchrun puts its folder on sys.path
+from teardown import end_ranks, write_ranks
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backends"))
 
@@ -27,14 +28,6 @@ SCENARIOS = {
     "torchao": dict(backend="torchao", recipe="tensorwise"),
     "te_fp8_weights": dict(backend="te", recipe="current", fp8_weights=True),
 }
-
-
-def weight_sample(weight: torch.Tensor, n: int = 4096) -> torch.Tensor:
-    """The first `n` values of this rank's shard of `weight`, in FP32 (a quantised weight dequantised)."""
-    local = getattr(weight, "_local_tensor", weight).detach()
-    if getattr(type(local), "dequantize", None) not in (None, torch.Tensor.dequantize):
-        local = local.dequantize()
-    return local.reshape(-1)[:n].float().clone()
 
 
 def scenario(knobs: dict) -> dict:
