@@ -1,6 +1,7 @@
 """lowprec.Accelerator through Accelerate's own FSDP2 preparation on two CPU processes
 (tests/distributed/accelerate_fsdp2.py): the optimizer each backend ends with steps every parameter of the sharded
-model, the FP8 Linears' weights among them, and no gradient outlives `zero_grad`."""
+model, the FP8 Linears' weights among them, and no gradient outlives `zero_grad`. te runs TE's stand-in
+(tests/backends/fake_te.py) as on an H100."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import os
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed", "accelerate_fsdp2.py")
-SCENARIOS = ("msamp_O3", "torchao", "te_fp8_weights")
+SCENARIOS = ("msamp_O3", "msamp_O3_act8", "msamp_O3_fp8_comm", "torchao", "torchao_bf16_states", "te",
+             "te_fp8_weights")
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,10 @@ SCENARIOS = {
     "msamp_O3": dict(backend="msamp", opt_level="O3"),
     "torchao": dict(backend="torchao", recipe="tensorwise"),
     "te_fp8_weights": dict(backend="te", recipe="current", fp8_weights=True),
+    "msamp_O3_act8": dict(backend="msamp", opt_level="O3", activation_dtype="fp8"),
+    "msamp_O3_fp8_comm": dict(backend="msamp", opt_level="O3", grad_comm_dtype="fp8"),
+    "torchao_bf16_states": dict(backend="torchao", recipe="tensorwise", optimizer_states="bf16"),
+    "te": dict(backend="te", recipe="current"),
 }
 
 
@@ -76,7 +80,7 @@ def scenario(knobs: dict) -> dict:
             "params_in_optimizer": sum(id(p) in stepped for p in model.parameters()),
             "params": sum(1 for _ in model.parameters()),
         }
-        if knobs["backend"] == "te":  # the stand-in's FusedAdam has no step (TE's is a CUDA kernel)
+        if knobs.get("fp8_weights"):  # the stand-in's FusedAdam has no step (TE's is a CUDA kernel)
             record["optimizer_is_te"] = isinstance(optimizer.optimizer, FusedAdam)
             return record
         before = [weight_sample(m.weight) for m in fp8]
