@@ -287,6 +287,17 @@ class LowBitAdamW(torch.optim.Optimizer):
         state["exp_avg_sq"], state["exp_avg_sq_scale"] = _encode(v, group["exp_avg_sq_dtype"],
                                                                  state["exp_avg_sq_scale"])
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch's, with each group's state dtypes by name ("float8_e4m3fn"): torch.distributed.checkpoint (FSDP2's
+        `save_state` through Accelerate) takes tensors, numbers and strings, and failed on a torch.dtype. Loading
+        puts this optimizer's own dtypes back in either case."""
+        saved = super().state_dict()
+        for group in saved["param_groups"]:
+            for key in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+                if isinstance(group.get(key), torch.dtype):
+                    group[key] = str(group[key]).removeprefix("torch.")
+        return saved
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint of this optimizer, of a LowBitAdamW with other state dtypes (lowprec's O1 and O2,
         optimizer_states='fp8'), or of torch's Adam/AdamW. The states keep this optimizer's dtypes: a saved

@@ -35,6 +35,7 @@ from .notices import warn_once
 from .params import ReplacedParams, remap_optimizer_params
 from .planner import build_plan
 from .run_context import engine_plugin, inherited_dynamo, run_context_of, split_launch_warning
+from .sharded_checkpoints import LoadsShardedExtraStates
 from .wrapping import track_step_for_scheduler, wrap_forward
 
 log = logging.getLogger(__name__)
@@ -43,15 +44,15 @@ _PLAN_ATTR = "_lowprec_plan"
 _FINAL_ATTR = "_lowprec_finalized"
 
 
-class Accelerator(_Accelerator):
+class Accelerator(LoadsShardedExtraStates, _Accelerator):
     """Drop-in `accelerate.Accelerator` that trains in FP8 through lowprec.
 
     FP8 is on when `mixed_precision="fp8"` (argument or `ACCELERATE_MIXED_PRECISION`, as
     `accelerate launch --mixed_precision fp8` sets it) or when an FP8 handler is passed:
     `lowprec.FP8RecipeKwargs`, or Accelerate's `AORecipeKwargs` / `TERecipeKwargs` /
     `MSAMPRecipeKwargs` / `FP8RecipeKwargs`, which are translated. Without a handler the recipe is
-    read from `ACCELERATE_FP8_*` (a config file's `fp8_config:` section). Everything else is
-    Accelerate's, unchanged.
+    read from `ACCELERATE_FP8_*` (a config file's `fp8_config:` section). Everything else is Accelerate's, but
+    `load_state` of a sharded FSDP2 checkpoint (runtime/sharded_checkpoints.py).
 
     `prepare()` prints a summary of each FP8 model's precision plan to stderr on the main process;
     `lowprec_quiet=True` (None: the `LOWPREC_QUIET` environment variable, `1` or `0`) leaves it out.
@@ -118,11 +119,10 @@ class Accelerator(_Accelerator):
             context = self.run_context()
             check_activation_dtype(recipe.activation_dtype, self.state.dynamo_plugin if context.compiled else None,
                                    source=self._compile_source)
-            engine = context.engine
-            apply_grad_comm_dtype(create_backend(recipe, context).grad_comm_choice, engine,
-                                  engine_plugin(self.state, engine))
+            apply_grad_comm_dtype(create_backend(recipe, context).grad_comm_choice, context.engine,
+                                  engine_plugin(self.state, context.engine))
             create_backend(recipe, self.run_context())
-            for option, why in options_without_effect(recipe, engine, self.num_processes):
+            for option, why in options_without_effect(recipe, context.engine, self.num_processes):
                 warnings.warn(f"lowprec: FP8RecipeKwargs.{option} has no effect in this run: {why}", stacklevel=2)
 
     # ---- what Accelerate sees ----------------------------------------------------------------

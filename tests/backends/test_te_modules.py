@@ -118,6 +118,25 @@ def test_nested_tuples_reach_the_modules_fp8_meta(fake_te):
     assert container_types(fresh.fp8_meta["layout"]) == container_types(trained.fp8_meta["layout"])
 
 
+def test_a_sharded_load_gets_a_place_of_the_saved_size_and_the_saved_bytes_load(fake_te):
+    # torch.distributed.checkpoint loads in place and refuses a size other than the saved one; a fresh module's
+    # entry is empty (TE issue #1860). runtime/sharded_checkpoints.py tells each module the saved size for the load.
+    trained = converted_linear(0)
+    fake.fill_delayed_state(trained, fake.DelayedScaling(amax_history_len=4))
+    saved = trained.state_dict()["_extra_state"]
+    fresh = converted_linear(1)
+    assert fresh.state_dict()["_extra_state"].numel() == 0 < saved.numel()
+    fresh.loading_extra_state_bytes = saved.numel()
+    place = fresh.state_dict()["_extra_state"]
+    assert place.numel() == saved.numel() and not place.any()  # zeros, filled by the load
+    trained.loading_extra_state_bytes = saved.numel()  # the live entry when it has that size already
+    assert torch.equal(trained.state_dict()["_extra_state"], saved)
+    place.copy_(saved)  # what DCP does in place
+    fresh.loading_extra_state_bytes = None
+    fresh.load_state_dict({**trained.state_dict(), "_extra_state": place}, strict=True)
+    assert torch.equal(fresh.state_dict()["_extra_state"], saved)
+
+
 @pytest.mark.parametrize(
     "extra,where,why",
     [

@@ -13,6 +13,7 @@ FSDP2 until 2026-11-29; this is the run that sees such a thing on a CPU.
 
 import os
 import sys
+import tempfile
 import traceback
 
 import torch
@@ -34,21 +35,50 @@ SCENARIOS = {
 }
 
 
-def scenario(knobs: dict) -> dict:
-    import pytest
+def prepared(knobs: dict):
+    """A fresh Accelerator under Accelerate's FSDP2 plugin, the tiny Llama and AdamW prepared by it."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     from lowprec import Accelerator, FP8RecipeKwargs
     from lowprec.demo.model import PRESETS, build_model
-    from lowprec.runtime.export import BACKEND_ATTR
 
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
+    PartialState(cpu=True)
+    # Accelerate makes FSDP a GPU engine: the gloo group is named a GPU one, the device stays the CPU
+    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    accelerator = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, kwargs_handlers=[FP8RecipeKwargs(
+        skip_slow_shapes=False, skip_first_last=False, **knobs)])
+    torch.manual_seed(0)
+    model = build_model(PRESETS["tiny"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    return accelerator, model, optimizer
+
+
+def train(accelerator, model, optimizer, steps: int) -> list[float]:
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def scenario(knobs: dict) -> dict:
+    import pytest
+
+    from lowprec.runtime.export import BACKEND_ATTR
+
     patch = pytest.MonkeyPatch()
     if knobs["backend"] == "te":
         import fake_te
-        from fake_te import FusedAdam
 
         from lowprec.backends.te import TEBackend
         from lowprec.planning.hardware import DeviceInfo
@@ -56,18 +86,8 @@ def scenario(knobs: dict) -> dict:
         fake_te.install(patch)
         patch.setattr(TEBackend, "fp8_weight_device", staticmethod(lambda: torch.device("cpu")))
         patch.setattr("lowprec.runtime.run_context.device_info", lambda *_a, **_k: DeviceInfo("cuda", "H100", (9, 0)))
-    PartialState(cpu=True)
-    # Accelerate makes FSDP a GPU engine: the gloo group is named a GPU one, the device stays the CPU
-    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
     try:
-        plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                                transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
-        accelerator = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, kwargs_handlers=[FP8RecipeKwargs(
-            skip_slow_shapes=False, skip_first_last=False, **knobs)])
-        torch.manual_seed(0)
-        model = build_model(PRESETS["tiny"])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model, optimizer = accelerator.prepare(model, optimizer)
+        accelerator, model, optimizer = prepared(knobs)
         inner = accelerator.unwrap_model(model)
         converted_by = getattr(inner, BACKEND_ATTR)
         fp8 = [m for m in inner.modules() if converted_by.converted_kind(m) == "linear"]
@@ -81,25 +101,45 @@ def scenario(knobs: dict) -> dict:
             "params": sum(1 for _ in model.parameters()),
         }
         if knobs.get("fp8_weights"):  # the stand-in's FusedAdam has no step (TE's is a CUDA kernel)
-            record["optimizer_is_te"] = isinstance(optimizer.optimizer, FusedAdam)
+            record["optimizer_is_te"] = isinstance(optimizer.optimizer, fake_te.FusedAdam)
             return record
         before = [weight_sample(m.weight) for m in fp8]
-        ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
-        losses = []
-        for _ in range(STEPS):
-            loss = model(input_ids=ids, labels=ids).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
+        record["losses"] = train(accelerator, model, optimizer, STEPS)
         record.update(
-            losses=losses,
             fp8_weights_moved=sum(not torch.equal(a, weight_sample(m.weight)) for a, m in zip(before, fp8)),
             grads_after_zero_grad=sum(p.grad is not None for p in model.parameters()),
         )
+        record.update(checkpoint_round(knobs, accelerator, model, optimizer))
         return record
     finally:
         patch.undo()
+
+
+def checkpoint_round(knobs: dict, accelerator, model, optimizer) -> dict:
+    """save_state mid-run, two more steps; a new Accelerator's load_state, the same two steps: their losses and
+    weights; and `get_state_dict` (what save_model writes) loaded into the plain model with strict=True."""
+    from lowprec.demo.model import PRESETS, build_model
+
+    record = {}
+    with tempfile.TemporaryDirectory() as shared:
+        path = [shared]
+        dist.broadcast_object_list(path, src=0)  # one folder for both ranks (the same host)
+        checkpoint = os.path.join(path[0], "ckpt")
+        accelerator.save_state(checkpoint)
+        record["continued"] = train(accelerator, model, optimizer, 2)
+        record["continued_weights"] = [weight_sample(p).sum().item() for p in model.parameters()]
+        state_dict = accelerator.get_state_dict(model)  # a collective under FSDP2: every rank calls it
+        if dist.get_rank() == 0:
+            plain = build_model(PRESETS["tiny"])
+            plain.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+            record["plain_loads"] = True
+        dist.barrier()
+        accelerator2, model2, optimizer2 = prepared(knobs)
+        accelerator2.load_state(checkpoint)
+        record["resumed"] = train(accelerator2, model2, optimizer2, 2)
+        record["resumed_weights"] = [weight_sample(p).sum().item() for p in model2.parameters()]
+        dist.barrier()
+    return record
 
 
 def main(argv: list[str]) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from lowprec.backends.msamp.linear import FP8Linear
 from lowprec.optim import LowBitAdam, LowBitAdamW
+from lowprec.optim.low_bit_adam import state_dtype
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP32, FP16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -454,7 +455,9 @@ def test_state_dict_keeps_declared_state_dtypes(param_dtype):
     # MS-AMP's layout check: per-parameter keys and hyper-parameters in the groups
     group = saved["param_groups"][0]
     assert group["lr"] == 1e-2 and group["betas"] == (0.9, 0.999) and group["eps"] == 1e-8
-    assert group["exp_avg_dtype"] == E4M3 and group["exp_avg_sq_dtype"] == FP16
+    # by name, which the constructor takes too: torch.distributed.checkpoint (FSDP2's save_state) refuses a torch.dtype
+    assert (group["exp_avg_dtype"], group["exp_avg_sq_dtype"]) == ("float8_e4m3fn", "float16")
+    assert state_dtype("exp_avg_dtype", group["exp_avg_dtype"]) == E4M3
     for state in saved["state"].values():
         assert {"step", "exp_avg", "exp_avg_sq"} <= state.keys()
         assert state["exp_avg"].dtype == E4M3 and state["exp_avg_sq"].dtype == FP16

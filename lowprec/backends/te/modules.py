@@ -145,7 +145,19 @@ class _AcceptsPlainCheckpoints:
 class _PickleFreeExtraState(_AcceptsPlainCheckpoints):
     """Store TE's DelayedScaling state without pickle (see module docstring)."""
 
+    # The size of this module's entry in a sharded (DCP) checkpoint being loaded, or None. DCP loads in place, into
+    # the tensors the model's state dict holds, and refuses one whose size differs from the saved one: a module
+    # before its first FP8 step holds none (TE's issue #1860). runtime/sharded_checkpoints.py sets it for the load.
+    loading_extra_state_bytes: int | None = None
+
     def get_extra_state(self) -> torch.Tensor:
+        state = self._pickle_free_extra_state()
+        want = self.loading_extra_state_bytes
+        if want is not None and state.numel() != want:
+            return torch.zeros(want, dtype=torch.uint8)  # a place of the saved size; the load fills it
+        return state
+
+    def _pickle_free_extra_state(self) -> torch.Tensor:
         meta = self.fp8_meta
         # An eval forward with FP8 off resets fp8_checkpoint; scales learned so far must survive it.
         forced = "scaling_fwd" in meta and not meta.get("fp8_checkpoint", False)

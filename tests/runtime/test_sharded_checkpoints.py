@@ -1,0 +1,56 @@
+"""runtime/sharded_checkpoints.py: which folder a load reads, the saved sizes of `_extra_state` entries from a DCP
+checkpoint's metadata, and the modules told them only for the load (the whole path, through Accelerate's FSDP2
+save_state/load_state on two CPU processes: tests/test_accelerate_fsdp2.py)."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from lowprec.runtime.sharded_checkpoints import checkpoint_dir, saved_extra_state_bytes, sized_extra_states
+
+
+def _accelerator(project_dir, automatic: bool):
+    return SimpleNamespace(project_dir=str(project_dir),
+                           project_configuration=SimpleNamespace(automatic_checkpoint_naming=automatic))
+
+
+def test_the_folder_is_the_one_given_else_the_last_automatic_checkpoint(tmp_path):
+    assert checkpoint_dir(_accelerator(tmp_path, True), "~/ckpt") == os.path.expanduser("~/ckpt")
+    assert checkpoint_dir(_accelerator(tmp_path, False), None) is None
+    assert checkpoint_dir(_accelerator(tmp_path, True), None) is None  # no checkpoints folder yet
+    for name in ("checkpoint_2", "checkpoint_10", "checkpoint_9"):
+        (tmp_path / "checkpoints" / name).mkdir(parents=True)
+    # by number, as Accelerate picks it: 10 after 9, not after 1
+    assert checkpoint_dir(_accelerator(tmp_path, True), None) == str(tmp_path / "checkpoints" / "checkpoint_10")
+
+
+class Sized(nn.Linear):
+    loading_extra_state_bytes = None
+
+    def get_extra_state(self):
+        want = self.loading_extra_state_bytes
+        return torch.zeros(0 if want is None else want, dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        self.loaded = state
+
+
+def test_saved_sizes_are_read_from_dcp_metadata_and_told_only_during_the_load(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model = nn.Sequential(Sized(4, 4), nn.Linear(4, 4))
+    state = {"model": {"0.weight": torch.ones(4, 4), "0._extra_state": torch.arange(207, dtype=torch.uint8) % 7,
+                       "1.weight": torch.ones(4, 4)}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp_path / "pytorch_model_fsdp_0")), no_dist=True)
+    assert saved_extra_state_bytes(str(tmp_path / "pytorch_model_fsdp_0")) == {"0": 207}
+    assert saved_extra_state_bytes(str(tmp_path / "nothing_here")) == {}
+    with sized_extra_states([model], str(tmp_path)):
+        assert model[0].loading_extra_state_bytes == 207
+        assert model.state_dict()["0._extra_state"].numel() == 207  # the place DCP loads into
+    assert model[0].loading_extra_state_bytes is None
+    with sized_extra_states([model], None):  # no folder to read: nothing told
+        assert model[0].loading_extra_state_bytes is None
