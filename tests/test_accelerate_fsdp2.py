@@ -10,8 +10,8 @@ import os
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed", "accelerate_fsdp2.py")
-SCENARIOS = ("msamp_O3", "msamp_O3_act8", "msamp_O3_fp8_comm", "torchao", "torchao_bf16_states", "te",
-             "te_fp8_weights")
+SCENARIOS = ("msamp_O3", "msamp_O3_act8", "msamp_O3_fp8_comm", "msamp_O3_accumulate", "msamp_O3_ac", "torchao",
+             "torchao_bf16_states", "torchao_accumulate", "te", "te_full_state", "te_fp8_weights")
 
 
 @pytest.fixture(scope="module")

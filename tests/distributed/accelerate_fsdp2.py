@@ -32,11 +32,21 @@ SCENARIOS = {
     "msamp_O3_fp8_comm": dict(backend="msamp", opt_level="O3", grad_comm_dtype="fp8"),
     "torchao_bf16_states": dict(backend="torchao", recipe="tensorwise", optimizer_states="bf16"),
     "te": dict(backend="te", recipe="current"),
+    # the loop's other parts: micro-batches under accelerator.accumulate, clipping, an LR scheduler; the plugin's
+    # activation checkpointing and full state dicts
+    "msamp_O3_accumulate": dict(backend="msamp", opt_level="O3", run=dict(accumulate=2, clip=1.0, scheduler=True)),
+    "msamp_O3_ac": dict(backend="msamp", opt_level="O3", run=dict(plugin=dict(activation_checkpointing=True))),
+    # (not msamp O3 with full state dicts: gathering its E4M3 moment shards needs an FP8 all-gather, which gloo has
+    # not: "Invalid scalar type")
+    "torchao_accumulate": dict(backend="torchao", recipe="tensorwise", run=dict(accumulate=2, clip=1.0,
+                                                                                 scheduler=True)),
+    "te_full_state": dict(backend="te", recipe="current", run=dict(plugin=dict(state_dict_type="FULL_STATE_DICT"))),
 }
 
 
 def prepared(knobs: dict):
-    """A fresh Accelerator under Accelerate's FSDP2 plugin, the tiny Llama and AdamW prepared by it."""
+    """A fresh Accelerator under Accelerate's FSDP2 plugin, the tiny Llama and AdamW (and an LR scheduler where the
+    scenario's `run` asks) prepared by it."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -48,25 +58,40 @@ def prepared(knobs: dict):
     PartialState(cpu=True)
     # Accelerate makes FSDP a GPU engine: the gloo group is named a GPU one, the device stays the CPU
     PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+    knobs = dict(knobs)
+    run = knobs.pop("run", {})
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            **run.get("plugin", {}))
     accelerator = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, kwargs_handlers=[FP8RecipeKwargs(
-        skip_slow_shapes=False, skip_first_last=False, **knobs)])
+        skip_slow_shapes=False, skip_first_last=False, **knobs)], gradient_accumulation_steps=run.get("accumulate", 1))
     torch.manual_seed(0)
     model = build_model(PRESETS["tiny"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer = accelerator.prepare(model, optimizer)
-    return accelerator, model, optimizer
+    objects = [model, optimizer]
+    if run.get("scheduler"):
+        objects.append(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step)))
+    prepared_objects = accelerator.prepare(*objects)
+    accelerator.loop = dict(run, scheduler=prepared_objects[2] if run.get("scheduler") else None)
+    return accelerator, prepared_objects[0], prepared_objects[1]
 
 
 def train(accelerator, model, optimizer, steps: int) -> list[float]:
-    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
+    loop = accelerator.loop
+    micro = loop.get("accumulate", 1)
+    ids = torch.randint(0, 256, (2 * micro, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
     losses = []
     for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        for chunk in ids.chunk(micro):
+            with accelerator.accumulate(model):
+                loss = model(input_ids=chunk, labels=chunk).loss
+                accelerator.backward(loss)
+                if loop.get("clip") and accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), loop["clip"])
+                optimizer.step()
+                if loop["scheduler"] is not None:
+                    loop["scheduler"].step()
+                optimizer.zero_grad()
         losses.append(loss.item())
     return losses
 
@@ -152,6 +177,7 @@ def main(argv: list[str]) -> None:
             results[name] = scenario(SCENARIOS[name])
         except Exception as exc:  # noqa: BLE001 - recorded for the pytest side
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+            print(traceback.format_exc(), file=sys.stderr, flush=True)
         dist.barrier()
     write_ranks(results, out_path)
     end_ranks()
