@@ -1,6 +1,6 @@
 """runtime/sharded_checkpoints.py: which folder a load reads, the saved sizes of `_extra_state` entries from a DCP
 checkpoint's metadata, and the modules told them only for the load (the whole path, through Accelerate's FSDP2
-save_state/load_state on two CPU processes: tests/test_accelerate_fsdp2.py)."""
+save_state/load_state on two CPU processes: tests/test_accelerate_engines.py)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,15 @@
-"""Run under `torchrun --nproc_per_node 2` (gloo, CPU) by tests/test_accelerate_fsdp2.py.
+"""Run under `torchrun --nproc_per_node 2` (gloo, CPU) by tests/test_accelerate_engines.py.
 
-The whole `lowprec.Accelerator` under Accelerate's own FSDP2 preparation (`Accelerator._prepare_fsdp2`: the
-optimizer wrapped as `AcceleratedOptimizer`, whose device placement loads the optimizer's state dict back, the
-data_ptr remap, `fsdp2_prepare_model`), where the other CPU scripts call those steps one by one. Accelerate
-turns FSDP on only for GPU process groups, so this script tells it the gloo group is one (PartialState's
-`distributed_type`, before the Accelerator is made); every tensor stays on the CPU. By hand, TE's
-`fp8_weights` went back into optimizer group dicts Accelerate had replaced, and no TE Linear trained under
-FSDP2 until 2026-11-29; this is the run that sees such a thing on a CPU.
+The whole `lowprec.Accelerator` under Accelerate's own preparation for DDP and for FSDP2
+(`Accelerator._prepare_fsdp2`: the optimizer wrapped as `AcceleratedOptimizer`, whose device placement loads the
+optimizer's state dict back, the data_ptr remap, `fsdp2_prepare_model`), with its `save_state` / `load_state`,
+where the other CPU scripts call those steps one by one. Accelerate turns FSDP on only for GPU process groups, so
+for FSDP2 this script tells it the gloo group is one (PartialState's `distributed_type`, before the Accelerator is
+made); every tensor stays on the CPU. By hand, TE's `fp8_weights` went back into optimizer group dicts Accelerate
+had replaced, and no TE Linear trained under FSDP2 until 2026-11-29; this is the run that sees such a thing on a
+CPU.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/distributed/accelerate_fsdp2.py SCENARIOS OUT.json
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed/accelerate_engines.py SCENARIOS OUT.json
 """
 
 import os
@@ -41,12 +42,21 @@ SCENARIOS = {
     "torchao_accumulate": dict(backend="torchao", recipe="tensorwise", run=dict(accumulate=2, clip=1.0,
                                                                                  scheduler=True)),
     "te_full_state": dict(backend="te", recipe="current", run=dict(plugin=dict(state_dict_type="FULL_STATE_DICT"))),
+    # DDP (the gloo group as it is)
+    "ddp_msamp_O1": dict(backend="msamp", opt_level="O1", run=dict(engine="ddp")),
+    "ddp_msamp_O2": dict(backend="msamp", opt_level="O2", run=dict(engine="ddp", accumulate=2, clip=1.0,
+                                                                     scheduler=True)),
+    "ddp_msamp_O2_fp8_comm": dict(backend="msamp", opt_level="O2", grad_comm_dtype="fp8", run=dict(engine="ddp")),
+    "ddp_torchao": dict(backend="torchao", recipe="tensorwise", run=dict(engine="ddp")),
+    "ddp_torchao_O2": dict(backend="torchao", recipe="tensorwise", opt_level="O2", run=dict(engine="ddp")),
+    "ddp_te": dict(backend="te", recipe="current", run=dict(engine="ddp", accumulate=2, clip=1.0, scheduler=True)),
+    "ddp_te_fp8_weights": dict(backend="te", recipe="current", fp8_weights=True, run=dict(engine="ddp")),
 }
 
 
 def prepared(knobs: dict):
-    """A fresh Accelerator under Accelerate's FSDP2 plugin, the tiny Llama and AdamW (and an LR scheduler where the
-    scenario's `run` asks) prepared by it."""
+    """A fresh Accelerator (FSDP2 through Accelerate's plugin, or DDP where the scenario's `run` says), the tiny
+    Llama and AdamW (and an LR scheduler where `run` asks) prepared by it."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -56,15 +66,20 @@ def prepared(knobs: dict):
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
     PartialState(cpu=True)
-    # Accelerate makes FSDP a GPU engine: the gloo group is named a GPU one, the device stays the CPU
-    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
     knobs = dict(knobs)
     run = knobs.pop("run", {})
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-                                            **run.get("plugin", {}))
-    accelerator = Accelerator(mixed_precision="fp8", fsdp_plugin=plugin, kwargs_handlers=[FP8RecipeKwargs(
-        skip_slow_shapes=False, skip_first_last=False, **knobs)], gradient_accumulation_steps=run.get("accumulate", 1))
+    engine = {}
+    if run.get("engine", "fsdp2") == "fsdp2":
+        # Accelerate makes FSDP a GPU engine: the gloo group is named a GPU one, the device stays the CPU
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        engine["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], **run.get("plugin", {}))
+    else:
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(
+        skip_slow_shapes=False, skip_first_last=False, **knobs)], gradient_accumulation_steps=run.get("accumulate", 1),
+        **engine)
     torch.manual_seed(0)
     model = build_model(PRESETS["tiny"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
