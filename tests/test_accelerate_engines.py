@@ -70,3 +70,18 @@ def test_save_state_resumes_exactly_and_exports_a_plain_checkpoint(ranks, name):
 @pytest.mark.parametrize("name", NO_STEP)
 def test_te_fp8_weights_keep_tes_optimizer(ranks, name):
     assert all(rank[name]["optimizer_is_te"] for rank in ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, says", [
+    ("msamp_O3", "optimizer_0: Missing key in checkpoint state_dict: optimizer.param_groups.0.amsgrad"),
+    ("torchao", "pytorch_model_fsdp_0: Missing key in checkpoint state_dict: model.model.layers.0.self_attn"),
+    ("torchao_bf16_states", "was saved as torch.bfloat16 and this run keeps it as torch.float8_e4m3fn"),
+])
+def test_a_sharded_checkpoint_of_another_configuration_is_refused_before_anything_loads(ranks, name, says):
+    # DCP loads the model before the optimizer: msamp O3's checkpoint into torchao loaded the weights, then failed on
+    # the optimizer's entries; BF16 moments cast into E4M3 ones by value would have been off by their scale
+    for rank in ranks:
+        r = rank[name]
+        assert r["refused"] and says in r["refused"] and "nothing was loaded" in r["refused"], r["refused"]
+        assert r["untouched_by_the_refusal"] is True

@@ -322,6 +322,9 @@ class Backend(LayerExecution, ABC):
         """A callable to run after each real optimizer step, or None."""
         return None
 
+    def after_load_state(self, model: nn.Module) -> None:
+        """After `Accelerator.load_state` replaced the weights: refresh what this backend derived from them."""
+
     def portable_state_dict(self, state_dict: dict) -> dict:
         """The state dict as the original (unconverted) model would have it."""
         return type(self).strip_state_dict(self.restore_weight_dtypes(state_dict))

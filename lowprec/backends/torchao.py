@@ -199,6 +199,13 @@ class TorchAOBackend(Backend):
         # One amax all-reduce for every weight after the step, instead of one per layer in forward.
         return lambda: precompute(model)
 
+    def after_load_state(self, model: nn.Module) -> None:
+        # the scales precomputed for the next FP8 all-gathers came from the weights before the load (or, when the
+        # optimizer's state is made for the load, from a step taken before the model loaded)
+        hook = self.post_optimizer_step(model)
+        if hook is not None:
+            hook()
+
     def setup_communication(self, model: nn.Module, plan: PrecisionPlan) -> None:
         if self.fsdp_fp8_all_gather:
             from .torchao_gather import fuse_gather_casts

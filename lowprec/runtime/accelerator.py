@@ -35,7 +35,7 @@ from .notices import warn_once
 from .params import ReplacedParams, remap_optimizer_params
 from .planner import build_plan
 from .run_context import engine_plugin, inherited_dynamo, run_context_of, split_launch_warning
-from .sharded_checkpoints import LoadsShardedExtraStates
+from .sharded_checkpoints import CheckedLoadState
 from .wrapping import track_step_for_scheduler, wrap_forward
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ _PLAN_ATTR = "_lowprec_plan"
 _FINAL_ATTR = "_lowprec_finalized"
 
 
-class Accelerator(LoadsShardedExtraStates, _Accelerator):
+class Accelerator(CheckedLoadState, _Accelerator):
     """Drop-in `accelerate.Accelerator` that trains in FP8 through lowprec.
 
     FP8 is on when `mixed_precision="fp8"` (argument or `ACCELERATE_MIXED_PRECISION`, as

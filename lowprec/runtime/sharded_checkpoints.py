@@ -70,15 +70,84 @@ def sized_extra_states(models: list[nn.Module], input_dir: str | None):
             module.loading_extra_state_bytes = None
 
 
-class LoadsShardedExtraStates:
-    """`Accelerator.load_state` with `sized_extra_states` around Accelerate's, under FSDP2 with sharded state
-    dicts (a mixin of lowprec.Accelerator)."""
+def sharded_load_problem(accelerator, input_dir: str) -> str | None:
+    """Why Accelerate's load of the sharded checkpoint in `input_dir` would fail, or None: DCP's own load planner run
+    over each model's and optimizer's state dict against the checkpoint's metadata, which reads no tensor. DCP
+    loads a model before its optimizer, so a checkpoint whose optimizer entries differ (saved with other Adam
+    states: torch's AdamW against LowBitAdamW) loaded the weights and then failed: half-loaded."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    offload = getattr(accelerator.state.fsdp_plugin.state_dict_config, "offload_to_cpu", False)
+    options = StateDictOptions(full_state_dict=False, cpu_offload=offload)  # Accelerate's, for sharded dicts
+    models, optimizers = accelerator._models, accelerator._optimizers
+    checks = [(FSDP_MODEL_DIR.format(index=i), "model", lambda m=m: get_model_state_dict(m, options=options))
+              for i, m in enumerate(models)]
+    checks += [(f"optimizer_{i}", "optimizer", lambda m=models[i], o=o: get_optimizer_state_dict(m, o, options=options))
+               for i, o in enumerate(optimizers) if i < len(models)]
+    for folder, key, state_dict in checks:
+        path = os.path.join(input_dir, folder)
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            continue  # not a DCP folder: Accelerate's own load says what it misses
+        planner = DefaultLoadPlanner()
+        metadata = FileSystemReader(path).read_metadata()
+        planner.set_up_planner({key: state_dict()}, metadata, False)
+        try:
+            planner.create_local_plan()
+        except (RuntimeError, ValueError) as exc:
+            return f"{folder}: {str(exc).rstrip('.')}"
+        moved = _moments_of_another_dtype(planner.state_dict, metadata)
+        if moved:
+            return f"{folder}: {moved}"
+    return None
+
+
+def _moments_of_another_dtype(flat: dict, metadata) -> str | None:
+    """Adam moments saved in another dtype than this run keeps them, or None. DCP casts a tensor into the one it
+    loads into, by value; a low-bit moment is stored scaled (E4M3 and FP16 times their scale, BF16 and FP32 not), so
+    a cast between them would change every moment by its scale without a word."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    for name, value in flat.items():
+        saved = metadata.state_dict_metadata.get(name)
+        if not name.endswith((".exp_avg", ".exp_avg_sq")) or not isinstance(saved, TensorStorageMetadata):
+            continue
+        if saved.properties.dtype != value.dtype:
+            return (f"{name} was saved as {saved.properties.dtype} and this run keeps it as {value.dtype} "
+                    "(another optimizer_states or level)")
+    return None
+
+
+class CheckedLoadState:
+    """`Accelerator.load_state` (a mixin of lowprec.Accelerator): under FSDP2 with sharded state dicts a checkpoint
+    that does not fit this run is refused before anything loads (`sharded_load_problem`) and each module that sizes
+    its extra state is told its saved size for the load (`sized_extra_states`); after any load, each backend
+    refreshes what it derived from the weights (`Backend.after_load_state`)."""
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
+        import torch
         from torch.distributed.fsdp import StateDictType
 
         sharded = (getattr(self, "is_fsdp2", False)
                    and self.state.fsdp_plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT)
-        models = [self.unwrap_model(m, keep_torch_compile=False) for m in self._models] if sharded else []
-        with sized_extra_states(models, checkpoint_dir(self, input_dir) if models else None):
-            return super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        folder = checkpoint_dir(self, input_dir) if sharded else None
+        models = [self.unwrap_model(m, keep_torch_compile=False) for m in self._models] if folder else []
+        with sized_extra_states(models, folder):
+            if folder is not None and os.path.isdir(folder):
+                problem = sharded_load_problem(self, folder)
+                # every rank refuses together: one rank left inside the load's collectives would wait for ever
+                refused = torch.tensor([0.0 if problem is None else 1.0], device=self.device)
+                if torch.distributed.is_initialized():
+                    torch.distributed.all_reduce(refused, op=torch.distributed.ReduceOp.MAX)
+                if refused.item():
+                    raise ValueError(
+                        f"lowprec: the checkpoint in {folder} does not fit this run, and nothing was loaded: "
+                        f"{problem or 'another rank found an entry that does not fit'}. Under FSDP2 Accelerate saves "
+                        "sharded checkpoints (torch.distributed.checkpoint), which load only into the FP8 "
+                        "configuration that saved them (backend, opt_level, optimizer_states): resume with that "
+                        "configuration")
+            result = super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        for inner, backend, _ in getattr(self, "_lowprec", []):
+            backend.after_load_state(inner)
+        return result

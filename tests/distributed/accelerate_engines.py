@@ -26,12 +26,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backends"))
 
 STEPS = 4
 SCENARIOS = {
-    "msamp_O3": dict(backend="msamp", opt_level="O3"),
-    "torchao": dict(backend="torchao", recipe="tensorwise"),
+    # refuse_into: the checkpoint loaded under another configuration must be refused before anything loads
+    "msamp_O3": dict(backend="msamp", opt_level="O3",
+                     run=dict(refuse_into=dict(backend="torchao", recipe="tensorwise"))),
+    "torchao": dict(backend="torchao", recipe="tensorwise",
+                    run=dict(refuse_into=dict(backend="msamp", opt_level="O3"))),
     "te_fp8_weights": dict(backend="te", recipe="current", fp8_weights=True),
     "msamp_O3_act8": dict(backend="msamp", opt_level="O3", activation_dtype="fp8"),
     "msamp_O3_fp8_comm": dict(backend="msamp", opt_level="O3", grad_comm_dtype="fp8"),
-    "torchao_bf16_states": dict(backend="torchao", recipe="tensorwise", optimizer_states="bf16"),
+    "torchao_bf16_states": dict(backend="torchao", recipe="tensorwise", optimizer_states="bf16", run=dict(
+        refuse_into=dict(backend="torchao", recipe="tensorwise", optimizer_states="fp8"))),
     "te": dict(backend="te", recipe="current"),
     # the loop's other parts: micro-batches under accelerator.accumulate, clipping, an LR scheduler; the plugin's
     # activation checkpointing and full state dicts
@@ -178,6 +182,16 @@ def checkpoint_round(knobs: dict, accelerator, model, optimizer) -> dict:
         accelerator2.load_state(checkpoint)
         record["resumed"] = train(accelerator2, model2, optimizer2, 2)
         record["resumed_weights"] = [weight_sample(p).sum().item() for p in model2.parameters()]
+        other = knobs.get("run", {}).get("refuse_into")
+        if other is not None:
+            accelerator3, model3, _ = prepared(other)
+            before = [weight_sample(p).sum().item() for p in model3.parameters()]
+            try:
+                accelerator3.load_state(checkpoint)
+                record["refused"] = None
+            except ValueError as exc:
+                record["refused"] = str(exc)
+            record["untouched_by_the_refusal"] = before == [weight_sample(p).sum().item() for p in model3.parameters()]
         dist.barrier()
     return record
 
