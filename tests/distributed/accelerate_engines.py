@@ -10,6 +10,9 @@ had replaced, and no TE Linear trained under FSDP2 until 2026-11-29; this is the
 CPU.
 
     python -m torch.distributed.run --nproc_per_node 2 tests/distributed/accelerate_engines.py SCENARIOS OUT.json
+
+With ACCELERATE_ENGINES_ON_GPU=1 (tests/gpu/test_te_gpu.py, a world of one) the same scenarios run on the GPU with
+the real TransformerEngine and NCCL, as Accelerate sets them up there.
 """
 
 import os
@@ -25,6 +28,7 @@ from teardown import end_ranks, write_ranks
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "backends"))
 
 STEPS = 4
+ON_GPU = os.environ.get("ACCELERATE_ENGINES_ON_GPU") == "1"
 SCENARIOS = {
     # refuse_into: the checkpoint loaded under another configuration must be refused before anything loads
     "msamp_O3": dict(backend="msamp", opt_level="O3",
@@ -69,17 +73,17 @@ def prepared(knobs: dict):
 
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
-    PartialState(cpu=True)
+    PartialState(cpu=not ON_GPU)
     knobs = dict(knobs)
     run = knobs.pop("run", {})
     engine = {}
     if run.get("engine", "fsdp2") == "fsdp2":
-        # Accelerate makes FSDP a GPU engine: the gloo group is named a GPU one, the device stays the CPU
-        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
+        if not ON_GPU:  # Accelerate makes FSDP a GPU engine: the gloo group is named a GPU one, on the CPU
+            PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU
         engine["fsdp_plugin"] = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=["LlamaDecoderLayer"], **run.get("plugin", {}))
-    else:
+    elif not ON_GPU:
         PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(
         skip_slow_shapes=False, skip_first_last=False, **knobs)], gradient_accumulation_steps=run.get("accumulate", 1),
@@ -99,6 +103,7 @@ def train(accelerator, model, optimizer, steps: int) -> list[float]:
     loop = accelerator.loop
     micro = loop.get("accumulate", 1)
     ids = torch.randint(0, 256, (2 * micro, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
+    ids = ids.to(accelerator.device)
     losses = []
     for _ in range(steps):
         for chunk in ids.chunk(micro):
@@ -121,7 +126,8 @@ def scenario(knobs: dict) -> dict:
     from lowprec.runtime.export import BACKEND_ATTR
 
     patch = pytest.MonkeyPatch()
-    if knobs["backend"] == "te":
+    fake = knobs["backend"] == "te" and not ON_GPU
+    if fake:
         import fake_te
 
         from lowprec.backends.te import TEBackend
@@ -144,8 +150,10 @@ def scenario(knobs: dict) -> dict:
             "params_in_optimizer": sum(id(p) in stepped for p in model.parameters()),
             "params": sum(1 for _ in model.parameters()),
         }
-        if knobs.get("fp8_weights"):  # the stand-in's FusedAdam has no step (TE's is a CUDA kernel)
-            record["optimizer_is_te"] = isinstance(optimizer.optimizer, fake_te.FusedAdam)
+        if knobs.get("fp8_weights"):
+            record["optimizer_is_te"] = type(optimizer.optimizer).__name__ == "FusedAdam" and (
+                not fake or isinstance(optimizer.optimizer, fake_te.FusedAdam))
+        if knobs.get("fp8_weights") and fake:  # the stand-in's FusedAdam has no step (TE's is a CUDA kernel)
             return record
         before = [weight_sample(m.weight) for m in fp8]
         record["losses"] = train(accelerator, model, optimizer, STEPS)
@@ -198,7 +206,9 @@ def checkpoint_round(knobs: dict, accelerator, model, optimizer) -> dict:
 
 def main(argv: list[str]) -> None:
     names, out_path = argv[1].split(","), argv[2]
-    dist.init_process_group("gloo")
+    if ON_GPU:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if ON_GPU else "gloo")
     torch.set_num_threads(1)
     results = {}
     for name in names:

@@ -528,3 +528,32 @@ def test_every_linear_trains_through_accelerates_fsdp2(tmp_path, flags):
         assert cell["wrapped_optimizer"] == "FusedAdam", summary
     assert cell["fp8_weights_moved"] == cell["fp8_modules"], summary
     assert cell["grads_after_zero_grad"] == 0, summary
+
+
+def test_fsdp2_checkpoints_and_fp8_weights_through_accelerate(tmp_path):
+    # tests/distributed/accelerate_engines.py on the GPU (a world of one, the real TE and NCCL): TE without and with
+    # fp8_weights under Accelerate's own FSDP2 preparation: every FP8 weight in FusedAdam's groups and moved, no
+    # gradient left after zero_grad, and save_state/load_state resuming exactly (TE's _extra_state sized for DCP:
+    # TE issue #1860); a checkpoint of another configuration refused before anything loads
+    import json
+    import sys
+
+    from conftest import free_port, run_processes
+
+    script = os.path.join(os.path.dirname(__file__), "..", "distributed", "accelerate_engines.py")
+    out = tmp_path / "r.json"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    environ.update(ACCELERATE_ENGINES_ON_GPU="1", CUDA_VISIBLE_DEVICES=environ.get("CUDA_VISIBLE_DEVICES", "0"))
+    proc = run_processes([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                          str(free_port()), script, "te,te_fp8_weights,te_full_state,torchao,msamp_O3", str(out)],
+                         environ, 600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (rank,) = json.loads(out.read_text())
+    for name, r in rank.items():
+        assert "error" not in r, (name, r.get("traceback"))
+        assert r["fp8_weights_in_optimizer"] == r["fp8_linears"] > 0, (name, r)
+        assert r["fp8_weights_moved"] == r["fp8_linears"] and r["grads_after_zero_grad"] == 0, (name, r)
+        assert r["resumed"] == r["continued"] and r["resumed_weights"] == r["continued_weights"], (name, r)
+    assert rank["te_fp8_weights"]["optimizer_is_te"] is True
+    for name in ("torchao", "msamp_O3"):
+        assert "nothing was loaded" in rank[name]["refused"] and rank[name]["untouched_by_the_refusal"], rank[name]
