@@ -11,7 +11,8 @@ import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed", "accelerate_engines.py")
 FSDP2 = ("msamp_O3", "msamp_O3_act8", "msamp_O3_fp8_comm", "msamp_O3_accumulate", "msamp_O3_ac", "torchao",
-         "torchao_bf16_states", "torchao_accumulate", "te", "te_full_state", "te_fp8_weights")
+         "torchao_bf16_states", "torchao_accumulate", "torchao_full_state_bf16_states", "te", "te_full_state",
+         "te_fp8_weights")
 DDP = ("ddp_msamp_O1", "ddp_msamp_O2", "ddp_msamp_O2_fp8_comm", "ddp_torchao", "ddp_torchao_O2", "ddp_te",
        "ddp_te_fp8_weights")
 SCENARIOS = FSDP2 + DDP
@@ -85,3 +86,11 @@ def test_a_sharded_checkpoint_of_another_configuration_is_refused_before_anythin
         r = rank[name]
         assert r["refused"] and says in r["refused"] and "nothing was loaded" in r["refused"], r["refused"]
         assert r["untouched_by_the_refusal"] is True
+
+
+@pytest.mark.slow
+def test_a_full_state_checkpoint_of_other_optimizer_states_is_converted(ranks):
+    # FULL_STATE_DICT loads through the optimizer's own load_state_dict: BF16 moments into torch's FP32 AdamW
+    for rank in ranks:
+        # the step after the load as the continued run's, but for the two optimizers' own FP32 rounding (1.7e-6)
+        assert rank["torchao_full_state_bf16_states"]["converted_step_vs_continued"] < 1e-4

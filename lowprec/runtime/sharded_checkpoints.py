@@ -146,7 +146,8 @@ class CheckedLoadState:
                         f"{problem or 'another rank found an entry that does not fit'}. Under FSDP2 Accelerate saves "
                         "sharded checkpoints (torch.distributed.checkpoint), which load only into the FP8 "
                         "configuration that saved them (backend, opt_level, optimizer_states): resume with that "
-                        "configuration")
+                        "configuration, or save with the FSDP plugin's state_dict_type FULL_STATE_DICT, which loads "
+                        "through load_state_dict, where lowprec converts what it can (other optimizer_states)")
             result = super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
         for inner, backend, _ in getattr(self, "_lowprec", []):
             backend.after_load_state(inner)

@@ -50,6 +50,10 @@ SCENARIOS = {
     "torchao_accumulate": dict(backend="torchao", recipe="tensorwise", run=dict(accumulate=2, clip=1.0,
                                                                                  scheduler=True)),
     "te_full_state": dict(backend="te", recipe="current", run=dict(plugin=dict(state_dict_type="FULL_STATE_DICT"))),
+    "torchao_full_state_bf16_states": dict(
+        backend="torchao", recipe="tensorwise", optimizer_states="bf16", run=dict(
+            plugin=dict(state_dict_type="FULL_STATE_DICT"), convert_into=dict(
+                backend="torchao", recipe="tensorwise", run=dict(plugin=dict(state_dict_type="FULL_STATE_DICT"))))),
     # DDP (the gloo group as it is)
     "ddp_msamp_O1": dict(backend="msamp", opt_level="O1", run=dict(engine="ddp")),
     "ddp_msamp_O2": dict(backend="msamp", opt_level="O2", run=dict(engine="ddp", accumulate=2, clip=1.0,
@@ -178,7 +182,9 @@ def checkpoint_round(knobs: dict, accelerator, model, optimizer) -> dict:
         dist.broadcast_object_list(path, src=0)  # one folder for both ranks (the same host)
         checkpoint = os.path.join(path[0], "ckpt")
         accelerator.save_state(checkpoint)
-        record["continued"] = train(accelerator, model, optimizer, 2)
+        record["continued"] = train(accelerator, model, optimizer, 1)
+        after_one = [weight_sample(p).sum().item() for p in model.parameters()]
+        record["continued"] += train(accelerator, model, optimizer, 1)
         record["continued_weights"] = [weight_sample(p).sum().item() for p in model.parameters()]
         state_dict = accelerator.get_state_dict(model)  # a collective under FSDP2: every rank calls it
         if dist.get_rank() == 0:
@@ -200,6 +206,16 @@ def checkpoint_round(knobs: dict, accelerator, model, optimizer) -> dict:
             except ValueError as exc:
                 record["refused"] = str(exc)
             record["untouched_by_the_refusal"] = before == [weight_sample(p).sum().item() for p in model3.parameters()]
+        other = knobs.get("run", {}).get("convert_into")
+        if other is not None:  # a full state dict loads through load_state_dict, where lowprec converts
+            accelerator4, model4, optimizer4 = prepared(other)
+            accelerator4.load_state(checkpoint)
+            train(accelerator4, model4, optimizer4, 1)
+            # BF16 moments into FP32 ones exactly: the first step after the load is the continued run's but for the
+            # two optimizers' own FP32 rounding
+            converted = [weight_sample(p).sum().item() for p in model4.parameters()]
+            record["converted_step_vs_continued"] = max(abs(a - b) / max(abs(a), 1e-6)
+                                                        for a, b in zip(after_one, converted))
         dist.barrier()
     return record
 
