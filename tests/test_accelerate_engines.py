@@ -10,11 +10,12 @@ import os
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed", "accelerate_engines.py")
-FSDP2 = ("msamp_O3", "msamp_O3_act8", "msamp_O3_fp8_comm", "msamp_O3_accumulate", "msamp_O3_ac", "torchao",
+FSDP2 = ("msamp_O3", "msamp_O3_act8", "msamp_O3_act8_ac", "msamp_O3_fp8_comm", "msamp_O3_accumulate", "msamp_O3_ac",
+         "torchao", "torchao_act8_ac",
          "torchao_bf16_states", "torchao_accumulate", "torchao_full_state_bf16_states", "te", "te_full_state",
          "te_fp8_weights")
-DDP = ("ddp_msamp_O1", "ddp_msamp_O2", "ddp_msamp_O2_fp8_comm", "ddp_torchao", "ddp_torchao_O2", "ddp_te",
-       "ddp_te_fp8_weights")
+DDP = ("ddp_msamp_O1", "ddp_msamp_O2", "ddp_msamp_O2_act8", "ddp_msamp_O2_fp8_comm", "ddp_torchao", "ddp_torchao_O2",
+       "ddp_torchao_act8", "ddp_te", "ddp_te_fp8_weights")
 SCENARIOS = FSDP2 + DDP
 NO_STEP = ("te_fp8_weights", "ddp_te_fp8_weights")  # TE's stand-in has no FusedAdam step (TE's is a CUDA kernel)
 
@@ -94,3 +95,11 @@ def test_a_full_state_checkpoint_of_other_optimizer_states_is_converted(ranks):
     for rank in ranks:
         # the step after the load as the continued run's, but for the two optimizers' own FP32 rounding (1.7e-6)
         assert rank["torchao_full_state_bf16_states"]["converted_step_vs_continued"] < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n in SCENARIOS if "act8" in n])
+def test_fp8_activations_are_stored_through_accelerates_engines(ranks, name):
+    # activation_dtype='fp8' under FSDP2 (with the plugin's activation checkpointing too) and DDP: tensors saved
+    # for backward were packed, and the run trains and resumes (the tests above)
+    assert all(rank[name]["packed_elements"] > 0 for rank in ranks)

@@ -54,6 +54,10 @@ SCENARIOS = {
         backend="torchao", recipe="tensorwise", optimizer_states="bf16", run=dict(
             plugin=dict(state_dict_type="FULL_STATE_DICT"), convert_into=dict(
                 backend="torchao", recipe="tensorwise", run=dict(plugin=dict(state_dict_type="FULL_STATE_DICT"))))),
+    "msamp_O3_act8_ac": dict(backend="msamp", opt_level="O3", activation_dtype="fp8",
+                             run=dict(plugin=dict(activation_checkpointing=True))),
+    "torchao_act8_ac": dict(backend="torchao", recipe="tensorwise", activation_dtype="fp8",
+                            run=dict(plugin=dict(activation_checkpointing=True))),
     # DDP (the gloo group as it is)
     "ddp_msamp_O1": dict(backend="msamp", opt_level="O1", run=dict(engine="ddp")),
     "ddp_msamp_O2": dict(backend="msamp", opt_level="O2", run=dict(engine="ddp", accumulate=2, clip=1.0,
@@ -63,6 +67,8 @@ SCENARIOS = {
     "ddp_torchao_O2": dict(backend="torchao", recipe="tensorwise", opt_level="O2", run=dict(engine="ddp")),
     "ddp_te": dict(backend="te", recipe="current", run=dict(engine="ddp", accumulate=2, clip=1.0, scheduler=True)),
     "ddp_te_fp8_weights": dict(backend="te", recipe="current", fp8_weights=True, run=dict(engine="ddp")),
+    "ddp_torchao_act8": dict(backend="torchao", recipe="tensorwise", activation_dtype="fp8", run=dict(engine="ddp")),
+    "ddp_msamp_O2_act8": dict(backend="msamp", opt_level="O2", activation_dtype="fp8", run=dict(engine="ddp")),
 }
 
 
@@ -99,6 +105,10 @@ def prepared(knobs: dict):
     if run.get("scheduler"):
         objects.append(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step)))
     prepared_objects = accelerator.prepare(*objects)
+    if knobs.get("activation_dtype") == "fp8":
+        from lowprec.runtime.activations import activation_storage
+
+        activation_storage(prepared_objects[0]).min_elements = 0  # the tiny model's tensors are below the default
     accelerator.loop = dict(run, scheduler=prepared_objects[2] if run.get("scheduler") else None)
     return accelerator, prepared_objects[0], prepared_objects[1]
 
@@ -161,6 +171,10 @@ def scenario(knobs: dict) -> dict:
             return record
         before = [weight_sample(m.weight) for m in fp8]
         record["losses"] = train(accelerator, model, optimizer, STEPS)
+        if knobs.get("activation_dtype") == "fp8":
+            from lowprec.runtime.activations import activation_storage
+
+            record["packed_elements"] = activation_storage(model).counts.packed_elements
         record.update(
             fp8_weights_moved=sum(not torch.equal(a, weight_sample(m.weight)) for a, m in zip(before, fp8)),
             grads_after_zero_grad=sum(p.grad is not None for p in model.parameters()),
