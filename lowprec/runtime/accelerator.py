@@ -51,8 +51,8 @@ class Accelerator(CheckedLoadState, _Accelerator):
     `accelerate launch --mixed_precision fp8` sets it) or when an FP8 handler is passed:
     `lowprec.FP8RecipeKwargs`, or Accelerate's `AORecipeKwargs` / `TERecipeKwargs` /
     `MSAMPRecipeKwargs` / `FP8RecipeKwargs`, which are translated. Without a handler the recipe is
-    read from `ACCELERATE_FP8_*` (a config file's `fp8_config:` section). Everything else is Accelerate's, but
-    `load_state` of a sharded FSDP2 checkpoint (runtime/sharded_checkpoints.py).
+    read from `ACCELERATE_FP8_*` (a config file's `fp8_config:` section). Everything else is Accelerate's but
+    `load_state`, which checks a sharded FSDP2 checkpoint first (runtime/sharded_checkpoints.py).
 
     `prepare()` prints a summary of each FP8 model's precision plan to stderr on the main process;
     `lowprec_quiet=True` (None: the `LOWPREC_QUIET` environment variable, `1` or `0`) leaves it out.

@@ -1,4 +1,6 @@
-"""Loading a sharded (DCP) checkpoint under FSDP2 into modules whose saved entries vary in size.
+"""`Accelerator.load_state` of a sharded (DCP) checkpoint under FSDP2: refused before anything loads where it does
+not fit this run (another backend, level or optimizer_states: `sharded_load_problem`), and loaded into modules whose
+saved entries vary in size (`sized_extra_states`).
 
 Accelerate's `load_state` under FSDP2 with `SHARDED_STATE_DICT` (its default there) loads through
 `torch.distributed.checkpoint`, in place: into the tensors of the model's current state dict, refusing any whose size
