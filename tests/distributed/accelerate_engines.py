@@ -41,6 +41,7 @@ SCENARIOS = {
     "torchao_bf16_states": dict(backend="torchao", recipe="tensorwise", optimizer_states="bf16", run=dict(
         refuse_into=dict(backend="torchao", recipe="tensorwise", optimizer_states="fp8"))),
     "te": dict(backend="te", recipe="current"),
+    "te_delayed": dict(backend="te", recipe="delayed"),
     # the loop's other parts: micro-batches under accelerator.accumulate, clipping, an LR scheduler; the plugin's
     # activation checkpointing and full state dicts
     "msamp_O3_accumulate": dict(backend="msamp", opt_level="O3", run=dict(accumulate=2, clip=1.0, scheduler=True)),
