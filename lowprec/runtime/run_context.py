@@ -29,6 +29,17 @@ def run_context_of(accelerator: Accelerator, compile_source: str) -> RunContext:
         DistributedType.DEEPSPEED: "deepspeed",
     }
     if accelerator.distributed_type == DistributedType.FSDP:
+        if getattr(accelerator.state, "fsdp_plugin", None) is None:
+            # Accelerate writes FSDP back into PartialState's shared state; an AcceleratorState made over that after
+            # AcceleratorState._reset_state() skips the branch that keeps its plugin (is_fsdp2 then raises a bare
+            # AttributeError): the engine cannot be known, so neither can the plan
+            raise ValueError(
+                "lowprec: Accelerate's state says distributed_type=FSDP but holds no fsdp_plugin: an Accelerator was "
+                "built after AcceleratorState._reset_state(reset_partial_state=False) in a process whose earlier "
+                "Accelerator used FSDP (Accelerate keeps that engine in PartialState). Call "
+                "AcceleratorState._reset_state(reset_partial_state=True) before building it, or run each "
+                "configuration in its own process"
+            )
         engine = "fsdp2" if accelerator.is_fsdp2 else "fsdp1"
     elif accelerator.distributed_type in engines:
         engine = engines[accelerator.distributed_type]

@@ -6,8 +6,9 @@
 #
 # Writes OUT/<date>-<gpu>-verify/: commit.txt (the tree measured: COMMIT, or `git rev-parse HEAD` where
 # the tree is a checkout; the device's copy of the working tree has no .git), env.txt (packages),
-# pytest_msamp.txt + pytest_rest.txt + pytest_te.txt (the suite in five parts, the two-GPU one and torchao's appended to
-# pytest_rest.txt; TE's once its extension is compiled; -rfEsxXp: a line per test, failures' output, but not every
+# pytest_msamp.txt + pytest_rest.txt + pytest_te.txt (the suite in six parts, the two-GPU one and torchao's appended to
+# pytest_rest.txt; TE's two once its extension is compiled, the one through Accelerate's engines appended to
+# pytest_te.txt; -rfEsxXp: a line per test, failures' output, but not every
 # passing test's captured log, which made these files 0.4-0.7 MB each and the device's 64 MiB carry overflow),
 # headline.json + headline.md + headline.log (benchmarks/headline.py). Commit that folder under results/gpu/. The set-up (.gpubundle, see ../shared/gpu/make_bundle.sh) runs once per machine.
 # HEADLINE_ARGS replaces the headline's default arguments (d4096, every default configuration);
@@ -83,7 +84,14 @@ for m in ["torch", "accelerate", "transformers", "torchao", "deepspeed", "transf
         print(f"{m} unavailable: {type(e).__name__}: {str(e)[:200]}")
 PY
 } > "$dir/env.txt" 2>&1
-suite te tests/gpu/test_te_gpu.py; rc=$?
+# TE's file in two parts side by side since 4a73b59, where as one part it ran past its budget at test 31 of 34: the
+# tests through Accelerate's engines (a process each, ~90 s together) beside the others; appended to pytest_te.txt
+suite te_engines tests/gpu/test_te_gpu.py -k through_accelerate > "$dir/.suite5" 2>&1 &
+te_engines_pid=$!
+suite te tests/gpu/test_te_gpu.py -k "not through_accelerate"; rc=$?
+wait "$te_engines_pid"; rc_te_engines=$?
+{ echo; echo "==== TE's tests through Accelerate's engines, run beside the rest of the file"; cat "$dir/pytest_te_engines.txt"; } \
+  >> "$dir/pytest_te.txt" && rm -f "$dir/pytest_te_engines.txt"
 wait "$msamp_pid"; rc_msamp=$?
 wait "$rest_pid"; rc_rest=$?
 wait "$multi_pid"; rc_multi=$?
@@ -92,8 +100,9 @@ wait "$torchao_pid"; rc_torchao=$?
   >> "$dir/pytest_rest.txt" && rm -f "$dir/pytest_multi.txt"
 { echo; echo "==== torchao's part (tests/gpu/test_torchao_gpu.py), run beside the rest"; cat "$dir/pytest_torchao.txt"; } \
   >> "$dir/pytest_rest.txt" && rm -f "$dir/pytest_torchao.txt"
-cat "$dir/.suite1" "$dir/.suite2" "$dir/.suite3" "$dir/.suite4"
-rm -f "$dir/.suite1" "$dir/.suite2" "$dir/.suite3" "$dir/.suite4"
+cat "$dir/.suite1" "$dir/.suite2" "$dir/.suite3" "$dir/.suite4" "$dir/.suite5"
+rm -f "$dir/.suite1" "$dir/.suite2" "$dir/.suite3" "$dir/.suite4" "$dir/.suite5"
+[ "$rc" = 0 ] && rc=$rc_te_engines
 [ "$rc" = 0 ] && rc=$rc_msamp
 [ "$rc" = 0 ] && rc=$rc_rest
 [ "$rc" = 0 ] && rc=$rc_multi

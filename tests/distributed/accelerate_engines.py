@@ -73,6 +73,9 @@ SCENARIOS = {
 }
 
 
+_LAUNCHED_AS: dict = {}  # PartialState's distributed_type as the launcher made it, before any Accelerator
+
+
 def prepared(knobs: dict):
     """A fresh Accelerator (FSDP2 through Accelerate's plugin, or DDP where the scenario's `run` says), the tiny
     Llama and AdamW (and an LR scheduler where `run` asks) prepared by it."""
@@ -84,7 +87,12 @@ def prepared(knobs: dict):
 
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
-    PartialState(cpu=not ON_GPU)
+    launched = PartialState(cpu=not ON_GPU)
+    _LAUNCHED_AS.setdefault("distributed_type", launched.distributed_type)
+    # Accelerate writes the engine it chose (FSDP) back into PartialState's shared state, and an AcceleratorState
+    # made over that skips the branch that keeps its fsdp_plugin (is_fsdp2 then raises AttributeError): each
+    # Accelerator here starts from what the launcher made, as a process's first one does
+    PartialState._shared_state["distributed_type"] = _LAUNCHED_AS["distributed_type"]
     knobs = dict(knobs)
     run = knobs.pop("run", {})
     engine = {}
