@@ -325,6 +325,11 @@ class Backend(LayerExecution, ABC):
     def after_load_state(self, model: nn.Module) -> None:
         """After `Accelerator.load_state` replaced the weights: refresh what this backend derived from them."""
 
+    def complete_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before `Accelerator.save_state` / `load_state` make `optimizer`'s state dict: give each parameter the state
+        its first step would where this backend left some without it. DCP's optimizer state dict (torch's
+        `get_optimizer_state_dict`) makes the state only of an optimizer that holds none at all."""
+
     def portable_state_dict(self, state_dict: dict) -> dict:
         """The state dict as the original (unconverted) model would have it."""
         return type(self).strip_state_dict(self.restore_weight_dtypes(state_dict))

@@ -125,10 +125,24 @@ class CheckedLoadState:
     """`Accelerator.load_state` (a mixin of lowprec.Accelerator): under FSDP2 with sharded state dicts a checkpoint
     that does not fit this run is refused before anything loads (`sharded_load_problem`) and each module that sizes
     its extra state is told its saved size for the load (`sized_extra_states`); after any load, each backend
-    refreshes what it derived from the weights (`Backend.after_load_state`)."""
+    refreshes what it derived from the weights (`Backend.after_load_state`). Before a save or a load each backend
+    gives every parameter of the optimizers the state their first step would where it left some without
+    (`Backend.complete_optimizer_state`: te's FusedAdam, its FP8 weights' masters seeded before any step), so that a
+    checkpoint made before the first step holds every parameter's state and a load's template asks for all of it."""
+
+    def _complete_optimizer_states(self) -> None:
+        for _, backend, _ in getattr(self, "_lowprec", []):
+            for optimizer in getattr(self, "_optimizers", []):
+                backend.complete_optimizer_state(getattr(optimizer, "optimizer", optimizer))
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
+        self._complete_optimizer_states()
+        return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
         import torch
+
+        self._complete_optimizer_states()
         from torch.distributed.fsdp import StateDictType
 
         sharded = (getattr(self, "is_fsdp2", False)

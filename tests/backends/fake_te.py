@@ -329,11 +329,27 @@ class FusedAdam(torch.optim.Optimizer):
         self.scaled_state: dict[tuple[int, str], torch.Tensor] = {}  # (id(param), state name) -> value
 
     def initialize_state(self, param, store_param_remainders):
-        self.state[param]["initialized"] = True
+        # TE's: zero moments in their dtypes and, with master weights, an FP32 master from the parameter's value;
+        # a DTensor parameter's (FSDP2's shard) states are DTensors of its placements, for DCP
+        from torch.distributed.tensor import DTensor
+
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        values = {"exp_avg": torch.zeros(local.shape, dtype=self.exp_avg_dtype),
+                  "exp_avg_sq": torch.zeros(local.shape, dtype=self.exp_avg_sq_dtype)}
+        if self.master_weights:
+            values["master_param"] = local.detach().float().clone()
+        for name, value in values.items():
+            self.state[param][name] = value if not isinstance(param, DTensor) else DTensor.from_local(
+                value, device_mesh=param.device_mesh, placements=param.placements, shape=param.size(),
+                stride=param.stride())
 
     def set_scaled_state(self, param, state_name, unscaled_state):
-        if not self.state[param].get("initialized"):
+        if not self.state.get(param):
             raise RuntimeError("set_scaled_state before initialize_state")
+        self.scaled_state[(id(param), state_name)] = unscaled_state.clone()
+        held = self.state[param].get(state_name)
+        if held is not None:
+            getattr(held, "_local_tensor", held).copy_(unscaled_state)
         self.scaled_state[(id(param), state_name)] = unscaled_state.clone()
 
 

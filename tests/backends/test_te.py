@@ -1008,3 +1008,37 @@ def test_auto_passes_over_te_where_its_compiled_default_cannot_honour_an_option(
     assert cls.name == "msamp"  # the compilable backend with delayed scaling
     te_reason = next(r for r in passed_over if r.startswith("te:"))
     assert "names no recipe" in te_reason and "amax_history_len=16" in te_reason
+
+
+def test_fp8_weights_give_fused_adam_every_parameters_state_before_a_checkpoint(fake_te):
+    # With fp8_weights the FP8 weights' masters are seeded before any step, so FusedAdam holds some state, and DCP's
+    # optimizer state dict (what Accelerate saves and loads under FSDP2) makes state only for an optimizer holding
+    # none: its load then failed for the embeddings (one H200, 128d7a2). The backend gives every trainable parameter
+    # the state its first step would; the seeded master is kept, a frozen parameter gets none.
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    backend, model, plan = fp8_weights_setup()
+    model[1].bias.requires_grad_(False)
+    original = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    backend._hp_weights[id(model[0].weight)] = original
+    new = backend.wrap_optimizer(torch.optim.AdamW(model.parameters()), plan)
+    assert set(get_optimizer_state_dict(model, new)["state"]) == {"0.weight"}
+    backend.complete_optimizer_state(new)
+    state = get_optimizer_state_dict(model, new)["state"]
+    assert set(state) == {"0.weight", "0.bias", "1.weight"}
+    assert torch.equal(state["0.weight"]["master_param"], original)
+    for name, p in [("0.bias", model[0].bias), ("1.weight", model[1].weight)]:
+        assert torch.equal(state[name]["master_param"], p.detach().float())
+        assert not state[name]["exp_avg"].any() and not state[name]["exp_avg_sq"].any()
+    before = {k: {n: t.clone() for n, t in v.items()} for k, v in state.items()}
+    backend.complete_optimizer_state(new)  # a second save: nothing changes
+    after = get_optimizer_state_dict(model, new)["state"]
+    assert all(torch.equal(after[k][n], t) for k, v in before.items() for n, t in v.items())
+
+
+def test_without_fp8_weights_the_optimizer_state_is_left_alone(fake_te):
+    backend = te_backend("current")
+    model = nn.Sequential(nn.Linear(8, 8))
+    optimizer = torch.optim.AdamW(model.parameters())
+    backend.complete_optimizer_state(optimizer)
+    assert not optimizer.state

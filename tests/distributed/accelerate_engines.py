@@ -177,6 +177,7 @@ def scenario(knobs: dict) -> dict:
             record["optimizer_is_te"] = type(optimizer.optimizer).__name__ == "FusedAdam" and (
                 not fake or isinstance(optimizer.optimizer, fake_te.FusedAdam))
         if knobs.get("fp8_weights") and fake:  # the stand-in's FusedAdam has no step (TE's is a CUDA kernel)
+            record.update(checkpoint_before_a_step(knobs, accelerator, model, optimizer))
             return record
         before = [weight_sample(m.weight) for m in fp8]
         record["losses"] = train(accelerator, model, optimizer, STEPS)
@@ -239,6 +240,35 @@ def checkpoint_round(knobs: dict, accelerator, model, optimizer) -> dict:
             converted = [weight_sample(p).sum().item() for p in model4.parameters()]
             record["converted_step_vs_continued"] = max(abs(a - b) / max(abs(a), 1e-6)
                                                         for a, b in zip(after_one, converted))
+        dist.barrier()
+    return record
+
+
+def checkpoint_before_a_step(knobs: dict, accelerator, model, optimizer) -> dict:
+    """save_state before any step and a new Accelerator's load_state of it (te fp8_weights on TE's stand-in, whose
+    FusedAdam has no step): which parameters' optimizer state was saved, and whether the load restored it. FusedAdam
+    holds its FP8 weights' seeded masters from prepare() on, and DCP's optimizer state dict made no state for the
+    others: under FSDP2 the load failed ("Missing optimizer state for parameter 'model.embed_tokens.weight'", on the
+    GPU after steps), until Backend.complete_optimizer_state."""
+    import tempfile
+
+    def masters(opt) -> list[float]:
+        inner = opt.optimizer
+        return [inner.state[p]["master_param"].sum().item() if inner.state.get(p) else None
+                for g in inner.param_groups for p in g["params"]]
+
+    record = {}
+    with tempfile.TemporaryDirectory() as shared:
+        path = [shared]
+        dist.broadcast_object_list(path, src=0)
+        checkpoint = os.path.join(path[0], "ckpt")
+        accelerator.save_state(checkpoint)
+        record["params_with_state"] = sum(bool(optimizer.optimizer.state.get(p))
+                                          for g in optimizer.optimizer.param_groups for p in g["params"])
+        record["saved_masters"] = masters(optimizer)
+        accelerator2, model2, optimizer2 = prepared(knobs)
+        accelerator2.load_state(checkpoint)
+        record["loaded_masters"] = masters(optimizer2)
         dist.barrier()
     return record
 

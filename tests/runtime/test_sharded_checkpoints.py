@@ -54,3 +54,31 @@ def test_saved_sizes_are_read_from_dcp_metadata_and_told_only_during_the_load(tm
     assert model[0].loading_extra_state_bytes is None
     with sized_extra_states([model], None):  # no folder to read: nothing told
         assert model[0].loading_extra_state_bytes is None
+
+
+def test_each_backend_completes_the_optimizers_state_before_save_state_and_load_state(
+        fresh_accelerate_state, monkeypatch, tmp_path):
+    # what a save or a load makes the optimizer's state dict from must hold every parameter's state (te's FusedAdam
+    # holds its FP8 weights' alone before the first step: Backend.complete_optimizer_state); here, a lowprec
+    # Accelerator on one CPU process records each call and what the optimizer's state dict held when Accelerate
+    # wrote it
+    from accelerate import Accelerator as PlainAccelerator
+
+    from lowprec import Accelerator, FP8RecipeKwargs
+    from lowprec.backends.base import Backend
+
+    calls = []
+    monkeypatch.setattr(Backend, "complete_optimizer_state", lambda self, optimizer: calls.append(optimizer))
+    saved = []
+    plain_save = PlainAccelerator.save_state
+    monkeypatch.setattr(PlainAccelerator, "save_state",
+                        lambda self, *a, **k: (saved.append(len(calls)), plain_save(self, *a, **k))[1])
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(
+        backend="msamp", opt_level="O2", emulate=True, skip_slow_shapes=False, skip_first_last=False)], cpu=True)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    inner = optimizer.optimizer
+    accelerator.save_state(str(tmp_path / "c"))
+    assert calls == [inner] and saved == [1]  # before Accelerate's own save
+    accelerator.load_state(str(tmp_path / "c"))
+    assert calls == [inner, inner]

@@ -20,7 +20,13 @@ from ..base import Backend, BackendUnavailableError, RunContext
 from ..torchao import _is_mha_projection
 from . import first_scales
 from .fsdp import FP8_WEIGHT_DTYPE, TECommunication, fp8_weights_problem
-from .optimizer import TEOptimizerPrecision, check_fused_adam_source, fused_adam_state_dtypes, moments_problem
+from .optimizer import (
+    TEOptimizerPrecision,
+    check_fused_adam_source,
+    complete_fused_adam_state,
+    fused_adam_state_dtypes,
+    moments_problem,
+)
 from .storage import TEWeightStorage
 
 if TYPE_CHECKING:
@@ -291,6 +297,10 @@ class TEBackend(Backend):
         log.info("lowprec: %s -> TE FusedAdam(master_weights=True), %d FP32 masters seeded", type(optimizer).__name__,
                  seeded)
         return new
+
+    def complete_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.recipe.fp8_weights and isinstance(optimizer, self._te().optimizers.FusedAdam):
+            complete_fused_adam_state(optimizer)
 
     @classmethod
     def strip_state_dict(cls, state_dict: dict) -> dict:
