@@ -1030,8 +1030,11 @@ def test_fp8_weights_give_fused_adam_every_parameters_state_before_a_checkpoint(
     for name, p in [("0.bias", model[0].bias), ("1.weight", model[1].weight)]:
         assert torch.equal(state[name]["master_param"], p.detach().float())
         assert not state[name]["exp_avg"].any() and not state[name]["exp_avg_sq"].any()
+    assert [g["step"] for g in new.param_groups] == [0]  # FusedAdam's first step is 1 from 0 as from no count
+    new.param_groups[0]["step"] = 7
     before = {k: {n: t.clone() for n, t in v.items()} for k, v in state.items()}
     backend.complete_optimizer_state(new)  # a second save: nothing changes
+    assert new.param_groups[0]["step"] == 7
     after = get_optimizer_state_dict(model, new)["state"]
     assert all(torch.equal(after[k][n], t) for k, v in before.items() for n, t in v.items())
 

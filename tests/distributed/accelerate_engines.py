@@ -262,13 +262,17 @@ def checkpoint_before_a_step(knobs: dict, accelerator, model, optimizer) -> dict
         path = [shared]
         dist.broadcast_object_list(path, src=0)
         checkpoint = os.path.join(path[0], "ckpt")
+        for g, group in enumerate(optimizer.optimizer.param_groups):
+            group["step"] = 3 + g  # FusedAdam's step count lives in its groups, as after three steps
         accelerator.save_state(checkpoint)
         record["params_with_state"] = sum(bool(optimizer.optimizer.state.get(p))
                                           for g in optimizer.optimizer.param_groups for p in g["params"])
         record["saved_masters"] = masters(optimizer)
+        record["saved_steps"] = [g["step"] for g in optimizer.optimizer.param_groups]
         accelerator2, model2, optimizer2 = prepared(knobs)
         accelerator2.load_state(checkpoint)
         record["loaded_masters"] = masters(optimizer2)
+        record["loaded_steps"] = [g.get("step") for g in optimizer2.optimizer.param_groups]
         dist.barrier()
     return record
 
