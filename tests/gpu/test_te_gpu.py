@@ -532,9 +532,10 @@ def test_every_linear_trains_through_accelerates_fsdp2(tmp_path, flags):
 
 def test_fsdp2_checkpoints_and_fp8_weights_through_accelerate(tmp_path):
     # tests/distributed/accelerate_engines.py on the GPU (a world of one, the real TE and NCCL): TE without and with
-    # fp8_weights under Accelerate's own FSDP2 preparation: every FP8 weight in FusedAdam's groups and moved, no
-    # gradient left after zero_grad, and save_state/load_state resuming exactly (TE's _extra_state sized for DCP:
-    # TE issue #1860); a checkpoint of another configuration refused before anything loads
+    # fp8_weights under Accelerate's own FSDP2 preparation (and fp8_weights under its DDP one): every FP8 weight in
+    # FusedAdam's groups and moved, no gradient left after zero_grad, and save_state/load_state resuming exactly
+    # (TE's _extra_state sized for DCP: TE issue #1860; FusedAdam's state completed for DCP's template, 758353c); a
+    # checkpoint of another configuration refused before anything loads
     import json
     import sys
 
@@ -544,9 +545,9 @@ def test_fsdp2_checkpoints_and_fp8_weights_through_accelerate(tmp_path):
     out = tmp_path / "r.json"
     environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     environ.update(ACCELERATE_ENGINES_ON_GPU="1", CUDA_VISIBLE_DEVICES=environ.get("CUDA_VISIBLE_DEVICES", "0"))
+    names = "te,te_fp8_weights,te_full_state,ddp_te_fp8_weights,torchao,msamp_O3"
     proc = run_processes([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                          str(free_port()), script, "te,te_fp8_weights,te_full_state,torchao,msamp_O3", str(out)],
-                         environ, 600)
+                          str(free_port()), script, names, str(out)], environ, 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (rank,) = json.loads(out.read_text())
     for name, r in rank.items():
