@@ -46,8 +46,10 @@ SCENARIOS = {
     # activation checkpointing and full state dicts
     "msamp_O3_accumulate": dict(backend="msamp", opt_level="O3", run=dict(accumulate=2, clip=1.0, scheduler=True)),
     "msamp_O3_ac": dict(backend="msamp", opt_level="O3", run=dict(plugin=dict(activation_checkpointing=True))),
-    # (not msamp O3 with full state dicts: gathering its E4M3 moment shards needs an FP8 all-gather, which gloo has
-    # not: "Invalid scalar type")
+    # msamp O3 with full state dicts on the GPU only (tests/gpu/test_te_gpu.py): gathering its E4M3 moment shards
+    # needs an FP8 all-gather, which gloo has not ("Invalid scalar type"), NCCL has (as bytes)
+    "msamp_O3_full_state": dict(backend="msamp", opt_level="O3", run=dict(plugin=dict(
+        state_dict_type="FULL_STATE_DICT"))),
     "torchao_accumulate": dict(backend="torchao", recipe="tensorwise", run=dict(accumulate=2, clip=1.0,
                                                                                  scheduler=True)),
     "te_full_state": dict(backend="te", recipe="current", run=dict(plugin=dict(state_dict_type="FULL_STATE_DICT"))),
