@@ -141,9 +141,9 @@ class CheckedLoadState:
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
         import torch
+        from torch.distributed.fsdp import StateDictType
 
         self._complete_optimizer_states()
-        from torch.distributed.fsdp import StateDictType
 
         sharded = (getattr(self, "is_fsdp2", False)
                    and self.state.fsdp_plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT)

@@ -73,7 +73,9 @@ def complete_fused_adam_state(optimizer: torch.optim.Optimizer) -> int:
     given = 0
     for group in optimizer.param_groups:
         if "step" not in group:
-            group["step"] = 0  # FusedAdam adds 1 to it as it starts from 1 without it: the first step is 1 either way
+            # FusedAdam (lowprec builds it with capturable=False: an int count) adds 1 to it as it starts from 1
+            # without it: the first step is 1 either way
+            group["step"] = 0
         for p in group["params"]:
             if p.requires_grad and not optimizer.state.get(p):
                 remainders = bool(getattr(optimizer, "store_param_remainders", False)) and p.dtype == torch.bfloat16
