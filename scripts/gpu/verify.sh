@@ -11,7 +11,8 @@
 # pytest_te.txt; -rfEsxXp: a line per test, failures' output, but not every
 # passing test's captured log, which made these files 0.4-0.7 MB each and the device's 64 MiB carry overflow),
 # headline.json + headline.md + headline.log (benchmarks/headline.py). Commit that folder under results/gpu/. The set-up (.gpubundle, see ../shared/gpu/make_bundle.sh) runs once per machine.
-# HEADLINE_ARGS replaces the headline's default arguments (d4096, every default configuration);
+# HEADLINE_ARGS replaces the headline's default arguments (d4096, every default configuration); HEADLINE_ADD
+# ("msamp O2 own rows,msamp O2 act8") runs those configurations after the default ones;
 # PYTEST_ARGS adds pytest options (-k, -x, ...). VERIFY_BUDGET_S (default 570) bounds the whole script,
 # set-up included, so that it ends inside one device call: the headline gets what the suite leaves and
 # keeps every configuration that finished (its JSON is rewritten after each one). The suite needs about 290 s of it
@@ -110,7 +111,18 @@ rm -f "$dir/.suite1" "$dir/.suite2" "$dir/.suite3" "$dir/.suite4" "$dir/.suite5"
 echo "GPU suite: exit $rc in $(( $(date +%s) - t0 )) s"
 left=$(( ${VERIFY_BUDGET_S:-570} - ($(date +%s) - start) ))
 echo "headline: $left s left"
-LOWPREC_COMMIT=$commit timeout "$left" python3 benchmarks/headline.py ${HEADLINE_ARGS:---widths d4096} --out "$dir/headline.json" \
+# HEADLINE_ADD="name,name": configurations (benchmarks/headline.py's names, which hold spaces) after the defaults
+extra=()
+if [ -n "${HEADLINE_ADD:-}" ]; then
+  mapfile -t defaults < <(python3 -c 'import ast
+body = ast.parse(open("benchmarks/headline.py").read()).body
+print("\n".join(next(ast.literal_eval(n.value) for n in body if isinstance(n, ast.Assign)
+                     and getattr(n.targets[0], "id", "") == "DEFAULT_CONFIGS")))')
+  IFS=, read -r -a added <<< "$HEADLINE_ADD"
+  extra=(--configs "${defaults[@]}" "${added[@]}")
+fi
+# shellcheck disable=SC2086
+LOWPREC_COMMIT=$commit timeout "$left" python3 benchmarks/headline.py ${HEADLINE_ARGS:---widths d4096} ${extra[@]+"${extra[@]}"} --out "$dir/headline.json" \
   > "$dir/headline.log" 2>&1 || echo "headline exit $? (124: cut off by the budget)" | tee -a "$dir/headline.log"
 python3 benchmarks/headline.py --summarize "$dir/headline.json" | tee "$dir/headline.md"
 if [ -n "${PACK:-}" ]; then  # one file: the device tool brings back at most 8 files a call (the folder has 8)
