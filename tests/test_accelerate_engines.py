@@ -12,11 +12,11 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed", "accelerate_engines.py")
 FSDP2 = ("msamp_O3", "msamp_O3_act8", "msamp_O3_act8_ac", "msamp_O3_fp8_comm", "msamp_O3_accumulate", "msamp_O3_ac",
          "torchao", "torchao_act8_ac", "torchao_bf16_states", "torchao_accumulate", "torchao_full_state_bf16_states",
-         "te", "te_delayed", "te_full_state", "te_fp8_weights")
+         "te", "te_delayed", "te_full_state", "te_fp8_weights", "te_fp8_weights_full_state")
 DDP = ("ddp_msamp_O1", "ddp_msamp_O2", "ddp_msamp_O2_act8", "ddp_msamp_O2_fp8_comm", "ddp_torchao", "ddp_torchao_O2",
        "ddp_torchao_act8", "ddp_te", "ddp_te_fp8_weights")
 SCENARIOS = FSDP2 + DDP
-NO_STEP = ("te_fp8_weights", "ddp_te_fp8_weights")  # TE's stand-in has no FusedAdam step (TE's is a CUDA kernel)
+NO_STEP = ("te_fp8_weights", "te_fp8_weights_full_state", "ddp_te_fp8_weights")  # TE's stand-in has no FusedAdam step (TE's is a CUDA kernel)
 
 
 @pytest.fixture(scope="module")

@@ -546,7 +546,8 @@ def test_fsdp2_checkpoints_and_fp8_weights_through_accelerate(tmp_path):
     out = tmp_path / "r.json"
     environ = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     environ.update(ACCELERATE_ENGINES_ON_GPU="1", CUDA_VISIBLE_DEVICES=environ.get("CUDA_VISIBLE_DEVICES", "0"))
-    names = "te,te_fp8_weights,te_full_state,ddp_te_fp8_weights,torchao,msamp_O3,msamp_O3_full_state"
+    names = ("te,te_fp8_weights,te_full_state,te_fp8_weights_full_state,ddp_te_fp8_weights,torchao,msamp_O3,"
+             "msamp_O3_full_state")
     proc = run_processes([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
                           str(free_port()), script, names, str(out)], environ, 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
