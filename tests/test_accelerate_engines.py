@@ -16,7 +16,8 @@ FSDP2 = ("msamp_O3", "msamp_O3_act8", "msamp_O3_act8_ac", "msamp_O3_fp8_comm", "
 DDP = ("ddp_msamp_O1", "ddp_msamp_O2", "ddp_msamp_O2_act8", "ddp_msamp_O2_fp8_comm", "ddp_torchao", "ddp_torchao_O2",
        "ddp_torchao_act8", "ddp_te", "ddp_te_fp8_weights")
 SCENARIOS = FSDP2 + DDP
-NO_STEP = ("te_fp8_weights", "te_fp8_weights_full_state", "ddp_te_fp8_weights")  # TE's stand-in has no FusedAdam step (TE's is a CUDA kernel)
+# TE's stand-in has no FusedAdam step (TE's is a CUDA kernel)
+NO_STEP = ("te_fp8_weights", "te_fp8_weights_full_state", "ddp_te_fp8_weights")
 
 
 @pytest.fixture(scope="module")
