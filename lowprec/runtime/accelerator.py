@@ -35,7 +35,7 @@ from .notices import warn_once
 from .params import ReplacedParams, remap_optimizer_params
 from .planner import build_plan
 from .run_context import engine_plugin, inherited_dynamo, run_context_of, split_launch_warning
-from .sharded_checkpoints import CheckedLoadState
+from .sharded_checkpoints import CheckedCheckpoints
 from .wrapping import track_step_for_scheduler, wrap_forward
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ _PLAN_ATTR = "_lowprec_plan"
 _FINAL_ATTR = "_lowprec_finalized"
 
 
-class Accelerator(CheckedLoadState, _Accelerator):
+class Accelerator(CheckedCheckpoints, _Accelerator):
     """Drop-in `accelerate.Accelerator` that trains in FP8 through lowprec.
 
     FP8 is on when `mixed_precision="fp8"` (argument or `ACCELERATE_MIXED_PRECISION`, as
@@ -52,7 +52,7 @@ class Accelerator(CheckedLoadState, _Accelerator):
     `lowprec.FP8RecipeKwargs`, or Accelerate's `AORecipeKwargs` / `TERecipeKwargs` /
     `MSAMPRecipeKwargs` / `FP8RecipeKwargs`, which are translated. Without a handler the recipe is
     read from `ACCELERATE_FP8_*` (a config file's `fp8_config:` section). Everything else is Accelerate's but
-    `load_state`, which checks a sharded FSDP2 checkpoint first (runtime/sharded_checkpoints.py).
+    `save_state` / `load_state` (runtime/sharded_checkpoints.py: optimizer state completed, FSDP2 loads checked).
 
     `prepare()` prints a summary of each FP8 model's precision plan to stderr on the main process;
     `lowprec_quiet=True` (None: the `LOWPREC_QUIET` environment variable, `1` or `0`) leaves it out.

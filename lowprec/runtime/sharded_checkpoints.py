@@ -1,6 +1,7 @@
 """`Accelerator.load_state` of a sharded (DCP) checkpoint under FSDP2: refused before anything loads where it does
 not fit this run (another backend, level or optimizer_states: `sharded_load_problem`), and loaded into modules whose
-saved entries vary in size (`sized_extra_states`).
+saved entries vary in size (`sized_extra_states`); before a save or a load, each backend completes the optimizers'
+state (`Backend.complete_optimizer_state`).
 
 Accelerate's `load_state` under FSDP2 with `SHARDED_STATE_DICT` (its default there) loads through
 `torch.distributed.checkpoint`, in place: into the tensors of the model's current state dict, refusing any whose size
@@ -121,14 +122,15 @@ def _moments_of_another_dtype(flat: dict, metadata) -> str | None:
     return None
 
 
-class CheckedLoadState:
-    """`Accelerator.load_state` (a mixin of lowprec.Accelerator): under FSDP2 with sharded state dicts a checkpoint
-    that does not fit this run is refused before anything loads (`sharded_load_problem`) and each module that sizes
-    its extra state is told its saved size for the load (`sized_extra_states`); after any load, each backend
-    refreshes what it derived from the weights (`Backend.after_load_state`). Before a save or a load each backend
-    gives every parameter of the optimizers the state their first step would where it left some without
-    (`Backend.complete_optimizer_state`: te's FusedAdam, its FP8 weights' masters seeded before any step), so that a
-    checkpoint made before the first step holds every parameter's state and a load's template asks for all of it."""
+class CheckedCheckpoints:
+    """`Accelerator.save_state` / `load_state` (a mixin of lowprec.Accelerator). Under FSDP2 with sharded state
+    dicts a checkpoint that does not fit this run is refused before anything loads (`sharded_load_problem`), and each
+    module that sizes its extra state is told its saved size for the load (`sized_extra_states`); after any load,
+    each backend refreshes what it derived from the weights (`Backend.after_load_state`). Before a save or a load
+    each backend gives every parameter of the optimizers the state their first step would where it left some
+    without (`Backend.complete_optimizer_state`: te's FusedAdam, its FP8 weights' masters seeded before any step),
+    so that a checkpoint made before the first step holds every parameter's state and a load's template asks for
+    all of it."""
 
     def _complete_optimizer_states(self) -> None:
         for _, backend, _ in getattr(self, "_lowprec", []):

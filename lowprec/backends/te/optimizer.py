@@ -62,15 +62,14 @@ def moments_problem(recipe_name: str, states: str | None) -> str | None:
     return None
 
 
-def complete_fused_adam_state(optimizer: torch.optim.Optimizer) -> int:
+def complete_fused_adam_state(optimizer: torch.optim.Optimizer) -> None:
     """Give each trainable parameter of TE's FusedAdam without state the state its first step would make (its
-    `initialize_state`, as `step` calls it), and each group its step count; the number of parameters given state.
+    `initialize_state`, as `step` calls it), and each group its step count.
     With fp8_weights the FP8 weights' masters are seeded at prepare(), before any step, so the optimizer holds some
     state and DCP's `get_optimizer_state_dict`, which makes state (by a step at learning rate 0) only where there is
     none at all, would save and load the FP8 weights' alone: Accelerate's FSDP2 load_state then failed with "Missing
     optimizer state for parameter 'model.embed_tokens.weight'" (one H200, 128d7a2). A load fills only the entries
     its template has, so the groups' "step" too, or a resumed run would restart Adam's bias correction."""
-    given = 0
     for group in optimizer.param_groups:
         if "step" not in group:
             # FusedAdam (lowprec builds it with capturable=False: an int count) adds 1 to it as it starts from 1
@@ -80,8 +79,6 @@ def complete_fused_adam_state(optimizer: torch.optim.Optimizer) -> int:
             if p.requires_grad and not optimizer.state.get(p):
                 remainders = bool(getattr(optimizer, "store_param_remainders", False)) and p.dtype == torch.bfloat16
                 optimizer.initialize_state(p, store_param_remainders=remainders)
-                given += 1
-    return given
 
 
 class TEOptimizerPrecision(OptimizerPrecision):
