@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -322,8 +322,13 @@ class Backend(LayerExecution, ABC):
         """A callable to run after each real optimizer step, or None."""
         return None
 
-    def after_load_state(self, model: nn.Module) -> None:
-        """After `Accelerator.load_state` replaced the weights: refresh what this backend derived from them."""
+    def after_load_state(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        """After `Accelerator.load_state` replaced the weights and `optimizers`' state: refresh what this backend
+        derived from them."""
+
+    def plain_checkpoint_entries(self, state_dict: dict, prefix: str) -> None:
+        """Before `Accelerator.save_state` writes a whole state dict (torch.save, safetensors; not DCP's shards): make
+        this backend's tensor types among the entries under `prefix` plain, in place, so the file loads without it."""
 
     def complete_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Before `Accelerator.save_state` / `load_state` make `optimizer`'s state dict: give each parameter the state

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -199,7 +199,7 @@ class TorchAOBackend(Backend):
         # One amax all-reduce for every weight after the step, instead of one per layer in forward.
         return lambda: precompute(model)
 
-    def after_load_state(self, model: nn.Module) -> None:
+    def after_load_state(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
         # the scales precomputed for the next FP8 all-gathers came from the weights before the load (or, when the
         # optimizer's state is made for the load, from a step taken before the model loaded)
         hook = self.post_optimizer_step(model)

@@ -126,29 +126,52 @@ class CheckedCheckpoints:
     """`Accelerator.save_state` / `load_state` (a mixin of lowprec.Accelerator). Under FSDP2 with sharded state
     dicts a checkpoint that does not fit this run is refused before anything loads (`sharded_load_problem`), and each
     module that sizes its extra state is told its saved size for the load (`sized_extra_states`); after any load,
-    each backend refreshes what it derived from the weights (`Backend.after_load_state`). Before a save or a load
-    each backend gives every parameter of the optimizers the state their first step would where it left some
-    without (`Backend.complete_optimizer_state`: te's FusedAdam, its FP8 weights' masters seeded before any step),
-    so that a checkpoint made before the first step holds every parameter's state and a load's template asks for
-    all of it."""
+    each backend refreshes what it derived from the weights and the optimizers' state (`Backend.after_load_state`:
+    te requantises its FP8-only weights from their FP32 masters). Where a save writes whole state dicts, each backend
+    makes its tensor types in them plain (`Backend.plain_checkpoint_entries`: te's FP8-only weights). Before a save
+    or a load each backend gives every parameter of the optimizers the state their first step would where it left
+    some without (`Backend.complete_optimizer_state`: te's FusedAdam, its FP8 weights' masters seeded before any
+    step), so that a checkpoint made before the first step holds every parameter's state and a load's template asks
+    for all of it."""
 
     def _complete_optimizer_states(self) -> None:
         for _, backend, _ in getattr(self, "_lowprec", []):
             for optimizer in getattr(self, "_optimizers", []):
                 backend.complete_optimizer_state(getattr(optimizer, "optimizer", optimizer))
 
+    def _sharded(self) -> bool:
+        """Whether save_state / load_state go through DCP's shards (FSDP2 with SHARDED_STATE_DICT)."""
+        from torch.distributed.fsdp import StateDictType
+
+        return (getattr(self, "is_fsdp2", False)
+                and self.state.fsdp_plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT)
+
+    @contextlib.contextmanager
+    def _plain_whole_state_dicts(self):
+        """While save_state writes whole state dicts (not DCP's shards, which keep each backend's tensors as they
+        are), each backend makes its tensor types plain in the models' state dicts (`plain_checkpoint_entries`)."""
+        handles = [] if self._sharded() else [
+            inner.register_state_dict_post_hook(
+                lambda module, state_dict, prefix, metadata, backend=backend: backend.plain_checkpoint_entries(
+                    state_dict, prefix))
+            for inner, backend, _ in getattr(self, "_lowprec", [])]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **save_model_func_kwargs):
         self._complete_optimizer_states()
-        return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
+        with self._plain_whole_state_dicts():
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
         import torch
-        from torch.distributed.fsdp import StateDictType
 
         self._complete_optimizer_states()
 
-        sharded = (getattr(self, "is_fsdp2", False)
-                   and self.state.fsdp_plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT)
+        sharded = self._sharded()
         folder = checkpoint_dir(self, input_dir) if sharded else None
         models = [self.unwrap_model(m, keep_torch_compile=False) for m in self._models] if folder else []
         with sized_extra_states(models, folder):
@@ -167,6 +190,7 @@ class CheckedCheckpoints:
                         "configuration, or save with the FSDP plugin's state_dict_type FULL_STATE_DICT, which loads "
                         "through load_state_dict, where lowprec converts what it can (other optimizer_states)")
             result = super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
+        optimizers = [getattr(o, "optimizer", o) for o in getattr(self, "_optimizers", [])]
         for inner, backend, _ in getattr(self, "_lowprec", []):
-            backend.after_load_state(inner)
+            backend.after_load_state(inner, optimizers)
         return result

@@ -20,7 +20,7 @@ A test double, not an emulator (but for the opt-in delayed-scaling casts below):
   row as TE's casts do; `update_delayed_scales` is TE's update at the end of a step. Only for the tests of how
   those scales start (test_te_first_scales.py).
 - `is_fp8_block_scaling_available` answers what `block_scaling` says; `optimizers.FusedAdam` takes TE's
-  arguments and records the master weights it is given, and cannot step.
+  arguments, records the master weights it is given and gives them back (`get_unscaled_state`), and cannot step.
 
 `install(monkeypatch)` puts the modules in `sys.modules` for one test; monkeypatch takes them out. The
 `fake_te` and `te_missing` fixtures are defined here and imported by the test modules that use them
@@ -342,6 +342,10 @@ class FusedAdam(torch.optim.Optimizer):
             self.state[param][name] = value if not isinstance(param, DTensor) else DTensor.from_local(
                 value, device_mesh=param.device_mesh, placements=param.placements, shape=param.size(),
                 stride=param.stride())
+
+    def get_unscaled_state(self, param, state_name):
+        held = self.state[param][state_name]
+        return getattr(held, "_local_tensor", held).float()
 
     def set_scaled_state(self, param, state_name, unscaled_state):
         if not self.state.get(param):

@@ -552,8 +552,10 @@ def test_fsdp2_checkpoints_and_fp8_weights_through_accelerate(tmp_path):
                           str(free_port()), script, names, str(out)], environ, 600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (rank,) = json.loads(out.read_text())
+    # every scenario's error at once: the first alone hid the rest's outcome (one H200, 4135470)
+    errors = {name: r["traceback"][-1500:] for name, r in rank.items() if "error" in r}
+    assert not errors, "\n\n".join(f"{name}:\n{tb}" for name, tb in errors.items())
     for name, r in rank.items():
-        assert "error" not in r, (name, r.get("traceback"))
         assert r["fp8_weights_in_optimizer"] == r["fp8_linears"] > 0, (name, r)
         assert r["fp8_weights_moved"] == r["fp8_linears"] and r["grads_after_zero_grad"] == 0, (name, r)
         assert r["resumed"] == r["continued"] and r["resumed_weights"] == r["continued_weights"], (name, r)

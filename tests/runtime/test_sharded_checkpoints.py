@@ -82,3 +82,29 @@ def test_each_backend_completes_the_optimizers_state_before_save_state_and_load_
     assert calls == [inner] and saved == [1]  # before Accelerate's own save
     accelerator.load_state(str(tmp_path / "c"))
     assert calls == [inner, inner]
+
+
+def test_whole_state_dict_saves_make_backend_tensors_plain_and_loads_refresh_from_the_optimizers(
+        fresh_accelerate_state, monkeypatch, tmp_path):
+    # save_state writing a whole state dict (here one CPU process; FSDP2's FULL_STATE_DICT, DDP) asks each backend to
+    # make its tensor types plain in it (te's FP8-only weights: a Float8Tensor torch.load brings back has no
+    # quantizer, and FSDP2's full load could not shard it, one H200 at 4135470), only during the save; after
+    # load_state each backend sees the optimizers (te requantises its FP8 weights from FusedAdam's masters)
+    from lowprec import Accelerator, FP8RecipeKwargs
+    from lowprec.backends.base import Backend
+
+    made_plain, refreshed = [], []
+    monkeypatch.setattr(Backend, "plain_checkpoint_entries",
+                        lambda self, state_dict, prefix: made_plain.append((prefix, sorted(state_dict))))
+    monkeypatch.setattr(Backend, "after_load_state",
+                        lambda self, model, optimizers=(): refreshed.append((model, list(optimizers))))
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(
+        backend="msamp", opt_level="O2", emulate=True, skip_slow_shapes=False, skip_first_last=False)], cpu=True)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    accelerator.save_state(str(tmp_path / "c"))
+    assert len(made_plain) == 1 and made_plain[0][0] == "" and "0.weight" in made_plain[0][1]
+    model.state_dict()
+    assert len(made_plain) == 1  # the hook is gone after the save
+    accelerator.load_state(str(tmp_path / "c"))
+    assert refreshed == [(accelerator.unwrap_model(model), [optimizer.optimizer])]

@@ -7,7 +7,7 @@ import copy
 import logging
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +26,7 @@ from .optimizer import (
     complete_fused_adam_state,
     fused_adam_state_dtypes,
     moments_problem,
+    requantize_from_masters,
 )
 from .storage import TEWeightStorage
 
@@ -301,6 +302,18 @@ class TEBackend(Backend):
     def complete_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         if self.recipe.fp8_weights and isinstance(optimizer, self._te().optimizers.FusedAdam):
             complete_fused_adam_state(optimizer)
+
+    def plain_checkpoint_entries(self, state_dict: dict, prefix: str) -> None:
+        if self.recipe.fp8_weights:
+            from .modules import dequantize_entries
+
+            dequantize_entries(state_dict, prefix)
+
+    def after_load_state(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> None:
+        if self.recipe.fp8_weights:
+            for optimizer in optimizers:
+                if isinstance(optimizer, self._te().optimizers.FusedAdam):
+                    requantize_from_masters(optimizer)
 
     @classmethod
     def strip_state_dict(cls, state_dict: dict) -> dict:

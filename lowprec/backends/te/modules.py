@@ -263,13 +263,38 @@ def from_float(module: nn.Module, kind: str, *, zero_centered: bool = False,
     return new
 
 
+def is_te_tensor(value: Any) -> bool:
+    """Whether `value` is one of TE's tensor types (an FP8-only weight of quantized_model_init: a Float8Tensor...)."""
+    return isinstance(value, torch.Tensor) and type(value).__module__.startswith("transformer_engine")
+
+
 def portable_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A TE model's state dict as the original torch model's: no `_extra_state`, plain tensors."""
     out = {}
     for key, value in state_dict.items():
         if key.rsplit(".", 1)[-1] == "_extra_state":
             continue
-        if isinstance(value, torch.Tensor) and type(value).__module__.startswith("transformer_engine"):
+        if is_te_tensor(value):
             value = value.dequantize()  # FP8-only weights (quantized_model_init) -> their nominal dtype
         out[key] = value
     return out
+
+
+def dequantize_entries(state_dict: dict[str, Any], prefix: str) -> None:
+    """FP8-only weights among `state_dict`'s entries under `prefix` dequantised in place (to FP32: exact for an FP8
+    value times its FP32 scale), sharded ones (DTensors over TE's tensors, under FSDP2) as DTensors of the same
+    placement. A checkpoint written whole (torch.save, safetensors) then holds plain tensors: FSDP2's full state dict
+    load could not shard TE's Float8Tensor as `torch.load` brings it back, without its quantizer (one H200,
+    4135470: "'NoneType' object has no attribute 'get_usages'"), and a plain model loads the file. `_extra_state`
+    stays, for an exact resume."""
+    from torch.distributed.tensor import DTensor
+
+    for key, value in state_dict.items():
+        if not key.startswith(prefix):
+            continue
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if not is_te_tensor(local):
+            continue
+        plain = local.dequantize(dtype=torch.float32)
+        state_dict[key] = DTensor.from_local(plain, value.device_mesh, value.placements, run_check=False,
+                                             shape=value.shape, stride=value.stride()) if local is not value else plain

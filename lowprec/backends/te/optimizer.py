@@ -81,6 +81,25 @@ def complete_fused_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 optimizer.initialize_state(p, store_param_remainders=remainders)
 
 
+def requantize_from_masters(optimizer: torch.optim.Optimizer) -> None:
+    """Write each FP8-only weight of TE's FusedAdam(master_weights=True) from its FP32 master, as its step does after
+    each update (`quantize_` of the local shard). After a load the masters are what the run continues from: a
+    checkpoint written whole holds the weights dequantised (`modules.dequantize_entries`), which the load quantises
+    again with scales of its own, not necessarily the bytes the step wrote."""
+    from torch.distributed.tensor import DTensor
+
+    from .modules import is_te_tensor
+
+    if not getattr(optimizer, "master_weights", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if is_te_tensor(local) and "master_param" in optimizer.state.get(p, {}):
+                with torch.no_grad():
+                    local.quantize_(optimizer.get_unscaled_state(p, "master_param"))
+
+
 class TEOptimizerPrecision(OptimizerPrecision):
     @property
     def fused_adam(self) -> bool:
