@@ -77,6 +77,7 @@ SCENARIOS = {
 }
 
 
+ENGINE_SWITCHES = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_MEGATRON_LM")
 _LAUNCHED_AS: dict = {}  # PartialState's distributed_type as the launcher made it, before any Accelerator
 
 
@@ -97,6 +98,15 @@ def prepared(knobs: dict):
     # made over that skips the branch that keeps its fsdp_plugin (is_fsdp2 then raises AttributeError): each
     # Accelerator here starts from what the launcher made, as a process's first one does
     PartialState._shared_state["distributed_type"] = _LAUNCHED_AS["distributed_type"]
+    # and an Accelerator given an engine's plugin sets ACCELERATE_USE_<ENGINE>=true for the process, from which a
+    # later one without a plugin makes a default one (on the GPU a DDP scenario after FSDP2 ones ran FSDP1: one H200,
+    # 18a4450); the CPU keeps MULTI_CPU, which no plugin changes
+    launched_env = _LAUNCHED_AS.setdefault("environ", {k: os.environ.get(k) for k in ENGINE_SWITCHES})
+    for key, value in launched_env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     knobs = dict(knobs)
     run = knobs.pop("run", {})
     engine = {}
