@@ -611,3 +611,38 @@ def test_a_checkpoint_of_another_optimizer_is_refused_before_anything_changes(ot
         [{k: v for k, v in g.items() if k != "params"} for g in groups]
     assert torch.equal(optimizer.state[params[0]]["exp_avg"], moments)
     optimizer.step()  # and it still steps
+
+
+@pytest.mark.parametrize("m_dtype,v_dtype", [(torch.float8_e4m3fn, torch.float16), (torch.float32, torch.float32),
+                                             (torch.bfloat16, torch.float8_e5m2)])
+def test_first_step_makes_each_state_in_its_storage_dtype_without_an_fp32_copy(m_dtype, v_dtype):
+    # an FP32 zeros tensor (and its scaled copy) per state and parameter, made while every gradient is alive, set
+    # the first step's peak: states are made in their storage dtype, zeros with scale 1, as encoding zeros gives
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Made(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.tensors = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.tensors += [(t.dtype, t.numel()) for t in (out if isinstance(out, (tuple, list)) else [out])
+                             if isinstance(t, torch.Tensor)]
+            return out
+
+    p = nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(0)))
+    opt = LowBitAdamW([p], exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype, fused=False)
+    with Made() as made:
+        state = opt._init_state(p, opt.param_groups[0])
+    assert [dtype for dtype, n in made.tensors if n == p.numel()] == [m_dtype, v_dtype]
+    for key, dtype in (("exp_avg", m_dtype), ("exp_avg_sq", v_dtype)):
+        assert state[key].dtype == dtype and not state[key].float().any() and state[key].shape == p.shape
+        assert state[f"{key}_scale"].item() == 1.0
+    # and the first step from them is torch's AdamW's (its update reads the moments in FP32 before they are stored)
+    ref = nn.Parameter(p.detach().clone())
+    p.grad = torch.randn(64, 32, generator=torch.Generator().manual_seed(1)) * 1e-2
+    ref.grad = p.grad.clone()
+    opt.step()
+    torch.optim.AdamW([ref]).step()
+    assert (p.detach() - ref.detach()).abs().max() / (ref.detach()).abs().max() < 1e-6
