@@ -12,7 +12,8 @@
 # passing test's captured log, which made these files 0.4-0.7 MB each and the device's 64 MiB carry overflow),
 # headline.json + headline.md + headline.log (benchmarks/headline.py). Commit that folder under results/gpu/. The set-up (.gpubundle, see ../shared/gpu/make_bundle.sh) runs once per machine.
 # HEADLINE_ARGS replaces the headline's default arguments (d4096, every default configuration); HEADLINE_ADD
-# ("msamp O2 own rows,msamp O2 act8") runs those configurations after the default ones;
+# ("msamp O2 own rows,msamp O2 act8") runs those configurations after the default ones; HEADLINE_CONFIGS ("bf16
+# compiled,msamp O2") runs those instead of the default ones;
 # PYTEST_ARGS adds pytest options (-k, -x, ...). VERIFY_BUDGET_S (default 570) bounds the whole script,
 # set-up included, so that it ends inside one device call: the headline gets what the suite leaves and
 # keeps every configuration that finished (its JSON is rewritten after each one). The suite needs about 290 s of it
@@ -113,7 +114,10 @@ left=$(( ${VERIFY_BUDGET_S:-570} - ($(date +%s) - start) ))
 echo "headline: $left s left"
 # HEADLINE_ADD="name,name": configurations (benchmarks/headline.py's names, which hold spaces) after the defaults
 extra=()
-if [ -n "${HEADLINE_ADD:-}" ]; then
+if [ -n "${HEADLINE_CONFIGS:-}" ]; then  # "name,name": these configurations instead of the defaults
+  IFS=, read -r -a chosen <<< "$HEADLINE_CONFIGS"
+  extra=(--configs "${chosen[@]}")
+elif [ -n "${HEADLINE_ADD:-}" ]; then
   mapfile -t defaults < <(python3 -c 'import ast
 body = ast.parse(open("benchmarks/headline.py").read()).body
 print("\n".join(next(ast.literal_eval(n.value) for n in body if isinstance(n, ast.Assign)
