@@ -158,9 +158,8 @@ class LowBitAdamW(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device if step_on_device else None)
             for key in ("exp_avg", "exp_avg_sq"):
                 # zeros in the storage dtype with scale 1, what encoding FP32 zeros gives (a tensor of zeros keeps
-                # the previous scale) without an FP32 tensor, or two, of the parameter's size: the first step
-                # made them for each parameter while every gradient was alive, 0.5 GiB each for a 32k x 4096
-                # embedding, which set msamp O2's peak with FP8 activations
+                # the previous scale), without the FP32 tensors of the parameter's size that encoding made in the
+                # first step beside every gradient (two for an E4M3 state: 1 GiB for a 32k x 4096 embedding)
                 state[key] = torch.zeros_like(p, dtype=group[f"{key}_dtype"], memory_format=torch.preserve_format)
                 state[f"{key}_scale"] = torch.ones((), dtype=torch.float32, device=p.device)
         return state

@@ -281,12 +281,13 @@ def portable_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def dequantize_entries(state_dict: dict[str, Any], prefix: str) -> None:
-    """FP8-only weights among `state_dict`'s entries under `prefix` dequantised in place (to FP32: exact for an FP8
-    value times its FP32 scale), sharded ones (DTensors over TE's tensors, under FSDP2) as DTensors of the same
-    placement. A checkpoint written whole (torch.save, safetensors) then holds plain tensors: FSDP2's full state dict
-    load could not shard TE's Float8Tensor as `torch.load` brings it back, without its quantizer (one H200,
-    4135470: "'NoneType' object has no attribute 'get_usages'"), and a plain model loads the file. `_extra_state`
-    stays, for an exact resume."""
+    """FP8-only weights among `state_dict`'s entries under `prefix` dequantised in place to their nominal dtype (as
+    `portable_state_dict` does: the size of a BF16 model's checkpoint), sharded ones (DTensors over TE's tensors,
+    under FSDP2) as DTensors of the same placement. A checkpoint written whole (torch.save, safetensors) then holds
+    plain tensors: FSDP2's full state dict load could not shard TE's Float8Tensor as `torch.load` brings it back,
+    without its quantizer (one H200, 4135470: "'NoneType' object has no attribute 'get_usages'"), and a plain model
+    loads the file. A resume is exact all the same: the weights are written from FusedAdam's FP32 masters after the
+    load (`optimizer.requantize_from_masters`). `_extra_state` stays."""
     from torch.distributed.tensor import DTensor
 
     for key, value in state_dict.items():
@@ -295,6 +296,6 @@ def dequantize_entries(state_dict: dict[str, Any], prefix: str) -> None:
         local = value.to_local() if isinstance(value, DTensor) else value
         if not is_te_tensor(local):
             continue
-        plain = local.dequantize(dtype=torch.float32)
+        plain = local.dequantize()
         state_dict[key] = DTensor.from_local(plain, value.device_mesh, value.placements, run_check=False,
                                              shape=value.shape, stride=value.stride()) if local is not value else plain
