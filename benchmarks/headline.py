@@ -37,8 +37,10 @@ step (model state), CUDA memory the first forward leaves held for backward, FP8 
 torch.profiler after the timed ones: DIR/WIDTH_LABEL.prof.txt (top kernels by device time) and the JSON's
 `profile` (kernel time per step by category, widths.py's `profile_steps`), and for one step more
 DIR/WIDTH_LABEL.sites.txt: the operators that launched the kernels, by input shapes and by Python call site
-(call_sites.py). `--peak-configs` traces one more step's allocations: DIR/WIDTH_LABEL.peak.txt lists what is live at
-that step's peak by allocating line (peak_memory.py).
+(call_sites.py). `--peak-configs` traces one more step's allocations (`--peak-step N`: the run's step N instead, such
+as msamp's switch to its delayed-scaling graph at step 16, which reached msamp O2 act8's peak at 20e0603):
+DIR/WIDTH_LABEL.peak.txt lists what is live at that step's peak by allocating line (peak_memory.py). `step_peaks_gib`
+has each step's peak.
 `--summarize OUT.json` prints the table again. "... act8" configurations add activation_dtype="fp8" (a compiled
 model's graphs encode what they save inside them, the default); "... act8 hooks" ones encode through Python hooks
 after each graph instead (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0 while they run).
@@ -268,7 +270,7 @@ def _auto_reasons(recipe, context) -> list[str]:
 
 
 def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profile_path: str | None = None,
-            profile_n: int = 2, peak_path: str | None = None) -> dict:
+            profile_n: int = 2, peak_path: str | None = None, peak_step: int | None = None) -> dict:
     import torch._inductor.config as inductor_config
 
     with contextlib.ExitStack() as stack:
@@ -277,11 +279,11 @@ def run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profi
         for target, value in PATCHES.get(label, {}).items():
             module, attribute = target.split(":")
             stack.enter_context(mock.patch.object(importlib.import_module(module), attribute, value))
-        return _run_one(label, width, data, warmup, profile_path, profile_n, peak_path)
+        return _run_one(label, width, data, warmup, profile_path, profile_n, peak_path, peak_step)
 
 
 def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, profile_path: str | None,
-             profile_n: int, peak_path: str | None) -> dict:
+             profile_n: int, peak_path: str | None, peak_step: int | None = None) -> dict:
     from accelerate import Accelerator as PlainAccelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import TorchDynamoPlugin
@@ -333,14 +335,18 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
     timed_peak = [0.0]  # over the timed steps only: the first steps' compiles (msamp's second graph at the end of its
     # warm-up, with inductor's autotuning) are in `phase_peaks` but not here
 
-    def phase_end(phase: str) -> None:
+    step_peaks: list[float] = []  # each step's: which step reached the run's peak (msamp's second graph's, at 2a04d10)
+
+    def phase_end(phase: str) -> float:
         # the peak since the last phase ended (reading it does not synchronise: the allocator's own count)
-        if cuda:
-            peak = torch.cuda.max_memory_allocated() / 2**30
-            phase_peaks[phase] = max(phase_peaks[phase], peak)
-            if len(times) >= warmup:
-                timed_peak[0] = max(timed_peak[0], peak)
-            torch.cuda.reset_peak_memory_stats()
+        if not cuda:
+            return 0.0
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        phase_peaks[phase] = max(phase_peaks[phase], peak)
+        if len(times) >= warmup:
+            timed_peak[0] = max(timed_peak[0], peak)
+        torch.cuda.reset_peak_memory_stats()
+        return peak
 
     def step(ids: torch.Tensor, first: bool = False) -> float:
         ids = ids.to(accelerator.device, non_blocking=True)
@@ -352,18 +358,24 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
             loss = model(ids)
         if held is not None:  # what the forward keeps for backward (saved activations, logits, loss)
             memory["held_by_forward_gib"] = (torch.cuda.memory_allocated() - held) / 2**30
-        phase_end("forward")
+        peak = phase_end("forward")
         accelerator.backward(loss)
-        phase_end("backward")
+        peak = max(peak, phase_end("backward"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        phase_end("optimizer")
+        step_peaks.append(round(max(peak, phase_end("optimizer")), 3))
         return loss.item()  # synchronises
 
     times, losses = [], []
+    report = None
     for i, ids in enumerate(data):
         t0 = time.perf_counter()
-        losses.append(step(ids, first=i == 0))
+        if peak_path is not None and i == peak_step:  # this step of the run traced (its time with the tracer's cost)
+            from peak_memory import record_step
+
+            report = record_step(lambda ids=ids, i=i: losses.append(step(ids, first=i == 0)), peak_path)
+        else:
+            losses.append(step(ids, first=i == 0))
         times.append(time.perf_counter() - t0)
         if i == 0 and cuda:
             memory["after_first_step_gib"] = torch.cuda.memory_allocated() / 2**30
@@ -378,6 +390,7 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
         "peak_gib": max(phase_peaks.values()) if cuda else None,
         "peak_by_phase_gib": dict(phase_peaks) if cuda else None,
         "timed_peak_gib": timed_peak[0] if cuda else None,
+        "step_peaks_gib": step_peaks if cuda else None,
         **memory,
     }
     if profile_path is not None:  # after the timed steps and the peaks: neither includes the profiler's cost
@@ -388,10 +401,12 @@ def _run_one(label: str, width: str, data: list[torch.Tensor], warmup: int, prof
 
         sites_path = profile_path.removesuffix(".prof.txt") + ".sites.txt"
         result["call_sites"] = record_call_sites(step, data[0], cuda, sites_path, top=15)["by_site"]
-    if peak_path is not None:  # one more step, its allocations traced: what is live at its peak, and from where
+    if peak_path is not None and peak_step is None:  # one more step traced: what is live at its peak, and from where
         from peak_memory import record_step
 
-        result["peak_report"] = record_step(lambda: step(data[0]), peak_path)
+        report = record_step(lambda: step(data[0]), peak_path)
+    if peak_path is not None:
+        result["peak_report"] = report
     inner = accelerator.unwrap_model(model, keep_torch_compile=False)
     storage = activation_storage(inner)
     if storage is not None:  # FP8 activations: through Python hooks or inside the compiled graphs
@@ -491,12 +506,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--peak-configs", nargs="+", choices=list(CONFIGS),
                    help="trace one more step's allocations of these configurations: what is live at the step's peak, "
                         "by allocating line (peak_memory.py), in --profile-dir as WIDTH_LABEL.peak.txt")
+    p.add_argument("--peak-step", type=int,
+                   help="with --peak-configs: trace this step of the run (0 = the first) instead of one more after it, "
+                        f"e.g. msamp's switch to its delayed-scaling graph at step {MSAMP_WINDOW}, where its highest "
+                        "peak came")
     p.add_argument("--memory-gib", type=float,
                    help="cap this process's CUDA allocator at this many GiB (torch.cuda."
                         "set_per_process_memory_fraction): a smaller GPU's memory on a larger one, for largest_model")
     args = p.parse_args(argv)
     if args.steps <= args.warmup:
         p.error("--steps must exceed --warmup")
+    if args.peak_step is not None and not (args.peak_configs and 0 <= args.peak_step < args.steps):
+        p.error(f"--peak-step {args.peak_step}: give it with --peak-configs, a step from 0 to --steps - 1 "
+                f"({args.steps - 1})")
     if args.warmup < MSAMP_WINDOW and any(uses_msamp(c) for c in args.configs):
         print(f"headline: warning: --warmup {args.warmup} < {MSAMP_WINDOW}: msamp's timed steps include its warm-up "
               "(current scales, a compiled graph of their own)", file=sys.stderr)
@@ -549,7 +571,8 @@ def main(argv: list[str] | None = None) -> dict:
                 if round_ == 0 and label in (args.peak_configs or ()):
                     peak_path = stem + ".peak.txt"
                 try:
-                    r = run_one(label, width, data, args.warmup, profile_path, args.profile_steps, peak_path)
+                    r = run_one(label, width, data, args.warmup, profile_path, args.profile_steps, peak_path,
+                                args.peak_step)
                 except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others
                     r = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
                 _cleanup()

@@ -145,8 +145,27 @@ def test_headline_benchmark_on_cpu(tmp_path):
     sites = (tmp_path / "prof" / "tiny_auto.sites.txt").read_text()
     assert "operators by input shapes" in sites and "operators by call site" in sites
     assert auto["call_sites"] and any("headline.py" in s for row in auto["call_sites"] for s in row["sites"])
-    assert auto["peak_by_phase_gib"] is None and auto["peak_gib"] is None
+    assert auto["peak_by_phase_gib"] is None and auto["peak_gib"] is None and auto["step_peaks_gib"] is None
     assert auto["peak_report"] is None and "peak_report" not in runs["bf16 eager"]  # no allocator trace on a CPU
+
+
+def test_headline_traces_a_step_of_the_run_where_peak_step_says(tmp_path):
+    # --peak-step N traces the run's own step N (msamp's second graph's step reached its peak), not one step more:
+    # the run keeps its step count and losses; on a CPU there is no allocator trace, so the report is None
+    out = tmp_path / "headline.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TORCHAO_FORCE_SKIP_LOADING_SO_FILES": "1"}
+    args = [sys.executable, os.path.join(ROOT, "benchmarks", "headline.py"), "--widths", "tiny", "--configs",
+            "bf16 eager", "--steps", "3", "--warmup", "1", "--profile-dir", str(tmp_path / "prof"), "--profile-configs",
+            "--peak-configs", "bf16 eager", "--out", str(out)]
+    proc = subprocess.run(args + ["--peak-step", "1"], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())["widths"]["tiny"]["bf16 eager"]
+    assert len(r["step_ms"]) == 3 and r["peak_report"] is None
+    for bad in ("3", "-1"):
+        proc = subprocess.run(args + ["--peak-step", bad], capture_output=True, text=True, env=env, cwd=ROOT,
+                              timeout=600)
+        assert proc.returncode == 2 and "--peak-step" in proc.stderr and "from 0 to --steps - 1 (2)" in proc.stderr
 
 
 def test_headline_profiles_no_configuration_when_profile_configs_names_none(tmp_path):
