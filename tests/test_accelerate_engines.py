@@ -12,12 +12,14 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(__file__), "distributed", "accelerate_engines.py")
 FSDP2 = ("msamp_O3", "msamp_O3_act8", "msamp_O3_act8_ac", "msamp_O3_fp8_comm", "msamp_O3_accumulate", "msamp_O3_ac",
          "torchao", "torchao_act8_ac", "torchao_bf16_states", "torchao_accumulate", "torchao_full_state_bf16_states",
-         "te", "te_delayed", "te_full_state", "te_fp8_weights", "te_fp8_weights_full_state")
+         "te", "te_delayed", "te_full_state", "te_fp8_weights", "te_fp8_weights_full_state",
+         "te_full_state_into_fp8_weights")
 DDP = ("ddp_msamp_O1", "ddp_msamp_O2", "ddp_msamp_O2_act8", "ddp_msamp_O2_fp8_comm", "ddp_torchao", "ddp_torchao_O2",
-       "ddp_torchao_act8", "ddp_te", "ddp_te_fp8_weights")
+       "ddp_torchao_act8", "ddp_te", "ddp_te_fp8_weights", "ddp_te_into_fp8_weights")
 SCENARIOS = FSDP2 + DDP
 # TE's stand-in has no FusedAdam step (TE's is a CUDA kernel)
 NO_STEP = ("te_fp8_weights", "te_fp8_weights_full_state", "ddp_te_fp8_weights")
+STEPS_BEFORE_SAVE = 4  # accelerate_engines.STEPS
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +113,21 @@ def test_a_full_state_checkpoint_of_other_optimizer_states_is_converted(ranks):
     for rank in ranks:
         # the step after the load as the continued run's, but for the two optimizers' own FP32 rounding (1.7e-6)
         assert rank["torchao_full_state_bf16_states"]["converted_step_vs_continued"] < 1e-4
+
+
+@pytest.mark.parametrize("name", ["te_full_state_into_fp8_weights", "ddp_te_into_fp8_weights"])
+def test_a_checkpoint_saved_without_fp8_weights_resumes_with_them(ranks, name):
+    # Adam's form (a step per parameter, no masters) into TE's FusedAdam, whose own load fails on a state named
+    # "step": every trainable parameter has its moments and a master from the loaded weight (not the fresh model's,
+    # which FSDP2's full-state load on two processes kept where the checkpoint had no entry), with a warning; the
+    # groups have the steps taken on every rank (that load gave rank 0 alone its count: the ranks agree after it)
+    for rank in ranks:
+        r = rank[name]
+        assert r["converted_state_keys"] == ["exp_avg", "exp_avg_sq", "master_param"], r
+        assert r["converted_params_without_state"] == 0 and r["converted_masters_off_weights"] == 0, r
+        assert r["converted_weights_as_saved"] and r["converted_group_steps"] == [STEPS_BEFORE_SAVE], r
+        (warning,) = [w for w in r["converted_warnings"] if "no FP32 master weights" in w]
+        assert "restarts" not in warning
 
 
 @pytest.mark.slow

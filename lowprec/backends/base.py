@@ -330,10 +330,10 @@ class Backend(LayerExecution, ABC):
         """Before `Accelerator.save_state` writes a whole state dict (torch.save, safetensors; not DCP's shards): make
         this backend's tensor types among the entries under `prefix` plain, in place, so the file loads without it."""
 
-    def complete_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Before `Accelerator.save_state` / `load_state` make `optimizer`'s state dict: give each parameter the state
-        its first step would where this backend left some without it. DCP's optimizer state dict (torch's
-        `get_optimizer_state_dict`) makes the state only of an optimizer that holds none at all."""
+    def complete_optimizer_state(self, optimizer: torch.optim.Optimizer, loading: bool = False) -> None:
+        """Before `Accelerator.save_state` / `load_state` (`loading`) make `optimizer`'s state dict: give each parameter
+        the state its first step would where this backend left some without it (DCP's `get_optimizer_state_dict` makes
+        it only for an optimizer holding none), and before a load mark what the load must replace (te's masters)."""
 
     def portable_state_dict(self, state_dict: dict) -> dict:
         """The state dict as the original (unconverted) model would have it."""

@@ -26,6 +26,7 @@ from ..kernels.adam import SCALED, AdamItem, bucket_key, count_present_steps, fu
 from ..kernels.rounding import ROUNDED_DTYPES, rounding_generator, rounding_seed, stochastic_round
 from ..kernels.scaling import compute_scale, format_max, tensor_amax
 from ..utils.tensors import local_data
+from .fused_adam_form import per_parameter_steps, write_masters
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 _NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -301,11 +302,13 @@ class LowBitAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint of this optimizer, of a LowBitAdamW with other state dtypes (lowprec's O1 and O2,
-        optimizer_states='fp8'), or of torch's Adam/AdamW. The states keep this optimizer's dtypes: a saved
+        optimizer_states='fp8'), of torch's Adam/AdamW, or of TE's FusedAdam (te's fp8_weights: its FP32 masters are
+        written into the parameters, `fused_adam_form`). The states keep this optimizer's dtypes: a saved
         moment is dequantised with its own scale and requantised into them (E4M3 <-> FP32 moves no value by
         more than E4M3's rounding), rather than keeping the checkpoint's precision behind the plan's back."""
         # torch casts floating-point states to the parameter's dtype on load: an FP32 moment or a
         # scale of 2**35 would become FP16 (inf). Take the saved tensors as they are instead.
+        state_dict, masters = per_parameter_steps(state_dict)  # TE FusedAdam's (te's fp8_weights)
         own = [{key: group[key] for key in _OWN_KEYS if key in group} for group in self.param_groups]
         # Checked before anything changes: torch's load replaces the groups and states first, and an SGD
         # checkpoint refused after it left SGD's groups behind (the next step failed on 'step')
@@ -340,6 +343,7 @@ class LowBitAdamW(torch.optim.Optimizer):
                     state[key], state[f"{key}_scale"] = stored, scale
                 else:
                     state[key], state[f"{key}_scale"] = _encode(_decode(stored, scale), target, scale)
+        write_masters(self.param_groups, state_dict["param_groups"], masters)
 
     def state_bytes(self) -> int:
         """Bytes held by optimizer states (moments and their scales)."""

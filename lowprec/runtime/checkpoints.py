@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import strip_backend_entries
+from ..optim.fused_adam_form import per_parameter_steps, write_masters
 from ..optim.low_bit_adam import plain_adam_state_dict
 from ..planning.plan import PrecisionPlan
 from .notices import warn_once
@@ -73,5 +74,12 @@ class ForeignBackendEntries:
 
 
 def from_low_bit_states(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """A load_state_dict pre-hook on an optimizer that keeps FP32 moments (see its use in prepare())."""
-    return plain_adam_state_dict(state_dict)
+    """A load_state_dict pre-hook on an optimizer that keeps FP32 moments (see its use in prepare()); one without
+    master weights (torch's Adam/AdamW) takes a TE FusedAdam checkpoint (te's fp8_weights) too, its FP32 masters
+    written into the parameters (`fused_adam_form`)."""
+    state_dict = plain_adam_state_dict(state_dict)
+    if getattr(optimizer, "master_weights", False):  # TE's FusedAdam: its own form (te's hook converts Adam's)
+        return state_dict
+    state_dict, masters = per_parameter_steps(state_dict)
+    write_masters(optimizer.param_groups, state_dict["param_groups"], masters)
+    return state_dict

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 
 from torch import nn
 
@@ -134,10 +135,10 @@ class CheckedCheckpoints:
     step), so that a checkpoint made before the first step holds every parameter's state and a load's template asks
     for all of it."""
 
-    def _complete_optimizer_states(self) -> None:
+    def _complete_optimizer_states(self, loading: bool = False) -> None:
         for _, backend, _ in getattr(self, "_lowprec", []):
             for optimizer in getattr(self, "_optimizers", []):
-                backend.complete_optimizer_state(getattr(optimizer, "optimizer", optimizer))
+                backend.complete_optimizer_state(getattr(optimizer, "optimizer", optimizer), loading)
 
     def _sharded(self) -> bool:
         """Whether save_state / load_state go through DCP's shards (FSDP2 with SHARDED_STATE_DICT)."""
@@ -167,9 +168,44 @@ class CheckedCheckpoints:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
+        self._complete_optimizer_states(loading=True)
+        try:
+            result = self._load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        except BaseException:
+            # a refused or failed load too: what the backends marked for the load to replace (te's masters) is made
+            # whole again from the model as it is, without the notices of a load that happened
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._after_load_state()
+            raise
+        self._agree_group_steps()
+        self._after_load_state()
+        return result
+
+    def _agree_group_steps(self) -> None:
+        """Step counts kept per parameter group (TE's FusedAdam) the highest any rank loaded, on every rank. FSDP2's
+        full-state load on several processes keeps only the entries the optimizer's own state dict has: a checkpoint
+        of Adam's form (a step per parameter) gave rank 0, which read the file, its count and the others none."""
         import torch
 
-        self._complete_optimizer_states()
+        if not torch.distributed.is_initialized():
+            return
+        for optimizer in getattr(self, "_optimizers", []):
+            groups = [g for g in getattr(optimizer, "optimizer", optimizer).param_groups if "step" in g]
+            if not groups or any(isinstance(g["step"], torch.Tensor) for g in groups):
+                continue  # counts in Python only (lowprec builds FusedAdam with capturable=False)
+            steps = torch.tensor([float(g["step"]) for g in groups], device=self.device)
+            torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MAX)
+            for group, step in zip(groups, steps.tolist()):
+                group["step"] = int(step)
+
+    def _after_load_state(self) -> None:
+        optimizers = [getattr(o, "optimizer", o) for o in getattr(self, "_optimizers", [])]
+        for inner, backend, _ in getattr(self, "_lowprec", []):
+            backend.after_load_state(inner, optimizers)
+
+    def _load_state(self, input_dir: str | None, load_kwargs: dict | None, **load_model_func_kwargs):
+        import torch
 
         sharded = self._sharded()
         folder = checkpoint_dir(self, input_dir) if sharded else None
@@ -189,8 +225,4 @@ class CheckedCheckpoints:
                         "configuration that saved them (backend, opt_level, optimizer_states): resume with that "
                         "configuration, or save with the FSDP plugin's state_dict_type FULL_STATE_DICT, which loads "
                         "through load_state_dict, where lowprec converts what it can (other optimizer_states)")
-            result = super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)
-        optimizers = [getattr(o, "optimizer", o) for o in getattr(self, "_optimizers", [])]
-        for inner, backend, _ in getattr(self, "_lowprec", []):
-            backend.after_load_state(inner, optimizers)
-        return result
+            return super().load_state(input_dir, load_kwargs=load_kwargs, **load_model_func_kwargs)

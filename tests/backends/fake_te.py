@@ -347,14 +347,38 @@ class FusedAdam(torch.optim.Optimizer):
         held = self.state[param][state_name]
         return getattr(held, "_local_tensor", held).float()
 
+    _STATE_DTYPES = ("exp_avg", "exp_avg_sq", "master_param")  # TE's name_to_dtype_map: no other state names
+
     def set_scaled_state(self, param, state_name, unscaled_state):
-        if not self.state.get(param):
-            raise RuntimeError("set_scaled_state before initialize_state")
-        self.scaled_state[(id(param), state_name)] = unscaled_state.clone()
+        from torch.distributed.tensor import DTensor
+
+        if state_name not in self._STATE_DTYPES:
+            raise KeyError(state_name)  # TE's lookup of the state's dtype
+        assert unscaled_state.dtype == torch.float32  # TE's assertion
         held = self.state[param].get(state_name)
-        if held is not None:
-            getattr(held, "_local_tensor", held).copy_(unscaled_state)
+        if held is None:  # TE's _initialize_state: a new state of the parameter's (local) shape
+            local = param._local_tensor if isinstance(param, DTensor) else param
+            held = torch.empty(local.shape, dtype=torch.float32)
+            self.state[param][state_name] = held if not isinstance(param, DTensor) else DTensor.from_local(
+                held, device_mesh=param.device_mesh, placements=param.placements, shape=param.size(),
+                stride=param.stride())
+        getattr(held, "_local_tensor", held).copy_(unscaled_state)
         self.scaled_state[(id(param), state_name)] = unscaled_state.clone()
+
+    def load_state_dict(self, state_dict):
+        # TE's: torch's load, then each saved state made again by name (set_scaled_state of its FP32 value), so a
+        # state TE has no dtype for (Adam's per-parameter "step") is a KeyError, as in TE
+        from torch.distributed.tensor import DTensor
+
+        super().load_state_dict(state_dict)
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for pid, p in zip(ids, params):
+            if pid in state_dict["state"]:
+                self.state[p] = {}
+                for name, value in state_dict["state"][pid].items():
+                    value = value._local_tensor if isinstance(value, DTensor) else value
+                    self.set_scaled_state(p, name, value.float())
 
 
 # TE's classes live in TE's modules: lowprec recognises TE modules by that, and pickle finds classes by it.

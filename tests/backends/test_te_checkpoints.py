@@ -119,3 +119,68 @@ def test_after_a_load_fp8_weights_are_written_from_their_masters(fake_te, fp8_we
         assert torch.equal(weight.dequantize(torch.float32), weight_before)
     assert torch.equal(bias.detach(), bias_before)  # a plain parameter is its own master's step
 
+
+
+@pytest.mark.parametrize("source", ["AdamW", "LowBitAdamW O2"])
+def test_an_adam_checkpoint_resumes_fp8_weights(fake_te, source):
+    # a run saved without fp8_weights (Adam's form: a step per parameter, no masters; LowBitAdamW's moments scaled)
+    # resumed with it: TE's FusedAdam would fail on the state named "step" (a KeyError from its load, as TE's
+    # stand-in raises it); its steps become the groups', its moments FP32 values, and after the load each parameter
+    # without a master gets one from its weight, with a warning. TE's load makes its states from the dict it is given,
+    # not from a hook's result: the stand-in does too.
+    import copy
+
+    from test_te import fp8_weights_setup
+
+    from lowprec.optim import LowBitAdamW
+    from lowprec.optim.low_bit_adam import plain_adam_state_dict
+    from lowprec.runtime.checkpoints import from_low_bit_states
+
+    backend, model, plan = fp8_weights_setup()
+    before = (torch.optim.AdamW(model.parameters(), lr=1e-2) if source == "AdamW" else
+              LowBitAdamW(model.parameters(), lr=1e-2, exp_avg_dtype="e4m3", exp_avg_sq_dtype="fp16", fused=False))
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        before.step()
+    saved = copy.deepcopy(before.state_dict())
+    expected = plain_adam_state_dict(copy.deepcopy(saved))["state"]  # FP32 moments
+    new = backend.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), plan)
+    new.register_load_state_dict_pre_hook(from_low_bit_states)  # as prepare() does
+    new.load_state_dict(copy.deepcopy(saved))
+    assert [g["step"] for g in new.param_groups] == [3]
+    params = list(model.parameters())
+    for i, p in enumerate(params):
+        assert set(new.state[p]) == {"exp_avg", "exp_avg_sq"}
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(new.state[p][key], expected[i][key].float())
+    with pytest.warns(UserWarning, match="no FP32 master weights .* 4 masters start from the weights"):
+        backend.after_load_state(model, [new])
+    for p in params:
+        assert torch.equal(new.state[p]["master_param"], p.detach().float())
+    # TE's FusedAdam alone, without lowprec's conversion: the failure it replaces
+    plain = fake.FusedAdam(model.parameters(), master_weights=True)
+    with pytest.raises(KeyError, match="step"):
+        plain.load_state_dict(copy.deepcopy(saved))
+
+
+def test_before_a_load_masters_are_marked_and_those_it_kept_are_seeded_from_the_weights(fake_te):
+    # a load that keeps what it has no entry for (FSDP2's full state dict on several processes) left the masters of
+    # the model before the load, which FusedAdam's next step would have written into the FP8 weights: they are NaN
+    # until the load replaces them, and after it those still NaN come from the loaded weights
+    from lowprec.backends.te.optimizer import complete_fused_adam_state, seed_missing_masters
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(0))]
+    optimizer = fake.FusedAdam(params, master_weights=True)
+    complete_fused_adam_state(optimizer)  # a save: the masters are the weights
+    assert all(torch.equal(optimizer.state[p]["master_param"], p.detach()) for p in params)
+    complete_fused_adam_state(optimizer, loading=True)
+    assert all(optimizer.state[p]["master_param"].isnan().all() for p in params)
+    loaded = torch.full((4, 4), 7.0)
+    optimizer.state[params[0]]["master_param"].copy_(loaded)  # the load gave this one
+    with torch.no_grad():
+        params[1].add_(1.0)  # the loaded weight
+    assert seed_missing_masters(optimizer) == 1  # the empty shard has nothing to seed
+    assert torch.equal(optimizer.state[params[0]]["master_param"], loaded)
+    assert torch.equal(optimizer.state[params[1]]["master_param"], params[1].detach())

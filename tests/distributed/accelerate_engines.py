@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,11 @@ SCENARIOS = {
     "te_full_state": dict(backend="te", recipe="current", run=dict(plugin=dict(state_dict_type="FULL_STATE_DICT"))),
     "te_fp8_weights_full_state": dict(backend="te", recipe="current", fp8_weights=True, run=dict(plugin=dict(
         state_dict_type="FULL_STATE_DICT"))),
+    # a run saved without fp8_weights resumed with it (Adam's checkpoint into TE's FusedAdam: fused_adam_form)
+    "te_full_state_into_fp8_weights": dict(backend="te", recipe="current", run=dict(
+        plugin=dict(state_dict_type="FULL_STATE_DICT"), convert_into=dict(
+            backend="te", recipe="current", fp8_weights=True,
+            run=dict(plugin=dict(state_dict_type="FULL_STATE_DICT"))))),
     "torchao_full_state_bf16_states": dict(
         backend="torchao", recipe="tensorwise", optimizer_states="bf16", run=dict(
             plugin=dict(state_dict_type="FULL_STATE_DICT"), convert_into=dict(
@@ -72,6 +78,8 @@ SCENARIOS = {
     "ddp_torchao_O2": dict(backend="torchao", recipe="tensorwise", opt_level="O2", run=dict(engine="ddp")),
     "ddp_te": dict(backend="te", recipe="current", run=dict(engine="ddp", accumulate=2, clip=1.0, scheduler=True)),
     "ddp_te_fp8_weights": dict(backend="te", recipe="current", fp8_weights=True, run=dict(engine="ddp")),
+    "ddp_te_into_fp8_weights": dict(backend="te", recipe="current", run=dict(engine="ddp", convert_into=dict(
+        backend="te", recipe="current", fp8_weights=True, run=dict(engine="ddp")))),
     "ddp_torchao_act8": dict(backend="torchao", recipe="tensorwise", activation_dtype="fp8", run=dict(engine="ddp")),
     "ddp_msamp_O2_act8": dict(backend="msamp", opt_level="O2", activation_dtype="fp8", run=dict(engine="ddp")),
 }
@@ -220,6 +228,7 @@ def checkpoint_round(knobs: dict, accelerator, model, optimizer) -> dict:
         dist.broadcast_object_list(path, src=0)  # one folder for both ranks (the same host)
         checkpoint = os.path.join(path[0], "ckpt")
         accelerator.save_state(checkpoint)
+        saved_weights = [weight_sample(p).sum().item() for p in model.parameters()]
         record["continued"] = train(accelerator, model, optimizer, 1)
         after_one = [weight_sample(p).sum().item() for p in model.parameters()]
         record["continued"] += train(accelerator, model, optimizer, 1)
@@ -247,7 +256,25 @@ def checkpoint_round(knobs: dict, accelerator, model, optimizer) -> dict:
         other = knobs.get("run", {}).get("convert_into")
         if other is not None:  # a full state dict loads through load_state_dict, where lowprec converts
             accelerator4, model4, optimizer4 = prepared(other)
-            accelerator4.load_state(checkpoint)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                accelerator4.load_state(checkpoint)
+            record["converted_warnings"] = [str(w.message) for w in caught if "lowprec" in str(w.message)]
+            if other.get("fp8_weights") and not ON_GPU:  # TE's stand-in: no FusedAdam step, what the load made
+                inner = optimizer4.optimizer
+                record["converted_state_keys"] = sorted({k for state in inner.state.values() for k in state})
+                record["converted_params_without_state"] = sum(not inner.state.get(p) for g in inner.param_groups
+                                                               for p in g["params"] if p.requires_grad)
+                record["converted_group_steps"] = [g.get("step") for g in inner.param_groups]
+                # each master the loaded weight, not the fresh model's (what the load kept where it had no entry)
+                record["converted_masters_off_weights"] = sum(
+                    not torch.equal(getattr(m, "_local_tensor", m), getattr(p, "_local_tensor", p).detach().float())
+                    for g in inner.param_groups for p in g["params"]
+                    if (m := inner.state.get(p, {}).get("master_param")) is not None)
+                record["converted_weights_as_saved"] = [weight_sample(p).sum().item()
+                                                        for p in model4.parameters()] == saved_weights
+                dist.barrier()
+                return record
             train(accelerator4, model4, optimizer4, 1)
             # BF16 moments into FP32 ones exactly: the first step after the load is the continued run's but for the
             # two optimizers' own FP32 rounding

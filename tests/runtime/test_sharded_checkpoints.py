@@ -68,7 +68,8 @@ def test_each_backend_completes_the_optimizers_state_before_save_state_and_load_
     from lowprec.backends.base import Backend
 
     calls = []
-    monkeypatch.setattr(Backend, "complete_optimizer_state", lambda self, optimizer: calls.append(optimizer))
+    monkeypatch.setattr(Backend, "complete_optimizer_state",
+                        lambda self, optimizer, loading=False: calls.append((optimizer, loading)))
     saved = []
     plain_save = PlainAccelerator.save_state
     monkeypatch.setattr(PlainAccelerator, "save_state",
@@ -79,9 +80,9 @@ def test_each_backend_completes_the_optimizers_state_before_save_state_and_load_
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
     inner = optimizer.optimizer
     accelerator.save_state(str(tmp_path / "c"))
-    assert calls == [inner] and saved == [1]  # before Accelerate's own save
+    assert calls == [(inner, False)] and saved == [1]  # before Accelerate's own save
     accelerator.load_state(str(tmp_path / "c"))
-    assert calls == [inner, inner]
+    assert calls == [(inner, False), (inner, True)]  # a load: what it must replace marked (te's masters)
 
 
 def test_whole_state_dict_saves_make_backend_tensors_plain_and_loads_refresh_from_the_optimizers(
@@ -108,3 +109,37 @@ def test_whole_state_dict_saves_make_backend_tensors_plain_and_loads_refresh_fro
     assert len(made_plain) == 1  # the hook is gone after the save
     accelerator.load_state(str(tmp_path / "c"))
     assert refreshed == [(accelerator.unwrap_model(model), [optimizer.optimizer])]
+
+
+def test_a_failed_load_still_makes_the_backends_whole_again(fresh_accelerate_state, monkeypatch, tmp_path):
+    # before a load te marks its masters for the load to replace (NaN); a load that fails or is refused must not leave
+    # them so: each backend's after_load_state runs then too, its notices silenced (nothing loaded)
+    import warnings
+
+    from accelerate import Accelerator as PlainAccelerator
+
+    from lowprec import Accelerator, FP8RecipeKwargs
+    from lowprec.backends.base import Backend
+
+    refreshed = []
+
+    def after(self, model, optimizers=()):
+        refreshed.append(model)
+        warnings.warn("lowprec: a notice of a load that happened", stacklevel=2)
+
+    monkeypatch.setattr(Backend, "after_load_state", after)
+    monkeypatch.setattr(PlainAccelerator, "load_state", lambda self, *a, **k: (_ for _ in ()).throw(OSError("disk")))
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(
+        backend="msamp", opt_level="O2", emulate=True, skip_slow_shapes=False, skip_first_last=False)], cpu=True)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            accelerator.load_state(str(tmp_path / "c"))
+        except OSError as exc:
+            assert str(exc) == "disk"
+        else:
+            raise AssertionError("the load's error was swallowed")
+    assert refreshed == [accelerator.unwrap_model(model)]
+    assert not [w for w in caught if "a load that happened" in str(w.message)]

@@ -22,11 +22,12 @@ from . import first_scales
 from .fsdp import FP8_WEIGHT_DTYPE, TECommunication, fp8_weights_problem
 from .optimizer import (
     TEOptimizerPrecision,
+    after_fused_adam_load,
     check_fused_adam_source,
     complete_fused_adam_state,
+    from_adam_form,
     fused_adam_state_dtypes,
     moments_problem,
-    requantize_from_masters,
 )
 from .storage import TEWeightStorage
 
@@ -275,6 +276,7 @@ class TEBackend(Backend):
             adam_w_mode=bool(decoupled), master_weights=True, master_weight_dtype=torch.float32,
             **fused_adam_state_dtypes(self.optimizer_states),
         )
+        new.register_load_state_dict_pre_hook(from_adam_form)  # a checkpoint saved without fp8_weights loads
         seeded = 0
         if self.gathers_fp8_weights:
             # Under FSDP2 the masters are seeded from the shards once Accelerate has sharded the weights
@@ -299,9 +301,9 @@ class TEBackend(Backend):
                  seeded)
         return new
 
-    def complete_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+    def complete_optimizer_state(self, optimizer: torch.optim.Optimizer, loading: bool = False) -> None:
         if self.recipe.fp8_weights and isinstance(optimizer, self._te().optimizers.FusedAdam):
-            complete_fused_adam_state(optimizer)
+            complete_fused_adam_state(optimizer, loading)
 
     def plain_checkpoint_entries(self, state_dict: dict, prefix: str) -> None:
         if self.recipe.fp8_weights:
@@ -313,7 +315,7 @@ class TEBackend(Backend):
         if self.recipe.fp8_weights:
             for optimizer in optimizers:
                 if isinstance(optimizer, self._te().optimizers.FusedAdam):
-                    requantize_from_masters(optimizer)
+                    after_fused_adam_load(optimizer)
 
     @classmethod
     def strip_state_dict(cls, state_dict: dict) -> dict:

@@ -9,6 +9,7 @@ step's kernel and scaled back after it, so a step holds FP32 moments of a parame
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,14 +63,17 @@ def moments_problem(recipe_name: str, states: str | None) -> str | None:
     return None
 
 
-def complete_fused_adam_state(optimizer: torch.optim.Optimizer) -> None:
+def complete_fused_adam_state(optimizer: torch.optim.Optimizer, loading: bool = False) -> None:
     """Give each trainable parameter of TE's FusedAdam without state the state its first step would make (its
     `initialize_state`, as `step` calls it), and each group its step count.
     With fp8_weights the FP8 weights' masters are seeded at prepare(), before any step, so the optimizer holds some
     state and DCP's `get_optimizer_state_dict`, which makes state (by a step at learning rate 0) only where there is
     none at all, would save and load the FP8 weights' alone: Accelerate's FSDP2 load_state then failed with "Missing
     optimizer state for parameter 'model.embed_tokens.weight'" (one H200, 128d7a2). A load fills only the entries
-    its template has, so the groups' "step" too, or a resumed run would restart Adam's bias correction."""
+    its template has, so the groups' "step" too, or a resumed run would restart Adam's bias correction. `loading`:
+    each master is marked for the load to replace (below)."""
+    from torch.distributed.tensor import DTensor
+
     for group in optimizer.param_groups:
         if "step" not in group:
             # FusedAdam (lowprec builds it with capturable=False: an int count) adds 1 to it as it starts from 1
@@ -79,6 +83,13 @@ def complete_fused_adam_state(optimizer: torch.optim.Optimizer) -> None:
             if p.requires_grad and not optimizer.state.get(p):
                 remainders = bool(getattr(optimizer, "store_param_remainders", False)) and p.dtype == torch.bfloat16
                 optimizer.initialize_state(p, store_param_remainders=remainders)
+            master = optimizer.state.get(p, {}).get("master_param")
+            if loading and master is not None and master.is_floating_point():
+                # NaN until the load replaces it: a load that keeps what it has no entry for (FSDP2's full state dict
+                # on several processes, from a checkpoint saved without fp8_weights) would otherwise leave the
+                # masters of the model before the load, which the next step writes into the FP8 weights;
+                # `seed_missing_masters` seeds what stayed NaN from the loaded weights
+                (master.to_local() if isinstance(master, DTensor) else master).fill_(float("nan"))
 
 
 def requantize_from_masters(optimizer: torch.optim.Optimizer) -> None:
@@ -98,6 +109,66 @@ def requantize_from_masters(optimizer: torch.optim.Optimizer) -> None:
             if is_te_tensor(local) and "master_param" in optimizer.state.get(p, {}):
                 with torch.no_grad():
                     local.quantize_(optimizer.get_unscaled_state(p, "master_param"))
+
+
+def from_adam_form(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """FusedAdam's load_state_dict pre-hook: a checkpoint of Adam's form (saved without fp8_weights) with its moments
+    in FP32 (LowBitAdamW's dequantised with their scales) and its steps made the groups' (`optim.fused_adam_form`);
+    the masters it lacks are seeded after the load (`seed_missing_masters`)."""
+    from ...optim.fused_adam_form import per_group_steps
+    from ...optim.low_bit_adam import plain_adam_state_dict
+
+    converted = per_group_steps(plain_adam_state_dict(state_dict))
+    if converted is not state_dict:
+        # TE's load_state_dict makes each state again from the dict it was given, not from a hook's result (torch's
+        # part of the load takes that): the states go into the given dict's, entry by entry
+        state_dict["state"].clear()
+        state_dict["state"].update(converted["state"])
+    return converted
+
+
+def seed_missing_masters(optimizer: torch.optim.Optimizer) -> int:
+    """After a load: give each parameter of TE's FusedAdam(master_weights=True) that has state but no FP32 master one
+    from its weight (an FP8-only weight's dequantised value), as `initialize_state` does; returns how many. A checkpoint
+    of Adam's form (saved without fp8_weights) holds moments and no masters, and FusedAdam's step reads one for every
+    parameter."""
+    from torch.distributed.tensor import DTensor
+
+    from .modules import is_te_tensor
+
+    seeded = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            master = state.get("master_param")
+            master = master.to_local() if isinstance(master, DTensor) else master
+            # a master the load gave stays; one all NaN was marked before the load (complete_fused_adam_state) and
+            # kept by it; an empty shard has nothing to seed
+            if master is not None and (master.numel() == 0 or not master.is_floating_point()
+                                       or not master.isnan().all()):
+                continue
+            local = p.to_local() if isinstance(p, DTensor) else p
+            value = local.dequantize(dtype=torch.float32) if is_te_tensor(local) else local.detach().float()
+            optimizer.set_scaled_state(p, "master_param", value.clone())
+            seeded += 1
+    return seeded
+
+
+def after_fused_adam_load(optimizer: torch.optim.Optimizer) -> None:
+    """After a load into TE's FusedAdam (fp8_weights): masters for the parameters the checkpoint had none for (one of
+    Adam's form), with a warning, then every FP8-only weight written from its master."""
+    seeded = seed_missing_masters(optimizer)
+    if seeded:
+        # FSDP2's full-state load on several processes keeps only the entries FusedAdam's own state dict has: Adam's
+        # per-parameter steps are dropped before any hook sees them
+        restart = any(not group.get("step") for group in optimizer.param_groups)
+        warnings.warn(f"lowprec: the optimizer checkpoint had no FP32 master weights (saved without fp8_weights): "
+                      f"{seeded} masters start from the weights as loaded, the FP8 ones rounded to FP8"
+                      + ("; Adam's step count did not load (FSDP2's full state dict keeps no per-parameter step), "
+                         "its bias correction restarts" if restart else ""), stacklevel=4)
+    requantize_from_masters(optimizer)
 
 
 class TEOptimizerPrecision(OptimizerPrecision):
