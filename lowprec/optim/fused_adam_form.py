@@ -36,8 +36,9 @@ def per_parameter_steps(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dic
     the groups' dropped, and the FP32 masters taken out: (state dict, {saved parameter id: master}). A state dict in
     Adam's form is returned as it is, with no masters."""
     states = state_dict.get("state", {})
-    fused = [s for s in states.values() if isinstance(s, dict) and "step" not in s]
-    if not fused or any(isinstance(s, dict) and "step" in s for s in states.values()):
+    # FusedAdam's: its groups count the steps and no parameter does (another optimizer's is left to be refused)
+    if (not states or not any("step" in g for g in state_dict.get("param_groups", []))
+            or any(isinstance(s, dict) and "step" in s for s in states.values())):
         return state_dict, {}
     masters, new_states, groups = {}, {}, []
     for group in state_dict["param_groups"]:

@@ -103,3 +103,14 @@ def test_an_adam_checkpoint_without_steps_is_still_refused_by_lowbitadamw():
            "param_groups": [{**new.param_groups[0], "params": [0, 1, 2]}]}
     with warnings.catch_warnings(), pytest.raises(ValueError, match="nothing was loaded"):
         new.load_state_dict(bad)
+
+
+def test_only_fused_adams_form_is_taken_for_it():
+    # groups that count steps and parameters that do not: another optimizer's state (SGD's momentum) is left as it
+    # is, for the loading optimizer to refuse
+    sgd = {"state": {0: {"momentum_buffer": torch.zeros(2)}}, "param_groups": [{"params": [0], "lr": 0.1}]}
+    assert per_parameter_steps(sgd) == (sgd, {})
+    fused = {"state": {0: {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2), "master_param": torch.ones(2)}},
+             "param_groups": [{"params": [0], "lr": 0.1, "step": 5}]}
+    converted, masters = per_parameter_steps(fused)
+    assert converted["state"][0]["step"].item() == 5 and torch.equal(masters[0], torch.ones(2))
