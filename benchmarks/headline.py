@@ -38,9 +38,10 @@ torch.profiler after the timed ones: DIR/WIDTH_LABEL.prof.txt (top kernels by de
 `profile` (kernel time per step by category, widths.py's `profile_steps`), and for one step more
 DIR/WIDTH_LABEL.sites.txt: the operators that launched the kernels, by input shapes and by Python call site
 (call_sites.py). `--peak-configs` traces one more step's allocations (`--peak-step N`: the run's step N instead, such
-as msamp's switch to its delayed-scaling graph at step 16, which reached msamp O2 act8's peak at 20e0603):
+as msamp's switch to its delayed-scaling graph at step 16, the only step that can have reached msamp O2 act8's
+pre-timing peak at 20e0603: step 0 holds no optimizer state, the warm-up graph's steps peaked lower at 2a04d10):
 DIR/WIDTH_LABEL.peak.txt lists what is live at that step's peak by allocating line (peak_memory.py). `step_peaks_gib`
-has each step's peak.
+has each step's peak (the run's, then any profiled or traced one after them).
 `--summarize OUT.json` prints the table again. "... act8" configurations add activation_dtype="fp8" (a compiled
 model's graphs encode what they save inside them, the default); "... act8 hooks" ones encode through Python hooks
 after each graph instead (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0 while they run).
