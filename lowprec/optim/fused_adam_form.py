@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from ..utils.tensors import local_shard
 
 
 def per_group_steps(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -66,7 +67,6 @@ def write_masters(param_groups: list[dict], saved_groups: list[dict], masters: d
         return 0  # another model's checkpoint: torch's load refuses its moments by shape
     with torch.no_grad():
         for p, master in pairs:
-            target = p.to_local() if isinstance(p, DTensor) else p
-            value = master.to_local() if isinstance(master, DTensor) else master
-            target.copy_(value.to(target.device))
+            target = local_shard(p)
+            target.copy_(local_shard(master).to(target.device))
     return len(pairs)

@@ -77,9 +77,8 @@ def from_low_bit_states(optimizer: torch.optim.Optimizer, state_dict: dict) -> d
     """A load_state_dict pre-hook on an optimizer that keeps FP32 moments (see its use in prepare()); one without
     master weights (torch's Adam/AdamW) takes a TE FusedAdam checkpoint (te's fp8_weights) too, its FP32 masters
     written into the parameters (`fused_adam_form`)."""
-    state_dict = plain_adam_state_dict(state_dict)
-    if getattr(optimizer, "master_weights", False):  # TE's FusedAdam: its own form (te's hook converts Adam's)
+    if getattr(optimizer, "master_weights", False):  # TE's FusedAdam: te's own pre-hook converts (from_adam_form)
         return state_dict
-    state_dict, masters = per_parameter_steps(state_dict)
+    state_dict, masters = per_parameter_steps(plain_adam_state_dict(state_dict))
     write_masters(optimizer.param_groups, state_dict["param_groups"], masters)
     return state_dict

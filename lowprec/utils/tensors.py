@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
+
+
+def local_shard(t):
+    """`t`'s local shard where it is a DTensor (FSDP2), else `t` itself; unlike `local_data`, a wrapper subclass in
+    it (TE's Float8Tensor, a master's FP32 DTensor) stays as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def local_data(t: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ...utils.imports import require
+from ...utils.tensors import local_shard
 from .first_scales import SeedsFirstScales
 from .guard import guard_input, guard_output_grad
 
@@ -293,7 +294,7 @@ def dequantize_entries(state_dict: dict[str, Any], prefix: str) -> None:
     for key, value in state_dict.items():
         if not key.startswith(prefix):
             continue
-        local = value.to_local() if isinstance(value, DTensor) else value
+        local = local_shard(value)
         if not is_te_tensor(local):
             continue
         plain = local.dequantize()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...utils.tensors import local_shard
 from ..parts import OptimizerPrecision
 
 if TYPE_CHECKING:
@@ -72,8 +73,6 @@ def complete_fused_adam_state(optimizer: torch.optim.Optimizer, loading: bool = 
     optimizer state for parameter 'model.embed_tokens.weight'" (one H200, 128d7a2). A load fills only the entries
     its template has, so the groups' "step" too, or a resumed run would restart Adam's bias correction. `loading`:
     each master is marked for the load to replace (below)."""
-    from torch.distributed.tensor import DTensor
-
     for group in optimizer.param_groups:
         if "step" not in group:
             # FusedAdam (lowprec builds it with capturable=False: an int count) adds 1 to it as it starts from 1
@@ -89,7 +88,7 @@ def complete_fused_adam_state(optimizer: torch.optim.Optimizer, loading: bool = 
                 # on several processes, from a checkpoint saved without fp8_weights) would otherwise leave the
                 # masters of the model before the load, which the next step writes into the FP8 weights;
                 # `seed_missing_masters` seeds what stayed NaN from the loaded weights
-                (master.to_local() if isinstance(master, DTensor) else master).fill_(float("nan"))
+                local_shard(master).fill_(float("nan"))
 
 
 def requantize_from_masters(optimizer: torch.optim.Optimizer) -> None:
@@ -97,15 +96,13 @@ def requantize_from_masters(optimizer: torch.optim.Optimizer) -> None:
     each update (`quantize_` of the local shard). After a load the masters are what the run continues from: a
     checkpoint written whole holds the weights dequantised (`modules.dequantize_entries`), which the load quantises
     again with scales of its own, not necessarily the bytes the step wrote."""
-    from torch.distributed.tensor import DTensor
-
     from .modules import is_te_tensor
 
     if not getattr(optimizer, "master_weights", False):
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            local = p.to_local() if isinstance(p, DTensor) else p
+            local = local_shard(p)
             if is_te_tensor(local) and "master_param" in optimizer.state.get(p, {}):
                 with torch.no_grad():
                     local.quantize_(optimizer.get_unscaled_state(p, "master_param"))
@@ -132,8 +129,6 @@ def seed_missing_masters(optimizer: torch.optim.Optimizer) -> int:
     from its weight (an FP8-only weight's dequantised value), as `initialize_state` does; returns how many. A checkpoint
     of Adam's form (saved without fp8_weights) holds moments and no masters, and FusedAdam's step reads one for every
     parameter."""
-    from torch.distributed.tensor import DTensor
-
     from .modules import is_te_tensor
 
     seeded = 0
@@ -142,14 +137,13 @@ def seed_missing_masters(optimizer: torch.optim.Optimizer) -> int:
             state = optimizer.state.get(p)
             if not state:
                 continue
-            master = state.get("master_param")
-            master = master.to_local() if isinstance(master, DTensor) else master
+            master = local_shard(state.get("master_param"))
             # a master the load gave stays; one all NaN was marked before the load (complete_fused_adam_state) and
             # kept by it; an empty shard has nothing to seed
             if master is not None and (master.numel() == 0 or not master.is_floating_point()
                                        or not master.isnan().all()):
                 continue
-            local = p.to_local() if isinstance(p, DTensor) else p
+            local = local_shard(p)
             value = local.dequantize(dtype=torch.float32) if is_te_tensor(local) else local.detach().float()
             optimizer.set_scaled_state(p, "master_param", value.clone())
             seeded += 1
