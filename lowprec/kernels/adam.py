@@ -5,7 +5,7 @@ device) in one launch per pass, with no host synchronisation and no torch op bet
 
 A scaled state (FP16, E4M3, E5M2) needs its new scale before it can be written, and the scale
 depends on the amax of the new state, so the update runs in two passes, as MS-AMP's `adamw.cu`
-does. Pass 1 computes the new moments and writes one amax partial per 2048-element chunk (a
+does. Pass 1 computes the new moments and writes one amax partial per chunk of `CHUNK` elements (a
 single atomic target per tensor serialised the pass: 3.3x slower than torch's fused AdamW on the
 d4096 proxy); a small reduction takes each tensor's max and copies its current scales aside,
 because pass 2 overwrites them. Pass 2 turns each amax into its power-of-two scale (the rule of
@@ -33,7 +33,10 @@ from .scaling import format_max
 
 SCALED = (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 BLOCK = 1024  # elements per loop iteration of a program (2048 measured 1.3-1.5x slower)
-CHUNK = 2048  # elements per program (see scripts/gpu/tune_adam.py)
+# elements per program: 8192 took msamp O2's step over the d4096 proxy's FP8 Linear weights from 8.4 to 6.6 ms
+# (2048: each program's three dependent table loads before its first byte of data; scripts/gpu/adam_o2_step.py,
+# results/gpu/2026-11-29-h200-adam-o2-step)
+CHUNK = 8192
 NUM_WARPS = 8
 _kernels = None
 _chunk_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

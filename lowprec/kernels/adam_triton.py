@@ -81,7 +81,33 @@ def _moments(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, g_inv, m_inv, v_inv, beta1,
     return p, m, v
 
 @triton.jit
-def stochastic_round(x, seed, offs, P_TY: tl.constexpr, P_MAX: tl.constexpr):
+def _mix32(x):
+    # lowbias32 (Wellons' hash prospector): a bijection of 32-bit words whose every output bit depends on every
+    # input bit, in 7 integer ops
+    x = x ^ (x >> 16)
+    x = x * 0x21F0AAAD
+    x = x ^ (x >> 15)
+    x = x * 0x735A2D97
+    return x ^ (x >> 15)
+
+@triton.jit
+def tensor_key(seed):
+    # one tensor's 32-bit key from its 64-bit rounding seed (step, position), both halves mixed in
+    lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    return _mix32(lo ^ _mix32(hi ^ 0x2545F491))
+
+@triton.jit
+def uniform(key, offs):
+    # a uniform number in [0, 1) per element, 24 bits, counter-based: the hash of the element's offset under the
+    # tensor's key (every constant below 2**31: a larger literal would be an int64 in Triton). Philox (tl.rand)
+    # is ~10x the integer work per element. Offsets are taken modulo 2**32: a tensor of more elements repeats
+    # its random numbers past there, each rounding still unbiased.
+    h = _mix32(offs.to(tl.uint32) * 0x7FEB352D + key)
+    return (h >> 8).to(tl.float32) * 5.9604644775390625e-08
+
+@triton.jit
+def stochastic_round(x, key, offs, P_TY: tl.constexpr, P_MAX: tl.constexpr):
     # lowprec.kernels.rounding.stochastic_round: down is x rounded toward zero, up the next value away from
     # zero (its bits + 1: sign and magnitude), up with probability (x - down) / (up - down). Beyond the largest
     # finite value, inf and NaN: to nearest, as the cast is.
@@ -89,7 +115,7 @@ def stochastic_round(x, seed, offs, P_TY: tl.constexpr, P_MAX: tl.constexpr):
     up = (down.to(tl.int16, bitcast=True) + 1).to(P_TY, bitcast=True)
     low = down.to(tl.float32)
     frac = (x - low) / (up.to(tl.float32) - low)
-    rounded = tl.where(tl.rand(seed, offs) < frac, up, down)
+    rounded = tl.where(uniform(key, offs) < frac, up, down)
     return tl.where(tl.abs(x) <= P_MAX, rounded, x.to(P_TY))
 
 @triton.jit
@@ -164,9 +190,9 @@ def update_pass(ptrs, sizes, chunks, valid, scratch, hyper, seeds, lr, beta1, be
     bias2_sqrt = tl.load(hyper + 2 * t + 1)
     row = scratch + 4 * t
     first = (k == 0) & present  # an absent gradient leaves the scales as they were too
-    seed = 0
+    key = 0
     if P_SR:
-        seed = tl.load(seeds + t)
+        key = tensor_key(tl.load(seeds + t))
     g_inv = 1.0
     m_inv = 1.0
     v_inv = 1.0
@@ -194,7 +220,7 @@ def update_pass(ptrs, sizes, chunks, valid, scratch, hyper, seeds, lr, beta1, be
         denom = tl.sqrt(v) / bias2_sqrt + eps
         p = p - step_size * (m / denom)
         if P_SR:
-            tl.store(p_ptr + offs, stochastic_round(p, seed, offs, P_TY, P_MAX), mask=mask)
+            tl.store(p_ptr + offs, stochastic_round(p, key, offs, P_TY, P_MAX), mask=mask)
         else:
             tl.store(p_ptr + offs, p.to(P_TY), mask=mask)
         # saturate like torch.clamp, which keeps a NaN (PTX min/max would replace it by the bound)

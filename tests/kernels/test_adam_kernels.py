@@ -51,3 +51,16 @@ def test_the_kernels_round_a_parameter_stochastically_to_a_neighbour_without_bia
     # the same updates rounded to nearest are all lost; Triton's interpreter casts FP32 to BF16 by truncation
     # (0.999 -> 0.996), the GPU to nearest: BF16's half is checked there (tests/gpu/test_msamp_gpu.py)
     assert not r["nearest_moved"] or dtype == "bfloat16"
+
+
+def test_the_rounding_random_numbers_are_uniform_and_independent_across_steps_and_parameters():
+    # the kernels' counter-based hash, not Philox: what stochastic rounding needs of it, on 2**14 offsets per stream
+    from conftest import run_interpreted
+
+    r = run_interpreted(os.path.join(HERE, "adam_uniform.py"))
+    n, sigma = r["n"], (1 / 12 / r["n"]) ** 0.5
+    assert r["in_range"] and min(r["distinct"]) > 0.99 * n
+    assert all(abs(m - 0.5) < 5 * sigma for m in r["means"]), r["means"]
+    assert all(abs(v - 1 / 12) < 0.004 for v in r["variances"]), r["variances"]
+    assert all(abs(c) < 5 / n**0.5 for c in r["lag1"]), r["lag1"]
+    assert r["max_cross_correlation"] < 6 / n**0.5, r["max_cross_correlation"]
