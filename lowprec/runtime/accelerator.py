@@ -28,6 +28,7 @@ from ..planning.engines import apply_grad_comm_dtype, options_without_effect
 from ..planning.plan import PrecisionPlan
 from .activations import check_activation_dtype, install_activation_storage
 from .checkpoints import ForeignBackendEntries, from_low_bit_states
+from .compile_options import act8_settings, compiling_with
 from .console import print_plan_summary, quiet_requested
 from .export import BACKEND_ATTR
 from .health import FP8HealthMonitor
@@ -85,14 +86,10 @@ class Accelerator(CheckedCheckpoints, _Accelerator):
         self._health: list[FP8HealthMonitor] = []
         # Parameters conversion replaced -> their replacements, for optimizers prepared later.
         self._replaced_params = ReplacedParams()
-        super().__init__(
-            *args,
-            # Outside the FP8 GEMMs, FP8 training is BF16 autocast (as Accelerate's "fp8"); "bf16" also keeps
-            # Accelerate from downgrading to FP16 on older GPUs.
-            mixed_precision="bf16" if recipe is not None else mixed_precision,
-            kwargs_handlers=others or None,
-            **kwargs,
-        )
+        # Outside the FP8 GEMMs, FP8 training is BF16 autocast (as Accelerate's "fp8"); "bf16" also keeps
+        # Accelerate from downgrading to FP16 on older GPUs.
+        super().__init__(*args, mixed_precision="bf16" if recipe is not None else mixed_precision,
+                         kwargs_handlers=others or None, **kwargs)
         self.fp8_enabled = recipe is not None
         split = split_launch_warning(self.num_processes)
         if split is not None:
@@ -227,7 +224,8 @@ class Accelerator(CheckedCheckpoints, _Accelerator):
             backend.before_engine_prepare(args, self)
         self._preparing = True
         try:
-            result = super().prepare(*args, device_placement=device_placement)
+            with compiling_with(self.state.dynamo_plugin, act8_settings(self.fp8_recipe, self.run_context())):
+                result = super().prepare(*args, device_placement=device_placement)
         finally:
             self._preparing = False
             for _, backend, _ in self._lowprec:
@@ -326,7 +324,8 @@ class Accelerator(CheckedCheckpoints, _Accelerator):
             self._refuse_prepared_again([model])
         if getattr(model, _PLAN_ATTR, None) is None:
             model = self._convert(model)
-        prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        with compiling_with(self.state.dynamo_plugin, act8_settings(self.fp8_recipe, self.run_context())):
+            prepared = super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
         self._finalize(prepared)
         return prepared
 

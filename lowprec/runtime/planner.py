@@ -20,6 +20,7 @@ from ..planning.selection import find_blocks, select_modules
 from ..planning.speed import unmeasured_note
 from .activations_fp32 import fp32_policy
 from .activations_in_graph import in_graph_wanted, inlining_supported
+from .compile_options import act8_settings
 from .fp8_copies_recompute import requested as recompute_requested
 from .loss import loss_storage
 
@@ -139,6 +140,11 @@ def build_plan(
     if cache is not None:
         plan.notes.append(cache)
         warnings.warn(f"lowprec: {cache}", stacklevel=4)
+    settings = act8_settings(recipe, context) if in_graph else {}
+    if settings:
+        plan.notes.append(f"compiled with inductor's {', '.join(f'{k}={v}' for k, v in settings.items())}: the FP8 "
+                          "activations' decodes stay in the backward kernels that read them, not stored in FP32 "
+                          "(LOWPREC_ACT8_COMPILE_OPTIONS=0: compiled as the dynamo plugin says)")
     if recompute and not in_graph:
         plan.notes.append("LOWPREC_RECOMPUTE_FP8_COPIES=1 does nothing here: it acts in compiled graphs that store "
                           "their saved tensors in FP8 themselves (activation_dtype='fp8', a compiled model)")
