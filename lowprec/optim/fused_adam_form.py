@@ -70,3 +70,53 @@ def write_masters(param_groups: list[dict], saved_groups: list[dict], masters: d
             target = local_shard(p)
             target.copy_(local_shard(master).to(target.device))
     return len(pairs)
+
+
+def keeps_group_steps(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` counts its steps per group, as TE's FusedAdam: by its type, the same on every rank."""
+    return getattr(optimizer, "master_weights", None) is not None
+
+
+def spread_from_rank0(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """After FSDP2's full-state load on several processes, FusedAdam's entries that reached rank 0 alone, made every
+    rank's in Adam's form; returns (parameters whose step was set, masters written). A collective: every rank calls it.
+
+    Rank 0 alone reads the file, and torch's `set_optimizer_state_dict` gives the others only the entries the
+    optimizer's own state dict has (every rank's too where the file has them): a FusedAdam checkpoint's group steps and
+    FP32 masters reached rank 0 alone, in full, and each parameter's step kept the fresh optimizer's. Into an optimizer
+    of Adam's form each parameter's step becomes its group's and each master is written into the parameter (its
+    shard on each rank: the weights the run was updating, of which the model file holds the FP8 rounding); rank 0's
+    extra entries go. An optimizer that keeps group steps and masters itself (FusedAdam) is left as it is."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if keeps_group_steps(optimizer):
+        return 0, 0
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    info: list = [None]
+    if dist.get_rank() == 0:
+        info = [{"masters": [i for i, p in enumerate(params) if "master_param" in optimizer.state.get(p, {})],
+                 "steps": [None if g.get("step") is None else float(g["step"]) for g in optimizer.param_groups]}]
+    dist.broadcast_object_list(info, src=0)
+    masters, group_steps = info[0]["masters"], info[0]["steps"]
+    stepped = 0
+    for group, step in zip(optimizer.param_groups, group_steps):
+        group.pop("step", None)
+        for p in group["params"] if step is not None else []:
+            state = optimizer.state.get(p)
+            if state is not None and isinstance(state.get("step"), torch.Tensor):
+                state["step"] = torch.full_like(state["step"], step)
+                stepped += 1
+    with torch.no_grad():
+        for i in masters:
+            p = params[i]
+            target = local_shard(p)
+            master = optimizer.state[p].pop("master_param") if dist.get_rank() == 0 else None
+            full = (master.to(target.device, torch.float32) if master is not None
+                    else torch.empty(p.shape, dtype=torch.float32, device=target.device))
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0).to_local()
+            else:
+                dist.broadcast(full, src=0)
+            target.copy_(full)
+    return stepped, len(masters)

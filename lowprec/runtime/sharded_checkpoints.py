@@ -22,6 +22,8 @@ import warnings
 
 from torch import nn
 
+from ..optim.fused_adam_form import keeps_group_steps, spread_from_rank0
+
 EXTRA_STATE = "_extra_state"
 FSDP_MODEL_DIR = "pytorch_model_fsdp_{index}"  # Accelerate's FSDP_MODEL_NAME with the model's index
 
@@ -178,26 +180,45 @@ class CheckedCheckpoints:
                 warnings.simplefilter("ignore")
                 self._after_load_state()
             raise
+        self._spread_rank0_entries()
         self._agree_group_steps()
         self._after_load_state()
         return result
 
+    def _spread_rank0_entries(self) -> None:
+        """After FSDP2's full-state load on several processes, what rank 0 alone got of a FusedAdam checkpoint
+        loaded into Adam's form (its group steps, its masters) made every rank's (`fused_adam_form.spread_from_rank0`):
+        left there, the step count restarted, the weights were the model file's FP8 rounding of the masters, and the
+        ranks disagreed on which groups count steps (the group-step agreement below waited for ever)."""
+        import torch
+
+        if (not torch.distributed.is_initialized() or not getattr(self, "is_fsdp2", False) or self._sharded()
+                or torch.distributed.get_world_size() == 1):
+            return
+        for optimizer in getattr(self, "_optimizers", []):
+            spread_from_rank0(getattr(optimizer, "optimizer", optimizer))
+
     def _agree_group_steps(self) -> None:
         """Step counts kept per parameter group (TE's FusedAdam) the highest any rank loaded, on every rank. FSDP2's
         full-state load on several processes keeps only the entries the optimizer's own state dict has: a checkpoint
-        of Adam's form (a step per parameter) gave rank 0, which read the file, its count and the others none."""
+        of Adam's form (a step per parameter) gave rank 0, which read the file, its count and the others none.
+        Which optimizers count per group is told by their type, the same on every rank, never by what a rank loaded."""
         import torch
 
         if not torch.distributed.is_initialized():
             return
         for optimizer in getattr(self, "_optimizers", []):
-            groups = [g for g in getattr(optimizer, "optimizer", optimizer).param_groups if "step" in g]
-            if not groups or any(isinstance(g["step"], torch.Tensor) for g in groups):
-                continue  # counts in Python only (lowprec builds FusedAdam with capturable=False)
-            steps = torch.tensor([float(g["step"]) for g in groups], device=self.device)
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if not keeps_group_steps(inner):
+                continue
+            groups = inner.param_groups
+            steps = torch.tensor([float(g.get("step", 0)) for g in groups], device=self.device)
             torch.distributed.all_reduce(steps, op=torch.distributed.ReduceOp.MAX)
             for group, step in zip(groups, steps.tolist()):
-                group["step"] = int(step)
+                if isinstance(group.get("step"), torch.Tensor):  # a capturable FusedAdam's, on the device
+                    group["step"].fill_(step)
+                else:  # lowprec builds FusedAdam with capturable=False: counted in Python
+                    group["step"] = int(step)
 
     def _after_load_state(self) -> None:
         optimizers = [getattr(o, "optimizer", o) for o in getattr(self, "_optimizers", [])]

@@ -61,6 +61,10 @@ SCENARIOS = {
         plugin=dict(state_dict_type="FULL_STATE_DICT"), convert_into=dict(
             backend="te", recipe="current", fp8_weights=True,
             run=dict(plugin=dict(state_dict_type="FULL_STATE_DICT"))))),
+    # and the other way: TE's FusedAdam checkpoint (a step per group, FP32 masters) into torch's AdamW
+    "te_fp8_weights_full_state_out": dict(backend="te", recipe="current", fp8_weights=True, run=dict(
+        plugin=dict(state_dict_type="FULL_STATE_DICT"), convert_into=dict(
+            backend="te", recipe="current", run=dict(plugin=dict(state_dict_type="FULL_STATE_DICT"))))),
     "torchao_full_state_bf16_states": dict(
         backend="torchao", recipe="tensorwise", optimizer_states="bf16", run=dict(
             plugin=dict(state_dict_type="FULL_STATE_DICT"), convert_into=dict(
@@ -80,6 +84,8 @@ SCENARIOS = {
     "ddp_te_fp8_weights": dict(backend="te", recipe="current", fp8_weights=True, run=dict(engine="ddp")),
     "ddp_te_into_fp8_weights": dict(backend="te", recipe="current", run=dict(engine="ddp", convert_into=dict(
         backend="te", recipe="current", fp8_weights=True, run=dict(engine="ddp")))),
+    "ddp_te_fp8_weights_out": dict(backend="te", recipe="current", fp8_weights=True, run=dict(
+        engine="ddp", convert_into=dict(backend="te", recipe="current", run=dict(engine="ddp")))),
     "ddp_torchao_act8": dict(backend="torchao", recipe="tensorwise", activation_dtype="fp8", run=dict(engine="ddp")),
     "ddp_msamp_O2_act8": dict(backend="msamp", opt_level="O2", activation_dtype="fp8", run=dict(engine="ddp")),
 }
@@ -305,6 +311,12 @@ def checkpoint_before_a_step(knobs: dict, accelerator, model, optimizer) -> dict
         checkpoint = os.path.join(path[0], "ckpt")
         for g, group in enumerate(optimizer.optimizer.param_groups):
             group["step"] = 3 + g  # FusedAdam's step count lives in its groups, as after three steps
+        if knobs.get("run", {}).get("convert_into") is not None:
+            accelerator._complete_optimizer_states()  # every parameter's master, then each set off its weight
+            with torch.no_grad():
+                for state in optimizer.optimizer.state.values():
+                    if "master_param" in state:
+                        state["master_param"].add_(0.25)
         accelerator.save_state(checkpoint)
         record["params_with_state"] = sum(bool(optimizer.optimizer.state.get(p))
                                           for g in optimizer.optimizer.param_groups for p in g["params"])
@@ -314,8 +326,41 @@ def checkpoint_before_a_step(knobs: dict, accelerator, model, optimizer) -> dict
         accelerator2.load_state(checkpoint)
         record["loaded_masters"] = masters(optimizer2)
         record["loaded_steps"] = [g.get("step") for g in optimizer2.optimizer.param_groups]
+        other = knobs.get("run", {}).get("convert_into")
+        if other is not None:
+            record.update(checkpoint_out_of_fused_adam(other, checkpoint, accelerator, optimizer))
         dist.barrier()
     return record
+
+
+def checkpoint_out_of_fused_adam(other: dict, checkpoint: str, accelerator, optimizer) -> dict:
+    """FusedAdam's checkpoint (`checkpoint`, saved by `optimizer` with steps 3, 4, ... in its groups) loaded into
+    another configuration's torch AdamW: what each parameter's state, its step and its weight are after it, on this
+    rank, against the saved masters (each set off its weight before the save, so that a weight from the model file
+    differs from one written from its master)."""
+    accelerator3, model3, optimizer3 = prepared(other)
+    # a weight's saved master, by the parameter's name: this rank's shard of it, compared with the loaded weight's
+    names = {id(p): n for n, p in accelerator.unwrap_model(accelerator._models[0]).named_parameters()}
+    saved = {names[id(p)]: getattr(m, "_local_tensor", m).detach().clone()
+             for g in optimizer.optimizer.param_groups for p in g["params"]
+             if (m := optimizer.optimizer.state.get(p, {}).get("master_param")) is not None}
+    steps = {names[id(p)]: g["step"] for g in optimizer.optimizer.param_groups for p in g["params"]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator3.load_state(checkpoint)
+    inner = optimizer3.optimizer
+    loaded = dict(accelerator3.unwrap_model(model3).named_parameters())
+    states = {n: inner.state.get(p, {}) for n, p in loaded.items()}
+    return {
+        "out_masters": len(saved),
+        "out_state_keys": sorted({k for state in states.values() for k in state}),
+        "out_group_keys_with_step": sum("step" in g for g in inner.param_groups),
+        "out_steps_as_saved": sum(float(states[n].get("step", -1)) == float(steps[n]) for n in steps),
+        "out_params": len(steps),
+        "out_weights_from_masters": sum(torch.equal(getattr(loaded[n], "_local_tensor", loaded[n]).detach().float(),
+                                                    m.float()) for n, m in saved.items()),
+        "out_warnings": [str(w.message) for w in caught if "lowprec" in str(w.message)],
+    }
 
 
 def main(argv: list[str]) -> None:
