@@ -77,42 +77,67 @@ def keeps_group_steps(optimizer: torch.optim.Optimizer) -> bool:
     return getattr(optimizer, "master_weights", None) is not None
 
 
+# where a load's pre-hook keeps what rank 0 alone got of a FusedAdam checkpoint, for `spread_from_rank0`
+STASH = "_lowprec_rank0_fused_adam_entries"
+
+
+def stash_fused_adam_entries(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """A load_state_dict pre-hook (first of them) for FSDP2's full-state loads on several processes: FusedAdam's own
+    entries of the dict (its masters, its groups' steps) taken out and kept on the optimizer, by the position of
+    their parameter, for `spread_from_rank0`; None (the dict as it is) where there are none or the optimizer keeps
+    them itself."""
+    if keeps_group_steps(optimizer):
+        return None
+    groups = state_dict.get("param_groups", [])
+    states = state_dict.get("state", {})
+    ids = [pid for group in groups for pid in group["params"]]
+    masters = {i: states[pid]["master_param"] for i, pid in enumerate(ids)
+               if isinstance(states.get(pid), dict) and "master_param" in states[pid]}
+    steps = [None if g.get("step") is None else float(g["step"]) for g in groups]
+    if not masters and all(step is None for step in steps):
+        return None
+    optimizer.__dict__[STASH] = (masters, steps)
+    kept = {pid: {k: v for k, v in s.items() if k != "master_param"} if isinstance(s, dict) else s
+            for pid, s in states.items()}
+    return {**state_dict, "state": kept, "param_groups": [{k: v for k, v in g.items() if k != "step"} for g in groups]}
+
+
 def spread_from_rank0(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     """After FSDP2's full-state load on several processes, FusedAdam's entries that reached rank 0 alone, made every
     rank's in Adam's form; returns (parameters whose step was set, masters written). A collective: every rank calls it.
 
     Rank 0 alone reads the file, and torch's `set_optimizer_state_dict` gives the others only the entries the
     optimizer's own state dict has (every rank's too where the file has them): a FusedAdam checkpoint's group steps and
-    FP32 masters reached rank 0 alone, in full, and each parameter's step kept the fresh optimizer's. Into an optimizer
-    of Adam's form each parameter's step becomes its group's and each master is written into the parameter (its
-    shard on each rank: the weights the run was updating, of which the model file holds the FP8 rounding); rank 0's
-    extra entries go. An optimizer that keeps group steps and masters itself (FusedAdam) is left as it is."""
+    FP32 masters reached rank 0 alone, in full, and each parameter's step kept the fresh optimizer's. The load's
+    pre-hook took them aside (`stash_fused_adam_entries`); here each parameter's step becomes its group's and each
+    master is written into the parameter (its shard on each rank: the weights the run was updating, of which the
+    model file holds the FP8 rounding). An optimizer that keeps group steps and masters itself (FusedAdam) is left
+    as it is."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if keeps_group_steps(optimizer):
         return 0, 0
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    stash = optimizer.__dict__.pop(STASH, None)
     info: list = [None]
     if dist.get_rank() == 0:
-        info = [{"masters": [i for i, p in enumerate(params) if "master_param" in optimizer.state.get(p, {})],
-                 "steps": [None if g.get("step") is None else float(g["step"]) for g in optimizer.param_groups]}]
+        info = [{"masters": sorted(stash[0]) if stash else [], "steps": stash[1] if stash else []}]
     dist.broadcast_object_list(info, src=0)
     masters, group_steps = info[0]["masters"], info[0]["steps"]
     stepped = 0
     for group, step in zip(optimizer.param_groups, group_steps):
-        group.pop("step", None)
         for p in group["params"] if step is not None else []:
-            state = optimizer.state.get(p)
-            if state is not None and isinstance(state.get("step"), torch.Tensor):
-                state["step"] = torch.full_like(state["step"], step)
+            old = (optimizer.state.get(p) or {}).get("step")
+            if old is not None:  # a tensor (torch's Adam, LowBitAdamW), or a number
+                optimizer.state[p]["step"] = (torch.full_like(old, step) if isinstance(old, torch.Tensor)
+                                              else type(old)(step))
                 stepped += 1
     with torch.no_grad():
         for i in masters:
             p = params[i]
             target = local_shard(p)
-            master = optimizer.state[p].pop("master_param") if dist.get_rank() == 0 else None
-            full = (master.to(target.device, torch.float32) if master is not None
+            full = (stash[0][i].to(target.device, torch.float32) if stash is not None
                     else torch.empty(p.shape, dtype=torch.float32, device=target.device))
             if isinstance(p, DTensor):
                 full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=0).to_local()

@@ -22,7 +22,7 @@ import warnings
 
 from torch import nn
 
-from ..optim.fused_adam_form import keeps_group_steps, spread_from_rank0
+from ..optim.fused_adam_form import keeps_group_steps, spread_from_rank0, stash_fused_adam_entries
 
 EXTRA_STATE = "_extra_state"
 FSDP_MODEL_DIR = "pytorch_model_fsdp_{index}"  # Accelerate's FSDP_MODEL_NAME with the model's index
@@ -171,6 +171,8 @@ class CheckedCheckpoints:
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
         self._complete_optimizer_states(loading=True)
+        stashing = [getattr(o, "optimizer", o).register_load_state_dict_pre_hook(stash_fused_adam_entries, prepend=True)
+                    for o in getattr(self, "_optimizers", [])] if self._full_state_on_several() else []
         try:
             result = self._load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         except BaseException:
@@ -180,6 +182,9 @@ class CheckedCheckpoints:
                 warnings.simplefilter("ignore")
                 self._after_load_state()
             raise
+        finally:
+            for handle in stashing:
+                handle.remove()
         self._spread_rank0_entries()
         self._agree_group_steps()
         self._after_load_state()
@@ -190,13 +195,17 @@ class CheckedCheckpoints:
         loaded into Adam's form (its group steps, its masters) made every rank's (`fused_adam_form.spread_from_rank0`):
         left there, the step count restarted, the weights were the model file's FP8 rounding of the masters, and the
         ranks disagreed on which groups count steps (the group-step agreement below waited for ever)."""
+        if self._full_state_on_several():
+            for optimizer in getattr(self, "_optimizers", []):
+                spread_from_rank0(getattr(optimizer, "optimizer", optimizer))
+
+    def _full_state_on_several(self) -> bool:
+        """Whether load_state reads whole state dicts on rank 0 and hands them out (FSDP2's full state dict on
+        several processes)."""
         import torch
 
-        if (not torch.distributed.is_initialized() or not getattr(self, "is_fsdp2", False) or self._sharded()
-                or torch.distributed.get_world_size() == 1):
-            return
-        for optimizer in getattr(self, "_optimizers", []):
-            spread_from_rank0(getattr(optimizer, "optimizer", optimizer))
+        return (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+                and getattr(self, "is_fsdp2", False) and not self._sharded())
 
     def _agree_group_steps(self) -> None:
         """Step counts kept per parameter group (TE's FusedAdam) the highest any rank loaded, on every rank. FSDP2's

@@ -65,6 +65,10 @@ SCENARIOS = {
     "te_fp8_weights_full_state_out": dict(backend="te", recipe="current", fp8_weights=True, run=dict(
         plugin=dict(state_dict_type="FULL_STATE_DICT"), convert_into=dict(
             backend="te", recipe="current", run=dict(plugin=dict(state_dict_type="FULL_STATE_DICT"))))),
+    "te_fp8_weights_full_state_out_bf16_states": dict(backend="te", recipe="current", fp8_weights=True, run=dict(
+        plugin=dict(state_dict_type="FULL_STATE_DICT"), convert_into=dict(
+            backend="te", recipe="current", optimizer_states="bf16",
+            run=dict(plugin=dict(state_dict_type="FULL_STATE_DICT"))))),
     "torchao_full_state_bf16_states": dict(
         backend="torchao", recipe="tensorwise", optimizer_states="bf16", run=dict(
             plugin=dict(state_dict_type="FULL_STATE_DICT"), convert_into=dict(
