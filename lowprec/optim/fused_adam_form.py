@@ -121,8 +121,10 @@ def spread_from_rank0(optimizer: torch.optim.Optimizer) -> tuple[int, int]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     stash = optimizer.__dict__.pop(STASH, None)
     info: list = [None]
-    if dist.get_rank() == 0:
-        info = [{"masters": sorted(stash[0]) if stash else [], "steps": stash[1] if stash else []}]
+    if dist.get_rank() == 0:  # a master of another shape than its parameter's (another model) is not written
+        fits = [i for i, m in (stash[0].items() if stash else []) if i < len(params)
+                and tuple(m.shape) == tuple(params[i].shape)]
+        info = [{"masters": sorted(fits), "steps": stash[1] if stash else []}]
     dist.broadcast_object_list(info, src=0)
     masters, group_steps = info[0]["masters"], info[0]["steps"]
     stepped = 0

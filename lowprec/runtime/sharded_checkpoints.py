@@ -22,7 +22,7 @@ import warnings
 
 from torch import nn
 
-from ..optim.fused_adam_form import keeps_group_steps, spread_from_rank0, stash_fused_adam_entries
+from ..optim.fused_adam_form import STASH, keeps_group_steps, spread_from_rank0, stash_fused_adam_entries
 
 EXTRA_STATE = "_extra_state"
 FSDP_MODEL_DIR = "pytorch_model_fsdp_{index}"  # Accelerate's FSDP_MODEL_NAME with the model's index
@@ -171,8 +171,11 @@ class CheckedCheckpoints:
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
         self._complete_optimizer_states(loading=True)
-        stashing = [getattr(o, "optimizer", o).register_load_state_dict_pre_hook(stash_fused_adam_entries, prepend=True)
-                    for o in getattr(self, "_optimizers", [])] if self._full_state_on_several() else []
+        inners = [getattr(o, "optimizer", o) for o in getattr(self, "_optimizers", [])]
+        for inner in inners:
+            inner.__dict__.pop(STASH, None)  # none left by a load that failed
+        stashing = [inner.register_load_state_dict_pre_hook(stash_fused_adam_entries, prepend=True)
+                    for inner in inners] if self._full_state_on_several() else []
         try:
             result = self._load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         except BaseException:

@@ -114,3 +114,36 @@ def test_only_fused_adams_form_is_taken_for_it():
              "param_groups": [{"params": [0], "lr": 0.1, "step": 5}]}
     converted, masters = per_parameter_steps(fused)
     assert converted["state"][0]["step"].item() == 5 and torch.equal(masters[0], torch.ones(2))
+
+
+def test_a_load_pre_hook_takes_fused_adams_own_entries_aside_by_parameter_position():
+    # what FSDP2's full-state load gave rank 0 alone (tests/test_accelerate_engines.py spreads it over two ranks):
+    # the masters and group steps leave the dict the optimizer loads, kept by position for spread_from_rank0
+    from lowprec.optim.fused_adam_form import STASH, keeps_group_steps, stash_fused_adam_entries
+
+    params, opt = trained()
+    saved = fused_adam_form(opt, masters_off=0.5)
+    fresh = torch.optim.AdamW([{"params": [nn.Parameter(p.detach().clone()) for p in params[:2]]},
+                               {"params": [nn.Parameter(params[2].detach().clone())]}], lr=1e-2)
+    assert not keeps_group_steps(fresh)
+    out = stash_fused_adam_entries(fresh, saved)
+    masters, steps = fresh.__dict__[STASH]
+    assert sorted(masters) == [0, 1, 2] and steps == [3.0, 3.0]
+    for i, p in enumerate(params):
+        torch.testing.assert_close(masters[i], p.detach() + 0.5)
+    assert all("master_param" not in s for s in out["state"].values())
+    assert all("step" not in g for g in out["param_groups"])
+    assert "master_param" in saved["state"][0]  # the caller's dict is left as it was
+
+
+def test_the_pre_hook_leaves_adams_form_and_an_optimizer_that_keeps_masters_alone():
+    from lowprec.optim.fused_adam_form import STASH, stash_fused_adam_entries
+
+    params, opt = trained()
+    assert stash_fused_adam_entries(opt, opt.state_dict()) is None and STASH not in opt.__dict__
+
+    class MastersKept(torch.optim.AdamW):  # as TE's FusedAdam: group steps and masters are its own
+        master_weights = True
+
+    keeper = MastersKept(params, lr=1e-2)
+    assert stash_fused_adam_entries(keeper, fused_adam_form(opt)) is None and STASH not in keeper.__dict__
