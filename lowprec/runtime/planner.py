@@ -142,9 +142,10 @@ def build_plan(
         warnings.warn(f"lowprec: {cache}", stacklevel=4)
     settings = act8_settings(recipe, context) if in_graph else {}
     if settings:
-        plan.notes.append(f"compiled with inductor's {', '.join(f'{k}={v}' for k, v in settings.items())}: the FP8 "
-                          "activations' decodes stay in the backward kernels that read them, not stored in FP32 "
-                          "(LOWPREC_ACT8_COMPILE_OPTIONS=0: compiled as the dynamo plugin says)")
+        plan.notes.append(f"compiled with inductor's {', '.join(f'{k}={v}' for k, v in settings.items())} where the "
+                          "dynamo plugin's options do not set it: the FP8 activations' decodes stay in the backward "
+                          "kernels that read them, not stored in FP32 (LOWPREC_ACT8_COMPILE_OPTIONS=0: compiled as "
+                          "the plugin says)")
     if recompute and not in_graph:
         plan.notes.append("LOWPREC_RECOMPUTE_FP8_COPIES=1 does nothing here: it acts in compiled graphs that store "
                           "their saved tensors in FP8 themselves (activation_dtype='fp8', a compiled model)")
