@@ -125,7 +125,8 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     # FP8-stored gate/up output was stored as an FP32 block of the step's peak (results/gpu/2026-11-28-h200-act8-peak-
     # 05e9f2d; torch 2.11's realize_opcount_threshold is 30, at 40 and 64 torchao O2 act8 peaked 0.14 GiB lower).
     # Since 96eb278 the decode has no clamp for BF16, which kept it under 30 on CPU under the GPU's rules: against
-    # these, whether anything else in the step still passes the limit
+    # these, whether anything else in the step still passes the limit. Since 84cfb3a a model with FP8 activations in
+    # its graphs is compiled at 64 by lowprec itself (runtime/compile_options.py): for these the word changes nothing
     "msamp O2 act8 realize64": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
     "torchao O2 act8 realize64": ("compiled", dict(backend="torchao", opt_level="O2", activation_dtype="fp8")),
     # msamp's amaxes in its compiled layers over each matrix's own rows (PATCHES: kernels.scaling.AMAX_OVER_OWN_ROWS),

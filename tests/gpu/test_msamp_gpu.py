@@ -209,6 +209,25 @@ def test_fused_adam_rounds_stochastically_to_a_neighbour_without_bias():
         assert not r["nearest_moved"], dtype
 
 
+def test_fused_adams_random_numbers_on_the_gpu_are_the_interpreters():
+    # tests/kernels/adam_uniform.py: the counter hash's numbers drawn by the compiled kernel are those Triton's
+    # interpreter draws on the CPU (where tests/kernels/test_adam_kernels.py checks their statistics): the same
+    # 32-bit integer arithmetic, no wider or signed intermediate on the GPU
+    import os
+    import sys
+
+    from conftest import run_interpreted
+
+    here = os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels")
+    sys.path.insert(0, here)
+    from adam_uniform import check
+
+    gpu, cpu = check("cuda"), run_interpreted(os.path.join(here, "adam_uniform.py"))
+    assert gpu["head"] == cpu["head"]
+    assert max(abs(a - b) for a, b in zip(gpu["sums"], cpu["sums"])) < 1e-6 * gpu["n"]
+    assert gpu["in_range"] and min(gpu["distinct"]) > 0.99 * gpu["n"]
+
+
 # ---- FP8Linear on tensor cores --------------------------------------------------------------------
 def _layer_pair(weight_dtype=torch.float16, seed=0):
     torch.manual_seed(seed)

@@ -41,6 +41,8 @@ def check(device: str) -> dict:
         "means": u.mean(dim=1).tolist(), "variances": u.var(dim=1).tolist(), "lag1": lag1,
         "max_cross_correlation": float((corr - torch.eye(len(SEEDS), dtype=corr.dtype)).abs().max()),
         "in_range": bool(((u >= 0) & (u < 1)).all()), "distinct": [len(row.unique()) for row in u], "n": N,
+        # the numbers themselves, to compare a GPU's with the interpreter's (the same integer arithmetic)
+        "head": u[:, :64].tolist(), "sums": u.sum(dim=1).tolist(),
     }
 
 
