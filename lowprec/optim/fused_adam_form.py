@@ -32,6 +32,19 @@ def per_group_steps(state_dict: dict[str, Any]) -> dict[str, Any]:
     return {**state_dict, "state": new_states, "param_groups": groups}
 
 
+def _take_fused_adam_entries(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[Any, torch.Tensor], list]:
+    """(`state_dict` without FusedAdam's own entries, its parameters' FP32 masters and its groups' steps; {saved
+    parameter id: master}; each group's step, None where it has none)."""
+    states = state_dict.get("state", {})
+    groups = state_dict.get("param_groups", [])
+    masters = {pid: s["master_param"] for pid, s in states.items() if isinstance(s, dict) and "master_param" in s}
+    kept = {pid: {k: v for k, v in s.items() if k != "master_param"} if isinstance(s, dict) else s
+            for pid, s in states.items()}
+    stripped = {**state_dict, "state": kept, "param_groups": [{k: v for k, v in g.items() if k != "step"}
+                                                               for g in groups]}
+    return stripped, masters, [g.get("step") for g in groups]
+
+
 def per_parameter_steps(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[Any, torch.Tensor]]:
     """FusedAdam's form in Adam's: each parameter's "step" its group's (a 0-dim FP32 tensor, as torch's Adam keeps it),
     the groups' dropped, and the FP32 masters taken out: (state dict, {saved parameter id: master}). A state dict in
@@ -41,17 +54,11 @@ def per_parameter_steps(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dic
     if (not states or not any("step" in g for g in state_dict.get("param_groups", []))
             or any(isinstance(s, dict) and "step" in s for s in states.values())):
         return state_dict, {}
-    masters, new_states, groups = {}, {}, []
-    for group in state_dict["param_groups"]:
-        step = torch.tensor(float(group.get("step", 0)))
-        for pid in group["params"]:
-            if pid in states:
-                entry = dict(states[pid])
-                if "master_param" in entry:
-                    masters[pid] = entry.pop("master_param")
-                new_states[pid] = {"step": step.clone(), **entry}
-        groups.append({k: v for k, v in group.items() if k != "step"})
-    return {**state_dict, "state": new_states, "param_groups": groups}, masters
+    stripped, masters, steps = _take_fused_adam_entries(state_dict)
+    kept = stripped["state"]
+    new_states = {pid: {"step": torch.tensor(float(step or 0)), **kept[pid]}
+                  for group, step in zip(state_dict["param_groups"], steps) for pid in group["params"] if pid in kept}
+    return {**stripped, "state": new_states}, {pid: m for pid, m in masters.items() if pid in new_states}
 
 
 def write_masters(param_groups: list[dict], saved_groups: list[dict], masters: dict[Any, torch.Tensor]) -> int:
@@ -88,18 +95,14 @@ def stash_fused_adam_entries(optimizer: torch.optim.Optimizer, state_dict: dict[
     them itself."""
     if keeps_group_steps(optimizer):
         return None
-    groups = state_dict.get("param_groups", [])
-    states = state_dict.get("state", {})
-    ids = [pid for group in groups for pid in group["params"]]
-    masters = {i: states[pid]["master_param"] for i, pid in enumerate(ids)
-               if isinstance(states.get(pid), dict) and "master_param" in states[pid]}
-    steps = [None if g.get("step") is None else float(g["step"]) for g in groups]
-    if not masters and all(step is None for step in steps):
+    stripped, masters, steps = _take_fused_adam_entries(state_dict)
+    ids = [pid for group in state_dict.get("param_groups", []) for pid in group["params"]]
+    by_position = {i: masters[pid] for i, pid in enumerate(ids) if pid in masters}
+    steps = [None if step is None else float(step) for step in steps]
+    if not by_position and all(step is None for step in steps):
         return None
-    optimizer.__dict__[STASH] = (masters, steps)
-    kept = {pid: {k: v for k, v in s.items() if k != "master_param"} if isinstance(s, dict) else s
-            for pid, s in states.items()}
-    return {**state_dict, "state": kept, "param_groups": [{k: v for k, v in g.items() if k != "step"} for g in groups]}
+    optimizer.__dict__[STASH] = (by_position, steps)
+    return stripped
 
 
 def spread_from_rank0(optimizer: torch.optim.Optimizer) -> tuple[int, int]:

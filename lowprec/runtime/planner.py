@@ -140,7 +140,7 @@ def build_plan(
     if cache is not None:
         plan.notes.append(cache)
         warnings.warn(f"lowprec: {cache}", stacklevel=4)
-    settings = act8_settings(recipe, context) if in_graph else {}
+    settings = act8_settings(recipe, context)
     if settings:
         plan.notes.append(f"compiled with inductor's {', '.join(f'{k}={v}' for k, v in settings.items())} where the "
                           "dynamo plugin's options do not set it: the FP8 activations' decodes stay in the backward "

@@ -15,9 +15,11 @@ import argparse
 import importlib.util
 import json
 import statistics
+import types
 
 import torch
 
+from benchmarks.optimizer_states import step_times_ms  # run from the repository root (PYTHONPATH=$PWD)
 from lowprec.kernels import adam
 
 D, FF, LAYERS, VOCAB = 4096, 14336, 4, 32000
@@ -42,17 +44,12 @@ def items(device: str) -> list[adam.AdamItem]:
 
 def time_steps(batch: list[adam.AdamItem], rounding: bool, steps: int, warmup: int = 3) -> float:
     group = {"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "maximize": False}
-    times = []
-    for i in range(warmup + steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def step() -> None:
         adam.count_present_steps(batch)
         adam.fused_low_bit_adam_step(batch, group, decoupled=True, stochastic_rounding=rounding)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
+    return statistics.median(step_times_ms(types.SimpleNamespace(step=step), steps, warmup))
 
 
 def kernels_from(path: str):
