@@ -138,7 +138,10 @@ CONFIGS: dict[str, tuple[str, dict | str | None]] = {
     "msamp O2 act8 own rows realize64": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
     # the FP8 Linears' transposed inputs cast again in backward from what it keeps anyway, not kept from the forward
     # (ENVIRONMENT: LOWPREC_RECOMPUTE_FP8_COPIES=1; 0.81 GiB of msamp O2 act8's 10.77 GiB steady peak, results/gpu/
-    # 2026-11-28-h200x2-realize-teloss-0e7acfb); with the own-row amaxes, which gave that peak
+    # 2026-11-28-h200x2-realize-teloss-0e7acfb); with the own-row amaxes, which gave that peak. The default since
+    # 511ecf5's measurement: "keep copies" (=0) is the configuration without it
+    "msamp O2 act8 keep copies": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
+    "torchao act8 keep copies": ("compiled", dict(backend="torchao", activation_dtype="fp8")),
     "msamp O2 act8 recompute": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
     "msamp O2 act8 own rows recompute": ("compiled", dict(backend="msamp", opt_level="O2", activation_dtype="fp8")),
     "torchao O2 act8 recompute": ("compiled", dict(backend="torchao", opt_level="O2", activation_dtype="fp8")),
@@ -163,6 +166,7 @@ LABEL_WORDS: dict[str, tuple[str, dict[str, object]]] = {
     "hooks": ("environment", {"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "0"}),
     "torch loss": ("environment", {"LOWPREC_FUSED_CROSS_ENTROPY": "0"}),
     "recompute": ("environment", {"LOWPREC_RECOMPUTE_FP8_COPIES": "1"}),
+    "keep copies": ("environment", {"LOWPREC_RECOMPUTE_FP8_COPIES": "0"}),
     "realize64": ("inductor", {"realize_opcount_threshold": 64}),
     "own rows": ("patches", {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True}),
 }

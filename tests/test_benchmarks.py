@@ -227,6 +227,7 @@ def test_a_headline_labels_words_say_what_it_sets():
     assert headline.PATCHES[label] == {"lowprec.kernels.scaling:AMAX_OVER_OWN_ROWS": True}
     assert headline.ENVIRONMENT["torchao act8 torch loss"] == {"LOWPREC_FUSED_CROSS_ENTROPY": "0"}
     assert headline.ENVIRONMENT["msamp O2 act8 hooks"] == {"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "0"}
+    assert headline.ENVIRONMENT["msamp O2 act8 keep copies"] == {"LOWPREC_RECOMPUTE_FP8_COPIES": "0"}
     for plain in ("msamp O2", "msamp O2 act8", "bf16 compiled", "torchao act8 whole"):
         assert all(plain not in settings for settings in (headline.ENVIRONMENT, headline.INDUCTOR, headline.PATCHES))
 

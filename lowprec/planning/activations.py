@@ -110,7 +110,7 @@ def saved_activations(modules: Sequence[ModuleDecision], fp8_input: SavedInput, 
                        "(LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0: through Python hooks after each graph)")
         if recompute_fp8_copies:
             others += ("; an FP8 Linear's transposed input, where cast from tensors the backward keeps anyway, cast "
-                       "again in backward rather than kept (LOWPREC_RECOMPUTE_FP8_COPIES=1)")
+                       "again in backward rather than kept (LOWPREC_RECOMPUTE_FP8_COPIES=0: kept)")
     else:
         others = ("as autograd saves them (BF16 under autocast, FP32 in norms computed in FP32); "
                   "activation_dtype='fp8' stores them in FP8")

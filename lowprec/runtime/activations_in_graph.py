@@ -215,9 +215,8 @@ def graph_hooks() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
 @contextlib.contextmanager
 def graph_hooks_context(storage, hooks: tuple[torch.fx.GraphModule, torch.fx.GraphModule]) -> Iterator[None]:
     """`storage`'s rules as its GraphModule `hooks` (from `graph_hooks`), around one forward, the graphs' inputs
-    without a gradient recorded for them (`graph_inputs_without_grad`); with
-    `LOWPREC_RECOMPUTE_FP8_COPIES=1`, the graphs compiled in it recompute in backward the FP8 copies they would keep
-    (`fp8_copies_recompute`)."""
+    without a gradient recorded for them (`graph_inputs_without_grad`); the graphs compiled in it recompute in
+    backward the FP8 copies they would keep (`fp8_copies_recompute`; not with `LOWPREC_RECOMPUTE_FP8_COPIES=0`)."""
     import torch._functorch.config as functorch_config  # not imported by `import torch` alone
 
     _ACTIVE.append(storage)

@@ -19,10 +19,13 @@ A scale is a scalar, kept as it is: a tensor scaled from its own amax (msamp's w
 cast again with the forward's scale, its amax not computed again. A copy whose way back passes through anything else
 (a GEMM, a reduction over a large tensor) is left to the partitioner.
 
-Off unless `LOWPREC_RECOMPUTE_FP8_COPIES=1`: it trades speed for memory. On one H200 (d4096 proxy, msamp O2 with FP8
-activations) it took 0.55 GiB off the peak (0.487x -> 0.464x compiled BF16's) for 1.1 ms a step (1.260x -> 1.245x),
-results/gpu/2026-11-28-h200x2-recompute-aabeb3e. There (torch 2.11) the second block's QKV/gate-up copies stayed:
-their way back crossed the first block's down-projection GEMM. Each copy kept is logged at DEBUG with why.
+On by default wherever compiled graphs store their saved tensors in FP8 themselves (the only graphs that keep such
+copies past what their backward holds anyway); `LOWPREC_RECOMPUTE_FP8_COPIES=0` keeps the copies. On one H200 (d4096
+proxy, msamp O2 with FP8 activations, compiled BF16 in the same call) it took msamp O2 act8 from 0.452x compiled BF16's
+peak at 1.288x to 0.430x at 1.285x (results/gpu/2026-11-29-h200-verify-2e2cb06 and -recompute-511ecf5), its held-out
+loss after 300 steps -0.60% of BF16's over two seeds (-1.14%, -0.06%; same folder); torchao act8's speed and peak did
+not move (results/gpu/2026-11-28-h200x2-recompute-aabeb3e). There (torch 2.11) the second block's QKV/gate-up copies
+stayed: their way back crossed the first block's down-projection GEMM. Each copy kept is logged at DEBUG with why.
 """
 
 from __future__ import annotations
@@ -47,10 +50,16 @@ _COPIES = ("aten.clone.", "aten._to_copy.", "prims.convert_element_type.", "aten
            "aten.clamp_max.", "aten.contiguous.")
 
 
+def setting() -> bool | None:
+    """`LOWPREC_RECOMPUTE_FP8_COPIES` as set: True (1), False (0) or None (unset)."""
+    return switch(ENV, "1 or unset: recompute in backward the FP8 copies of tensors a compiled graph's backward keeps "
+                       "anyway; 0: keep them from the forward")
+
+
 def requested() -> bool:
-    """`LOWPREC_RECOMPUTE_FP8_COPIES`: 1 recomputes in backward the FP8 copies compiled graphs save only for it."""
-    return switch(ENV, "1: recompute in backward the FP8 copies of tensors a compiled graph's backward keeps anyway; "
-                       "0 or unset: keep them from the forward") is True
+    """Whether graphs that store FP8 activations recompute their FP8 copies in backward: unless
+    `LOWPREC_RECOMPUTE_FP8_COPIES=0`."""
+    return setting() is not False
 
 
 def _value(node: torch.fx.Node):

@@ -21,7 +21,7 @@ from ..planning.speed import unmeasured_note
 from .activations_fp32 import fp32_policy
 from .activations_in_graph import in_graph_wanted, inlining_supported
 from .compile_options import act8_settings
-from .fp8_copies_recompute import requested as recompute_requested
+from .fp8_copies_recompute import setting as recompute_setting
 from .loss import loss_storage
 
 if TYPE_CHECKING:
@@ -129,10 +129,10 @@ def build_plan(
     blocks = None if found is None else (found[0], len(found[1]), type(found[1][0]).__name__)
     in_graph = (recipe.activation_dtype == "fp8" and in_graph_wanted(context.compiled, context.engine)
                 and inlining_supported())
-    recompute = recompute_requested()  # a bad value is refused here, whatever the configuration
+    recompute = recompute_setting()  # a bad value is refused here, whatever the configuration
     plan.activations = saved_activations(plan.modules, backend.saved_linear_input(), recipe.activation_dtype, blocks,
                                          compiled=context.compiled, in_graph=in_graph,
-                                         recompute_fp8_copies=in_graph and recompute,
+                                         recompute_fp8_copies=in_graph and recompute is not False,
                                          loss=loss_storage(model, recipe.activation_dtype),
                                          fp32=fp32_policy() if recipe.activation_dtype == "fp8" else "fp8")
     plan.notes = backend.notes(plan) + backend.communication.notes()
@@ -146,7 +146,7 @@ def build_plan(
                           "dynamo plugin's options do not set it: the FP8 activations' decodes stay in the backward "
                           "kernels that read them, not stored in FP32 (LOWPREC_ACT8_COMPILE_OPTIONS=0: compiled as "
                           "the plugin says)")
-    if recompute and not in_graph:
+    if recompute is True and not in_graph:
         plan.notes.append("LOWPREC_RECOMPUTE_FP8_COPIES=1 does nothing here: it acts in compiled graphs that store "
                           "their saved tensors in FP8 themselves (activation_dtype='fp8', a compiled model)")
     compiles, _ = backend.layer_compile()

@@ -73,7 +73,9 @@ def test_a_graph_without_a_backward_is_left_alone():
     assert mark_fp8_copies(graph) == 0
 
 
-@pytest.mark.parametrize(("value", "expected"), [(None, False), ("", False), ("0", False), ("1", True)])
+# on by default: the copies exist only in graphs that store FP8 activations themselves, where msamp O2 act8 peaked
+# 0.430x BF16's at 1.285x with them recomputed against 0.452x at 1.288x kept (results/gpu/2026-11-29-h200-*-511ecf5)
+@pytest.mark.parametrize(("value", "expected"), [(None, True), ("", True), ("0", False), ("1", True)])
 def test_the_switch(monkeypatch, value, expected):
     if value is None:
         monkeypatch.delenv(ENV, raising=False)
@@ -187,16 +189,27 @@ def test_a_compiled_block_recomputes_its_fp8_copies_and_its_gradients_stay_withi
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize(("activation_dtype", "said"), [("fp8", "cast again in backward"), (None, "does nothing here")])
-def test_the_plan_says_what_the_switch_does(monkeypatch, activation_dtype, said):
+@pytest.mark.parametrize(("value", "activation_dtype", "said", "unsaid"), [
+    ("1", "fp8", "cast again in backward", "does nothing here"),
+    (None, "fp8", "cast again in backward", "does nothing here"),  # the default
+    ("0", "fp8", None, "cast again in backward"),
+    ("1", None, "does nothing here", "cast again in backward"),
+    (None, None, None, "LOWPREC_RECOMPUTE_FP8_COPIES"),  # the default, where it has nothing to act on: not a word
+])
+def test_the_plan_says_what_the_switch_does(monkeypatch, value, activation_dtype, said, unsaid):
     from lowprec import Accelerator, FP8RecipeKwargs
 
-    monkeypatch.setenv(ENV, "1")
+    if value is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, value)
     recipe = FP8RecipeKwargs(backend="msamp", opt_level="O2", skip_slow_shapes=False, activation_dtype=activation_dtype)
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], dynamo_backend="inductor")
     accelerator.prepare(_model())
     plan = accelerator.precision_plan
-    assert said in (plan.activations.other_tensors + " ".join(plan.notes))
+    text = plan.activations.other_tensors + " " + " ".join(plan.notes)
+    assert said is None or said in text
+    assert unsaid not in text
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
