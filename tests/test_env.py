@@ -72,6 +72,7 @@ EVERY_KEY = [
     ("ACCELERATE_FP8_ACTIVATION_DTYPE", "E4M3", "activation_dtype", "fp8"),
     ("ACCELERATE_FP8_REDUCE_AMAX", "false", "reduce_amax", False),
     ("ACCELERATE_FP8_REDUCE_AMAX", "1", "reduce_amax", True),
+    ("ACCELERATE_FP8_OPTIMIZER_IN_BACKWARD", "true", "optimizer_in_backward", True),
 ]
 
 
@@ -487,4 +488,5 @@ def test_accelerate_launch_config_file(tmp_path):
         "name": None,
         "activation_dtype": None,
         "reduce_amax": None,  # unset: a current-scaling recipe such as rowwise would refuse it
+        "optimizer_in_backward": None,
     }

@@ -70,6 +70,8 @@ BAD_VALUES = [
     ("activation_dtype", 8, ["'fp8'", "None"]),
     ("reduce_amax", "sometimes", ["'true'/'false'"]),
     ("reduce_amax", 2, ["'true'/'false'"]),
+    ("optimizer_in_backward", "sometimes", ["'true'/'false'"]),
+    ("optimizer_in_backward", 2, ["'true'/'false'"]),
 ]
 
 
@@ -430,7 +432,7 @@ def test_new_fields_come_last_so_positional_construction_is_unchanged():
         "exclude", "skip_first_last", "skip_slow_shapes", "module_filter_fn", "pad_inner_dim",
         "enable_fsdp_float8_all_gather", "use_autocast_during_eval", "fp8_weights", "weight_dtype", "emulate",
         "optimizer_states", "weight_grad_dtype", "grad_comm_dtype", "compile_fp8_layers", "skip_first_blocks",
-        "skip_last_blocks", "name", "activation_dtype", "reduce_amax"]
+        "skip_last_blocks", "name", "activation_dtype", "reduce_amax", "optimizer_in_backward"]
     r = FP8RecipeKwargs("torchao", "rowwise", None, None, None, None, None, None, ["lm_head"], True)
     assert (r.backend, r.recipe, r.exclude, r.skip_first_last, r.skip_first_blocks) == (
         "torchao", "rowwise", ("lm_head",), True, 0)

@@ -75,6 +75,7 @@ FIELD_KEYS: dict[str, tuple[str, ...]] = {
     "name": ("RECIPE_NAME", "NAME"),
     "activation_dtype": ("ACTIVATION_DTYPE",),
     "reduce_amax": ("REDUCE_AMAX",),
+    "optimizer_in_backward": ("OPTIMIZER_IN_BACKWARD",),
 }
 # Accelerate-only keys: TE removed these options, so they are accepted only at their no-op values.
 REMOVED_TE_KEYS = {

@@ -57,6 +57,9 @@ LOWPREC_ONLY: dict[str, str] = {
     "optimizer_states": "precision of Adam's moments, for any backend ([optimizer-states.md](optimizer-states.md))",
     "activation_dtype": "the tensors autograd saves in the forward stored in FP8 (E4M3, a power-of-2 scale per 128 "
                         "values), as COAT does; eager or compiled ([recipe.md](recipe.md))",
+    "optimizer_in_backward": "each parameter's optimizer step run in backward as its gradient is accumulated, the "
+                             "gradient freed there (torchtune's `optimizer_in_bwd`, torchtitan's "
+                             "`early_step_in_backward`), one process ([recipe.md](recipe.md))",
 }
 
 

@@ -118,6 +118,11 @@ class FP8RecipeKwargs(KwargsHandler):
             the same delayed scales (NeMo's and TE's `reduce_amax`). None: on. False: each rank keeps scales
             from its own amaxes (weights stay identical; the FP8 casts differ between ranks). Refused with
             current-scaling recipes, which have no amax history to reduce.
+        optimizer_in_backward: True runs each parameter's optimizer step in backward, as soon as its gradient is
+            accumulated, and frees that gradient there, so the gradients never all exist at once (the peak of
+            torchao and te with FP32 moments; the arithmetic is the optimizer's own). One process only; no
+            `clip_grad_norm_`; not with gradients kept outside `.grad` (msamp, weight_grad_dtype, opt_level) or
+            te's fp8_weights. None: off.
     """
 
     backend: str | None = None
@@ -147,6 +152,7 @@ class FP8RecipeKwargs(KwargsHandler):
     name: str | None = None
     activation_dtype: str | None = None
     reduce_amax: bool | None = None
+    optimizer_in_backward: bool | None = None
 
     def __post_init__(self):
         env = read_fp8_env()

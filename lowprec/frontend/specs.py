@@ -36,6 +36,7 @@ class RecipeOptions(Protocol):
     compile_fp8_layers: bool | None
     fp8_weights: bool | None
     emulate: bool | None
+    optimizer_in_backward: bool | None
     # the storage knobs, also read by name (storage, written)
     weight_dtype: str | None
     weight_grad_dtype: str | None
@@ -233,6 +234,14 @@ class BackendSpec:
                     f"it accepts {', '.join(map(repr, accepted))}"
                 )
         weight, grad = storage["weight_dtype"], storage["weight_grad_dtype"]
+        if recipe.optimizer_in_backward and (grad is not None or recipe.fp8_weights):
+            # the steps read .grad as autograd fills it: stores outside it, or TE's FusedAdam masters, are not there
+            kept = ("fp8_weights=True (TE's FusedAdam)" if recipe.fp8_weights
+                    else self.written(recipe, "weight_grad_dtype"))
+            raise ValueError(f"{field}.optimizer_in_backward=True cannot be honoured with {kept}: each step reads the "
+                             "parameter's .grad as autograd accumulates it, and these weight gradients are kept "
+                             "elsewhere; leave optimizer_in_backward unset, or train with gradients in .grad (torchao, "
+                             "te without opt_level or fp8_weights)")
         if grad == "fp32" and weight not in (None, "fp32"):
             raise ValueError(
                 f"{field}.{self.written(recipe, 'weight_grad_dtype')} cannot be kept with "

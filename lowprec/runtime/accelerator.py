@@ -37,6 +37,7 @@ from .params import ReplacedParams, remap_optimizer_params
 from .planner import build_plan
 from .run_context import engine_plugin, inherited_dynamo, run_context_of, split_launch_warning
 from .sharded_checkpoints import CheckedCheckpoints
+from .steps_in_backward import engine_problem, install, refuse_clipping
 from .wrapping import track_step_for_scheduler, wrap_forward
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,6 @@ class Accelerator(CheckedCheckpoints, _Accelerator):
     `MSAMPRecipeKwargs` / `FP8RecipeKwargs`, which are translated. Without a handler the recipe is
     read from `ACCELERATE_FP8_*` (a config file's `fp8_config:` section). Everything else is Accelerate's but
     `save_state` / `load_state` (runtime/sharded_checkpoints.py: optimizer state completed, FSDP2 loads checked).
-
     `prepare()` prints a summary of each FP8 model's precision plan to stderr on the main process;
     `lowprec_quiet=True` (None: the `LOWPREC_QUIET` environment variable, `1` or `0`) leaves it out.
     """
@@ -119,6 +119,8 @@ class Accelerator(CheckedCheckpoints, _Accelerator):
             apply_grad_comm_dtype(create_backend(recipe, context).grad_comm_choice, context.engine,
                                   engine_plugin(self.state, context.engine))
             create_backend(recipe, self.run_context())
+            if recipe.optimizer_in_backward and engine_problem(context.engine, self.num_processes):
+                raise ValueError(engine_problem(context.engine, self.num_processes))
             for option, why in options_without_effect(recipe, context.engine, self.num_processes):
                 warnings.warn(f"lowprec: FP8RecipeKwargs.{option} has no effect in this run: {why}", stacklevel=2)
 
@@ -247,14 +249,13 @@ class Accelerator(CheckedCheckpoints, _Accelerator):
                     warn_once(f"lowprec: backend={backend.name!r} keeps weight gradients {where}; only an optimizer "
                               "prepared by this Accelerator reads them. Pass the optimizer to prepare() (with the "
                               "model or right after it)")
+        if self.fp8_recipe.optimizer_in_backward:  # every optimizer this call prepared, with a model or without
+            install([r for r in results if isinstance(r, torch.optim.Optimizer)], self.gradient_state)
         return result
 
     def _refuse_prepared_again(self, args: list) -> None:
-        """A model lowprec already converted, or an optimizer already prepared, handed to prepare() again.
-
-        Passed over, the model kept its FP8 layers with no plan and the user's plain optimizer (msamp's FP8
-        weights, whose gradients live outside .grad, then stopped training); its layers, gradient stores and
-        hooks belong to the Accelerator that converted it, so it is refused rather than half-prepared."""
+        """A model lowprec already converted, or an optimizer already prepared, handed to prepare() again: refused
+        rather than half-prepared (passed over, msamp's FP8 weights trained with no plan and a plain optimizer)."""
         from accelerate.optimizer import AcceleratedOptimizer
 
         for obj in args:
@@ -289,10 +290,9 @@ class Accelerator(CheckedCheckpoints, _Accelerator):
             monitor.after_backward(self.sync_gradients)
 
     def fp8_health(self, every: int = 100, out: str | None = None, model: nn.Module | None = None) -> FP8HealthMonitor:
-        """Sample the FP8 casts of a prepared model's converted layers every `every` optimizer steps:
-        amax, scale, overflow and underflow shares per layer and tensor (`lowprec.runtime.health`). Returns the
-        monitor (`.table()`, `.latest`, `.remove()`); with `out`, each sample is appended there as a JSON
-        line. Off unless called: nothing is hooked otherwise."""
+        """Sample the FP8 casts of a prepared model's converted layers every `every` optimizer steps
+        (`lowprec.runtime.health`): returns the monitor (`.table()`, `.latest`, `.remove()`); with `out`, each
+        sample is appended there as a JSON line. Off unless called."""
         if not self._lowprec:
             raise RuntimeError("fp8_health() watches a model lowprec prepared: call it after prepare()")
         if model is None:
@@ -310,6 +310,7 @@ class Accelerator(CheckedCheckpoints, _Accelerator):
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Accelerate's `clip_grad_norm_`, counting the gradients a backend keeps outside `.grad`
         (msamp's FP8 weight gradients) in the norm and clipping them too."""
+        refuse_clipping(self._optimizers)
         parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
         for _, backend, _ in self._lowprec:
             total = backend.clip_grad_norm_(parameters, max_norm, norm_type)

@@ -146,6 +146,10 @@ def build_plan(
                           "dynamo plugin's options do not set it: the FP8 activations' decodes stay in the backward "
                           "kernels that read them, not stored in FP32 (LOWPREC_ACT8_COMPILE_OPTIONS=0: compiled as "
                           "the plugin says)")
+    if recipe.optimizer_in_backward:
+        plan.notes.append("optimizer_in_backward: each parameter's optimizer step runs in backward once autograd has "
+                          "accumulated its gradient, which is freed there (the gradients never all exist at once); "
+                          "optimizer.step() then only runs its hooks; clip_grad_norm_ is refused")
     if recompute is True and not in_graph:
         plan.notes.append("LOWPREC_RECOMPUTE_FP8_COPIES=1 does nothing here: it acts in compiled graphs that store "
                           "their saved tensors in FP8 themselves (activation_dtype='fp8', a compiled model)")

@@ -1,0 +1,110 @@
+"""`FP8RecipeKwargs(optimizer_in_backward=True)`: each parameter's optimizer step runs in backward, as soon as
+autograd has accumulated its gradient, and its `.grad` is freed there.
+
+Where FP8 activations have taken the saved tensors down, what is left at the peak of a model with FP32 weights and
+Adam moments (torchao, te) is the model state plus every parameter's FP32 gradient at the end of the backward: on
+one H200 (d4096 proxy) torchao with `activation_dtype="fp8"` held 13.87 GiB of weights and moments and peaked at
+19.83 in backward, the gradients 4.6 GiB of the difference (results/gpu/2026-11-28-h200-act8-steady-2a04d10). Stepped
+in backward, no more than the gradients autograd is still accumulating exist at once (torchtitan and torchtune
+offer the same: "optimizer in backward"). The step is the user's optimizer's own, on one parameter at a time, so
+the arithmetic is that of `optimizer.step()` over all of them, and the optimizer's state, `state_dict()` and LR
+schedulers are unchanged; `optimizer.step()` after backward then finds no gradient left and only runs its hooks.
+
+What it cannot be: gradients are never all there at once, so `accelerator.clip_grad_norm_` is refused; they are
+stepped before any data-parallel reduction could reach them, so it is one process only (DDP, FSDP and DeepSpeed
+reduce `.grad` after autograd accumulates it: refused there); a backend that keeps weight gradients outside `.grad`
+(msamp, the levels' `weight_grad_dtype`) or te's `fp8_weights` (TE's FusedAdam) is refused by the recipe. Under
+`accelerator.accumulate()` the steps run with the micro-batch that synchronises, as `optimizer.step()` would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+FIELD = "FP8RecipeKwargs.optimizer_in_backward"
+_HANDLES = "_lowprec_steps_in_backward"
+
+
+def engine_problem(engine: str, processes: int) -> str | None:
+    """Why steps in backward cannot run under `engine` with `processes` processes, or None."""
+    if processes > 1 or engine != "single":
+        return (f"{FIELD}=True steps each parameter as autograd accumulates its gradient, before DDP, FSDP or "
+                f"DeepSpeed reduce gradients across ranks: one process only (this run: engine {engine!r}, "
+                f"{processes} processes). Leave it unset here")
+    return None
+
+
+def _raw_step(optimizer: torch.optim.Optimizer) -> Callable[[torch.optim.Optimizer], object]:
+    # torch wraps each optimizer class's step in its hook runner: the per-parameter steps skip the hooks, which run
+    # once, in the optimizer.step() the training loop still calls
+    step = type(optimizer).step
+    return getattr(step, "__wrapped__", step)
+
+
+class StepsInBackward:
+    """Per-parameter steps of `optimizer` (the bare torch optimizer, not Accelerate's wrapper) from its parameters'
+    post-accumulate-grad hooks, while `syncing()` is true."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, syncing: Callable[[], bool]):
+        if getattr(optimizer, _HANDLES, None) is not None:
+            raise ValueError(f"{FIELD}: this optimizer already steps in backward")
+        self.optimizer = optimizer
+        self.syncing = syncing
+        self.step = _raw_step(optimizer)
+        self.handles = []
+        seen: set[int] = set()
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in seen or not param.requires_grad:
+                    continue
+                seen.add(id(param))
+                self.handles.append(param.register_post_accumulate_grad_hook(self._make_hook(group)))
+        setattr(optimizer, _HANDLES, self)
+
+    def _make_hook(self, group: dict):
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is None or not self.syncing():
+                return  # accumulating micro-batches: the step comes with the one that synchronises
+            self.step_one(group, param)
+            param.grad = None  # the point: the gradient's memory goes back now, not after the whole backward
+        return hook
+
+    def step_one(self, group: dict, param: torch.Tensor) -> None:
+        """The optimizer's own step over `param` alone: its group's hyperparameters (an LR scheduler's too), its
+        state entry, the same kernel as over the whole list."""
+        optimizer = self.optimizer
+        groups, params = optimizer.param_groups, group["params"]
+        optimizer.param_groups, group["params"] = [group], [param]
+        try:
+            with torch.no_grad():
+                self.step(optimizer)
+        finally:
+            optimizer.param_groups, group["params"] = groups, params
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        setattr(self.optimizer, _HANDLES, None)
+
+
+def steps_in_backward(optimizer) -> StepsInBackward | None:
+    """The StepsInBackward installed on `optimizer` (or on the optimizer Accelerate's wrapper holds), or None."""
+    return getattr(getattr(optimizer, "optimizer", optimizer), _HANDLES, None)
+
+
+def install(optimizers, gradient_state) -> list[StepsInBackward]:
+    """Steps in backward for each prepared optimizer, synchronised with Accelerate's `gradient_state`."""
+    return [StepsInBackward(getattr(opt, "optimizer", opt), lambda: gradient_state.sync_gradients)
+            for opt in optimizers]
+
+
+def refuse_clipping(optimizers) -> None:
+    """`clip_grad_norm_` where an optimizer steps in backward: its gradients are gone by then."""
+    if any(steps_in_backward(opt) is not None for opt in optimizers):
+        raise ValueError(
+            f"clip_grad_norm_ with {FIELD}=True: each parameter was stepped and its gradient freed during backward, "
+            "so no moment holds all gradients to measure or clip. Train without clipping, or leave "
+            "optimizer_in_backward unset")
