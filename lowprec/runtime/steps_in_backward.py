@@ -14,7 +14,9 @@ What it cannot be: gradients are never all there at once, so `accelerator.clip_g
 stepped before any data-parallel reduction could reach them, so it is one process only (DDP, FSDP and DeepSpeed
 reduce `.grad` after autograd accumulates it: refused there); a backend that keeps weight gradients outside `.grad`
 (msamp, the levels' `weight_grad_dtype`) or te's `fp8_weights` (TE's FusedAdam) is refused by the recipe. Under
-`accelerator.accumulate()` the steps run with the micro-batch that synchronises, as `optimizer.step()` would.
+`accelerator.accumulate()` the steps run with the micro-batch that synchronises, as `optimizer.step()` would. A model
+compiled as one graph hands autograd every gradient at once, at the end of its backward graph: the saving needs the
+model compiled block by block (Accelerate's regional compilation) or eager.
 """
 
 from __future__ import annotations
