@@ -56,6 +56,9 @@ class StepsInBackward:
         self.syncing = syncing
         self.step = _raw_step(optimizer)
         self.handles = []
+        # parameters stepped since the last optimizer.step(): a second backward before it would step them again,
+        # where optimizer.step() would have taken the two gradients' sum once
+        self.stepped: set[int] = set()
         seen: set[int] = set()
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -63,12 +66,20 @@ class StepsInBackward:
                     continue
                 seen.add(id(param))
                 self.handles.append(param.register_post_accumulate_grad_hook(self._make_hook(group)))
+        self.handles.append(optimizer.register_step_post_hook(lambda *_args, **_kwargs: self.stepped.clear()))
         setattr(optimizer, _HANDLES, self)
 
     def _make_hook(self, group: dict):
         def hook(param: torch.Tensor) -> None:
             if param.grad is None or not self.syncing():
                 return  # accumulating micro-batches: the step comes with the one that synchronises
+            if id(param) in self.stepped:
+                raise RuntimeError(
+                    f"{FIELD}=True: a second backward reached a parameter already stepped in an earlier one, with no "
+                    "optimizer.step() between them; optimizer.step() would have stepped once with the gradients' "
+                    "sum. Call optimizer.step() after each backward, accumulate under accelerator.accumulate(), or "
+                    "leave optimizer_in_backward unset")
+            self.stepped.add(id(param))
             self.step_one(group, param)
             param.grad = None  # the point: the gradient's memory goes back now, not after the whole backward
         return hook

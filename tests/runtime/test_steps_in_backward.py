@@ -194,3 +194,16 @@ def test_an_optimizer_prepared_after_its_model_steps_in_backward_too():
     assert steps_in_backward(optimizer) is not None
     accelerator.backward(model(torch.randint(0, 32, (2, 16))).float().mean())
     assert all(p.grad is None for p in model.parameters()) and len(optimizer.state) > 0
+
+
+def test_a_second_backward_before_optimizer_step_is_refused_not_stepped_twice():
+    model = nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    StepsInBackward(optimizer, lambda: True)
+    model(torch.randn(2, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="a second backward reached a parameter already stepped"):
+        model(torch.randn(2, 8)).sum().backward()
+    optimizer.zero_grad()  # the refused backward's gradients
+    optimizer.step()  # what the training loop calls after each backward: the next one steps again
+    model(torch.randn(2, 8)).sum().backward()
+    assert all(state["step"] == 2 for state in optimizer.state.values())
