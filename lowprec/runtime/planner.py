@@ -123,6 +123,10 @@ def build_plan(
         choice=describe_choice(recipe, context),
     )
     plan.tensors = backend.tensor_precisions(plan)
+    if recipe.optimizer_in_backward:  # the row says when they exist: one parameter's at a time
+        plan.tensors = [dataclasses.replace(t, scaling="each stepped by the optimizer in backward once accumulated, "
+                                            "then freed (optimizer_in_backward)") if t.kind == "weight_grad" else t
+                        for t in plan.tensors]
     _check_rows(backend, plan.tensors)
     plan.bytes_per_param = backend.model_state_bytes(plan, param_dtype)
     found = find_blocks(model)

@@ -39,6 +39,11 @@
 #                                                #   losses and peaks each run's own, speeds not compared;
 #                                                #   CONVERGENCE_SEEDS=3: each configuration with seeds 0..2,
 #                                                #   against BF16's run of the same seed and BF16's mean)
+#   bash scripts/gpu/memory.sh OUT inbackward    # ~5 min: torchao (compiled) and te (eager) with FP8 activations,
+#                                                #   with and without optimizer_in_backward (each parameter
+#                                                #   stepped in backward, its FP32 gradient freed there), against
+#                                                #   BF16 of the same mode: speed, peak and its phase (te: TE's
+#                                                #   extension)
 #   bash scripts/gpu/memory.sh OUT largest       # ~8 min: benchmarks/largest_model.py, the deepest proxy each
 #                                                #   configuration trains at batch 4 x 2048 (LARGEST_CONFIGS:
 #                                                #   others, ';'-separated, e.g. "bf16 compiled;torchao O2 act8";
@@ -51,8 +56,8 @@
 # OUT/<date>-<gpu>-memory/: one file per part plus commit.txt; commit that folder under results/gpu/. Set COMMIT=<hash>
 # (the tree's commit) on the device: its copy of the tree may carry a stale .git.
 set -uo pipefail
-out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|loss|states|realize|recompute|combined|whole|convergence|largest ...}; shift
-[ $# -gt 0 ] || { echo "name at least one part: headline headline_te loss states realize recompute combined whole convergence largest" >&2
+out=${1:?usage: bash scripts/gpu/memory.sh OUT headline|headline_te|loss|states|realize|recompute|combined|whole|convergence|inbackward|largest ...}; shift
+[ $# -gt 0 ] || { echo "name at least one part: headline headline_te loss states realize recompute combined whole convergence inbackward largest" >&2
                   exit 2; }
 cd "$(dirname "$0")/../.."
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H100|H200|B200' || echo gpu)
@@ -165,11 +170,15 @@ for part in "$@"; do
         --configs ${CONVERGENCE_CONFIGS:-bf16 msamp:delayed:O2 msamp:delayed:O2,activation_dtype=fp8 \
         torchao:tensorwise,activation_dtype=fp8} \
         > "$dir/convergence.log" 2>&1 || status=1 ;;
+    inbackward)
+      python3 benchmarks/headline.py --widths d4096 --out "$dir/inbackward.json" --configs "bf16 compiled" \
+        "torchao act8" "torchao act8 in backward" "bf16 eager" "te act8" "te act8 in backward" \
+        > "$dir/inbackward.log" 2>&1 || status=1 ;;
     largest)
       python3 benchmarks/largest_model.py --width d4096 --out "$dir/largest.json" \
         ${LARGEST_CAPACITY_GIB:+--capacity-gib "$LARGEST_CAPACITY_GIB"} \
         --configs "${LARGEST_CONFIGS[@]}" > "$dir/largest.log" 2>&1 || status=1 ;;
-    *) echo "unknown part '$part' (headline|headline_te|loss|states|realize|recompute|combined|ownrows|whole|convergence|largest)" >&2
+    *) echo "unknown part '$part' (headline|headline_te|loss|states|realize|recompute|combined|ownrows|whole|convergence|inbackward|largest)" >&2
        exit 2 ;;
   esac
   tail -15 "$dir/$part.log" 2>/dev/null

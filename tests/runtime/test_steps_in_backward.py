@@ -171,8 +171,11 @@ def test_the_environment_variable_and_a_bad_value(monkeypatch):
 def test_the_plan_says_so():
     accelerator, _, _, _, _ = _train(True, steps=1)
     assert any(note.startswith("optimizer_in_backward:") for note in accelerator.precision_plan.notes)
+    assert "in backward" in accelerator.precision_plan.tensor("weight_grad").scaling
+    assert "in backward" in str(accelerator.precision_plan)
     plain, _, _, _, _ = _train(False, steps=1)
     assert not any("optimizer_in_backward" in note for note in plain.precision_plan.notes)
+    assert "in backward" not in plain.precision_plan.tensor("weight_grad").scaling
 
 
 def test_an_optimizer_is_given_steps_in_backward_once():
