@@ -94,6 +94,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         pad_inner_dim=args.pad_inner_dim,
         emulate=args.emulate,
         compile_fp8_layers=args.compile_fp8_layers,
+        optimizer_in_backward=args.optimizer_in_backward,
         name=args.name,
     )
     model, description = build_model_for_plan(args.model, args.config, dict(args.set or []))
@@ -216,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--compile", action="store_true",
                       help="plan for a model compiled whole (dynamo_backend); default: an eager model")
     _bool_flag(plan, "compile-fp8-layers", "eager model: compile each FP8 layer on its own")
+    _bool_flag(plan, "optimizer-in-backward", "step each parameter in backward as its gradient is ready (one process)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
 
     recipes = sub.add_parser("recipes", help="the named recipes (FP8RecipeKwargs(name=...)) and what each sets")

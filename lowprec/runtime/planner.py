@@ -23,6 +23,7 @@ from .activations_in_graph import in_graph_wanted, inlining_supported
 from .compile_options import act8_settings
 from .fp8_copies_recompute import setting as recompute_setting
 from .loss import loss_storage
+from .steps_in_backward import engine_problem
 
 if TYPE_CHECKING:
     from ..backends.base import Backend
@@ -122,6 +123,8 @@ def build_plan(
         model_mode=model_mode(context),
         choice=describe_choice(recipe, context),
     )
+    if recipe.optimizer_in_backward and engine_problem(context.engine, context.world_size):
+        raise ValueError(engine_problem(context.engine, context.world_size))
     plan.tensors = backend.tensor_precisions(plan)
     if recipe.optimizer_in_backward:  # the row says when they exist: one parameter's at a time
         plan.tensors = [dataclasses.replace(t, scaling="each stepped by the optimizer in backward once accumulated, "

@@ -210,3 +210,16 @@ def test_a_second_backward_before_optimizer_step_is_refused_not_stepped_twice():
     optimizer.step()  # what the training loop calls after each backward: the next one steps again
     model(torch.randn(2, 8)).sum().backward()
     assert all(state["step"] == 2 for state in optimizer.state.values())
+
+
+@pytest.mark.parametrize(("engine", "world"), [("single", 1), ("ddp", 2), ("fsdp2", 2)])
+def test_lowprec_plan_takes_the_flag_and_refuses_it_under_an_engine(capsys, engine, world):
+    from lowprec.cli import main
+
+    code = main(["plan", "--model", "tiny", "--backend", "torchao", "--optimizer-in-backward", "--engine", engine,
+                 "--world-size", str(world)])
+    out = capsys.readouterr()
+    if engine == "single":
+        assert code == 0 and "each stepped by the optimizer in backward" in out.out
+    else:
+        assert code == 2 and f"{FIELD}=True steps each parameter" in out.err and repr(engine) in out.err
