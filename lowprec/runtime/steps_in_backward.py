@@ -60,16 +60,16 @@ class StepsInBackward:
         # where optimizer.step() would have taken the two gradients' sum once
         self.stepped: set[int] = set()
         seen: set[int] = set()
-        for group in optimizer.param_groups:
+        for index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
                 if id(param) in seen or not param.requires_grad:
                     continue
                 seen.add(id(param))
-                self.handles.append(param.register_post_accumulate_grad_hook(self._make_hook(group)))
+                self.handles.append(param.register_post_accumulate_grad_hook(self._make_hook(index)))
         self.handles.append(optimizer.register_step_post_hook(lambda *_args, **_kwargs: self.stepped.clear()))
         setattr(optimizer, _HANDLES, self)
 
-    def _make_hook(self, group: dict):
+    def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
             if param.grad is None or not self.syncing():
                 return  # accumulating micro-batches: the step comes with the one that synchronises
@@ -80,7 +80,8 @@ class StepsInBackward:
                     "sum. Call optimizer.step() after each backward, accumulate under accelerator.accumulate(), or "
                     "leave optimizer_in_backward unset")
             self.stepped.add(id(param))
-            self.step_one(group, param)
+            # the group by its place, looked up now: load_state_dict replaces the group dicts (and their LR)
+            self.step_one(self.optimizer.param_groups[index], param)
             param.grad = None  # the point: the gradient's memory goes back now, not after the whole backward
         return hook
 

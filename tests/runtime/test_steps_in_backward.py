@@ -223,3 +223,21 @@ def test_lowprec_plan_takes_the_flag_and_refuses_it_under_an_engine(capsys, engi
         assert code == 0 and "each stepped by the optimizer in backward" in out.out
     else:
         assert code == 2 and f"{FIELD}=True steps each parameter" in out.err and repr(engine) in out.err
+
+
+def test_after_load_state_dict_the_steps_use_the_loaded_groups():
+    # load_state_dict puts new dicts in param_groups: a hook holding the old one would step with its stale LR
+    def run(in_backward: bool):
+        torch.manual_seed(0)
+        model = nn.Linear(8, 8)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        state = optimizer.state_dict()
+        state["param_groups"][0]["lr"] = 0.5
+        if in_backward:
+            StepsInBackward(optimizer, lambda: True)
+        optimizer.load_state_dict(state)
+        model(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+        return model.weight.detach()
+
+    assert torch.equal(run(True), run(False))
