@@ -28,6 +28,7 @@ from ..planning.engines import apply_grad_comm_dtype, options_without_effect
 from ..planning.plan import PrecisionPlan
 from .activations import check_activation_dtype, install_activation_storage
 from .checkpoints import ForeignBackendEntries, from_low_bit_states
+from .clipping import GradientClipping
 from .compile_options import act8_settings, compiling_with
 from .console import print_plan_summary, quiet_requested
 from .export import BACKEND_ATTR
@@ -37,7 +38,7 @@ from .params import ReplacedParams, remap_optimizer_params
 from .planner import build_plan
 from .run_context import engine_plugin, inherited_dynamo, run_context_of, split_launch_warning
 from .sharded_checkpoints import CheckedCheckpoints
-from .steps_in_backward import engine_problem, install, refuse_clipping
+from .steps_in_backward import engine_problem, install
 from .wrapping import track_step_for_scheduler, wrap_forward
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ _PLAN_ATTR = "_lowprec_plan"
 _FINAL_ATTR = "_lowprec_finalized"
 
 
-class Accelerator(CheckedCheckpoints, _Accelerator):
+class Accelerator(CheckedCheckpoints, GradientClipping, _Accelerator):
     """Drop-in `accelerate.Accelerator` that trains in FP8 through lowprec.
 
     FP8 is on when `mixed_precision="fp8"` (argument or `ACCELERATE_MIXED_PRECISION`, as
@@ -54,7 +55,8 @@ class Accelerator(CheckedCheckpoints, _Accelerator):
     `lowprec.FP8RecipeKwargs`, or Accelerate's `AORecipeKwargs` / `TERecipeKwargs` /
     `MSAMPRecipeKwargs` / `FP8RecipeKwargs`, which are translated. Without a handler the recipe is
     read from `ACCELERATE_FP8_*` (a config file's `fp8_config:` section). Everything else is Accelerate's but
-    `save_state` / `load_state` (runtime/sharded_checkpoints.py: optimizer state completed, FSDP2 loads checked).
+    `save_state` / `load_state` (runtime/sharded_checkpoints.py: optimizer state completed, FSDP2 loads checked)
+    and gradient clipping (runtime/clipping.py: gradients outside `.grad` counted, or refused where unseen).
     `prepare()` prints a summary of each FP8 model's precision plan to stderr on the main process;
     `lowprec_quiet=True` (None: the `LOWPREC_QUIET` environment variable, `1` or `0`) leaves it out.
     """
@@ -306,17 +308,6 @@ class Accelerator(CheckedCheckpoints, _Accelerator):
         monitor = FP8HealthMonitor(inner, backend, every, out=out if self.is_main_process else None)
         self._health.append(monitor)
         return monitor
-
-    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
-        """Accelerate's `clip_grad_norm_`, counting the gradients a backend keeps outside `.grad`
-        (msamp's FP8 weight gradients) in the norm and clipping them too."""
-        refuse_clipping(self._optimizers)
-        parameters = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
-        for _, backend, _ in self._lowprec:
-            total = backend.clip_grad_norm_(parameters, max_norm, norm_type)
-            if total is not None:
-                return total
-        return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if self.fp8_recipe is None:

@@ -115,10 +115,10 @@ def install(optimizers, gradient_state) -> list[StepsInBackward]:
             for opt in optimizers]
 
 
-def refuse_clipping(optimizers) -> None:
-    """`clip_grad_norm_` where an optimizer steps in backward: its gradients are gone by then."""
+def refuse_clipping(optimizers, what: str = "clip_grad_norm_") -> None:
+    """Clipping (`what`) where an optimizer steps in backward: its gradients are gone by then."""
     if any(steps_in_backward(opt) is not None for opt in optimizers):
         raise ValueError(
-            f"clip_grad_norm_ with {FIELD}=True: each parameter was stepped and its gradient freed during backward, "
+            f"{what} with {FIELD}=True: each parameter was stepped and its gradient freed during backward, "
             "so no moment holds all gradients to measure or clip. Train without clipping, or leave "
             "optimizer_in_backward unset")
