@@ -297,13 +297,14 @@ def test_through_the_accelerator_with_a_compiled_model(backend, switch, monkeypa
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_asking_for_it_on_a_torch_that_cannot_inline_says_so(monkeypatch):
     import lowprec.runtime.activations as activations
-    import lowprec.runtime.planner as planner
+    import lowprec.runtime.activations_in_graph as activations_in_graph
     from lowprec import Accelerator, FP8RecipeKwargs
 
     pytest.importorskip("torchao")
     monkeypatch.setenv(ENV, "1")
     monkeypatch.setattr(activations, "inlining_supported", lambda: False)
-    monkeypatch.setattr(planner, "inlining_supported", lambda: False)
+    # the plan and the compile options ask activations_in_graph.graphs_store_fp8, which asks this
+    monkeypatch.setattr(activations_in_graph, "inlining_supported", lambda: False)
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(
         backend="torchao", skip_slow_shapes=False, activation_dtype="fp8")])
     with pytest.warns(UserWarning, match="LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1 needs a torch that inlines"):
@@ -346,14 +347,15 @@ def test_the_default_on_a_torch_that_cannot_inline_keeps_the_python_hooks_quietl
     import warnings
 
     import lowprec.runtime.activations as activations
-    import lowprec.runtime.planner as planner
+    import lowprec.runtime.activations_in_graph as activations_in_graph
 
     pytest.importorskip("torchao")
     from test_activation_storage import _compiled, batches
 
     monkeypatch.delenv(ENV, raising=False)
     monkeypatch.setattr(activations, "inlining_supported", lambda: False)
-    monkeypatch.setattr(planner, "inlining_supported", lambda: False)
+    # the plan and the compile options ask activations_in_graph.graphs_store_fp8, which asks this
+    monkeypatch.setattr(activations_in_graph, "inlining_supported", lambda: False)
     x, y = batches(1)[0]
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*LOWPREC_FP8_ACTIVATIONS_IN_GRAPH")

@@ -121,8 +121,8 @@ class Accelerator(CheckedCheckpoints, GradientClipping, _Accelerator):
             apply_grad_comm_dtype(create_backend(recipe, context).grad_comm_choice, context.engine,
                                   engine_plugin(self.state, context.engine))
             create_backend(recipe, self.run_context())
-            if recipe.optimizer_in_backward and engine_problem(context.engine, self.num_processes):
-                raise ValueError(engine_problem(context.engine, self.num_processes))
+            if recipe.optimizer_in_backward and (problem := engine_problem(context.engine, self.num_processes)):
+                raise ValueError(problem)
             for option, why in options_without_effect(recipe, context.engine, self.num_processes):
                 warnings.warn(f"lowprec: FP8RecipeKwargs.{option} has no effect in this run: {why}", stacklevel=2)
 

@@ -66,6 +66,13 @@ def in_graph_wanted(compiled: bool, engine: str = "single") -> bool:
     return (compiled and engine in DEFAULT_ENGINES) if requested is None else requested
 
 
+def graphs_store_fp8(recipe, context) -> bool:
+    """Whether a model prepared with `recipe` under `context` (a RunContext) has its compiled graphs store their
+    saved tensors in FP8 themselves: FP8 activations, wanted inside the graphs, and a torch that inlines the hooks."""
+    return (recipe.activation_dtype == "fp8" and in_graph_wanted(context.compiled, context.engine)
+            and inlining_supported())
+
+
 def inlining_supported() -> bool:
     """Whether this torch inlines GraphModule saved-tensor hooks into compiled graphs."""
     try:

@@ -20,7 +20,7 @@ import contextlib
 from collections.abc import Iterator
 
 from ..utils.env import switch
-from .activations_in_graph import in_graph_wanted, inlining_supported
+from .activations_in_graph import graphs_store_fp8
 
 ENV = "LOWPREC_ACT8_COMPILE_OPTIONS"
 ACT8_OPTIONS = {"realize_opcount_threshold": 64}
@@ -71,7 +71,6 @@ def compiling_with(plugin, wanted: dict) -> Iterator[None]:
 def act8_settings(recipe, context) -> dict:
     """The inductor settings a model prepared with `recipe` under `context` (a RunContext) is compiled with:
     ACT8_OPTIONS where its graphs store their saved tensors in FP8 themselves, else none."""
-    if (recipe is None or recipe.activation_dtype != "fp8" or not context.compiled
-            or not in_graph_wanted(context.compiled, context.engine) or not inlining_supported()):
+    if recipe is None or not context.compiled or not graphs_store_fp8(recipe, context):
         return {}
     return dict(ACT8_OPTIONS) if act8_options_requested() else {}

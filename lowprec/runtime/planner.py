@@ -19,7 +19,7 @@ from ..planning.plan import PrecisionPlan, short_dtype
 from ..planning.selection import find_blocks, select_modules
 from ..planning.speed import unmeasured_note
 from .activations_fp32 import fp32_policy
-from .activations_in_graph import in_graph_wanted, inlining_supported
+from .activations_in_graph import graphs_store_fp8
 from .compile_options import act8_settings
 from .fp8_copies_recompute import setting as recompute_setting
 from .loss import loss_storage
@@ -123,8 +123,8 @@ def build_plan(
         model_mode=model_mode(context),
         choice=describe_choice(recipe, context),
     )
-    if recipe.optimizer_in_backward and engine_problem(context.engine, context.world_size):
-        raise ValueError(engine_problem(context.engine, context.world_size))
+    if recipe.optimizer_in_backward and (problem := engine_problem(context.engine, context.world_size)):
+        raise ValueError(problem)
     plan.tensors = backend.tensor_precisions(plan)
     if recipe.optimizer_in_backward:  # the row says when they exist: one parameter's at a time
         plan.tensors = [dataclasses.replace(t, scaling="each stepped by the optimizer in backward once accumulated, "
@@ -134,8 +134,7 @@ def build_plan(
     plan.bytes_per_param = backend.model_state_bytes(plan, param_dtype)
     found = find_blocks(model)
     blocks = None if found is None else (found[0], len(found[1]), type(found[1][0]).__name__)
-    in_graph = (recipe.activation_dtype == "fp8" and in_graph_wanted(context.compiled, context.engine)
-                and inlining_supported())
+    in_graph = graphs_store_fp8(recipe, context)
     recompute = recompute_setting()  # a bad value is refused here, whatever the configuration
     plan.activations = saved_activations(plan.modules, backend.saved_linear_input(), recipe.activation_dtype, blocks,
                                          compiled=context.compiled, in_graph=in_graph,
