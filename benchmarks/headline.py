@@ -193,6 +193,8 @@ INDUCTOR: dict[str, dict] = _settings("inductor")
 PATCHES: dict[str, dict[str, object]] = _settings("patches")
 # FP8Linear's amax_history_len (MS-AMP's 16): msamp's steps before it take current scales, another compiled graph
 MSAMP_WINDOW = 16
+# more left allocated than this after a configuration's run is reported (its JSON's left_allocated_gib, a warning)
+LEFT_ALLOCATED_LIMIT_GIB = 1 / 16
 DEFAULT_CONFIGS = ["bf16 eager", "te", "auto", "raw te", "bf16 compiled", "torchao", "msamp O2", "auto compiled"]
 
 
@@ -455,6 +457,13 @@ def _cleanup() -> None:
         torch.cuda.empty_cache()
 
 
+def _left_allocated_gib(before: int) -> float:
+    """CUDA memory a finished configuration left allocated beyond what was there before it (0 on CPU): the next
+    configurations' peaks would include it (steps in backward once kept 13.9 GiB of its model alive, and every
+    configuration after it in the same call looked that much worse)."""
+    return max(torch.cuda.memory_allocated() - before, 0) / 2**30 if torch.cuda.is_available() else 0.0
+
+
 def _ratios(runs: dict) -> None:
     """Each configuration's speed and peak memory against BF16 of its mode (eager or compiled), where measured."""
     for label, r in runs.items():
@@ -582,14 +591,22 @@ def main(argv: list[str] | None = None) -> dict:
                     profile_path = stem + ".prof.txt"
                 if round_ == 0 and label in (args.peak_configs or ()):
                     peak_path = stem + ".peak.txt"
+                before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
                 try:
                     r = run_one(label, width, data, args.warmup, profile_path, args.profile_steps, peak_path,
                                 args.peak_step)
                 except Exception as exc:  # noqa: BLE001 - one configuration failing must not lose the others
                     r = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
                 _cleanup()
+                left = _left_allocated_gib(before)
+                if left > LEFT_ALLOCATED_LIMIT_GIB:
+                    r["left_allocated_gib"] = left
+                    print(f"warning: {label} left {left:.2f} GiB allocated after its run: the peaks of the "
+                          "configurations after it in this call include it", file=sys.stderr, flush=True)
                 if round_:
                     first = runs[label]
+                    if "left_allocated_gib" in r:
+                        first["left_allocated_gib"] = max(first.get("left_allocated_gib", 0), r["left_allocated_gib"])
                     first["rounds_ms"].append(r["step_ms_median"])
                     first["step_ms_median"] = statistics.median(first["rounds_ms"])
                     first["rounds_peak_gib"].append(r.get("peak_gib"))  # each round's: a round's rise shows

@@ -21,6 +21,7 @@ model compiled block by block (Accelerate's regional compilation) or eager.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -65,25 +66,25 @@ class StepsInBackward:
                 if id(param) in seen or not param.requires_grad:
                     continue
                 seen.add(id(param))
-                self.handles.append(param.register_post_accumulate_grad_hook(self._make_hook(index)))
-        self.handles.append(optimizer.register_step_post_hook(lambda *_args, **_kwargs: self.stepped.clear()))
-        setattr(optimizer, _HANDLES, self)
+                self.handles.append(param.register_post_accumulate_grad_hook(_parameter_hook(weakref.ref(self),
+                                                                                             index)))
+        self.handles.append(optimizer.register_step_post_hook(_clear_hook(weakref.ref(self))))
+        setattr(optimizer, _HANDLES, self)  # the optimizer keeps this alive; the hooks hold it weakly
 
-    def _make_hook(self, index: int):
-        def hook(param: torch.Tensor) -> None:
-            if param.grad is None or not self.syncing():
-                return  # accumulating micro-batches: the step comes with the one that synchronises
-            if id(param) in self.stepped:
-                raise RuntimeError(
-                    f"{FIELD}=True: a second backward reached a parameter already stepped in an earlier one, with no "
-                    "optimizer.step() between them; optimizer.step() would have stepped once with the gradients' "
-                    "sum. Call optimizer.step() after each backward, accumulate under accelerator.accumulate(), or "
-                    "leave optimizer_in_backward unset")
-            self.stepped.add(id(param))
-            # the group by its place, looked up now: load_state_dict replaces the group dicts (and their LR)
-            self.step_one(self.optimizer.param_groups[index], param)
-            param.grad = None  # the point: the gradient's memory goes back now, not after the whole backward
-        return hook
+    def on_gradient(self, index: int, param: torch.Tensor) -> None:
+        """`param`'s gradient accumulated: step it with its group (the `index`-th) and free the gradient."""
+        if param.grad is None or not self.syncing():
+            return  # accumulating micro-batches: the step comes with the one that synchronises
+        if id(param) in self.stepped:
+            raise RuntimeError(
+                f"{FIELD}=True: a second backward reached a parameter already stepped in an earlier one, with no "
+                "optimizer.step() between them; optimizer.step() would have stepped once with the gradients' "
+                "sum. Call optimizer.step() after each backward, accumulate under accelerator.accumulate(), or "
+                "leave optimizer_in_backward unset")
+        self.stepped.add(id(param))
+        # the group by its place, looked up now: load_state_dict replaces the group dicts (and their LR)
+        self.step_one(self.optimizer.param_groups[index], param)
+        param.grad = None  # the point: the gradient's memory goes back now, not after the whole backward
 
     def step_one(self, group: dict, param: torch.Tensor) -> None:
         """The optimizer's own step over `param` alone: its group's hyperparameters (an LR scheduler's too), its
@@ -102,6 +103,26 @@ class StepsInBackward:
             handle.remove()
         self.handles = []
         setattr(self.optimizer, _HANDLES, None)
+
+
+# The hooks reach their StepsInBackward through a weak reference: a parameter's hooks live in autograd's C++
+# AccumulateGrad node, where the garbage collector cannot see a cycle through them, so a strong one (parameter ->
+# hook -> optimizer -> parameter) kept every model and optimizer that ever stepped in backward alive (13.9 GiB of
+# the d4096 proxy's state stayed allocated after its run, 3ee32b5 on the H200).
+def _parameter_hook(owner: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        steps = owner()
+        if steps is not None:
+            steps.on_gradient(index, param)
+    return hook
+
+
+def _clear_hook(owner: weakref.ref) -> Callable[..., None]:
+    def hook(*_args, **_kwargs) -> None:
+        steps = owner()
+        if steps is not None:
+            steps.stepped.clear()
+    return hook
 
 
 def steps_in_backward(optimizer) -> StepsInBackward | None:

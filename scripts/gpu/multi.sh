@@ -93,7 +93,7 @@ for case in "$@"; do
     ${noag:+--no-fp8-all-gather} ${aocast:+--torchao-gather-cast} \
     --out "$out/$name.json" > "$out/$name.log" 2>&1
   rc=$?; echo "exit $rc in $(( $(date +%s) - t0 )) s"
-  if [ -f "$out/$name.json" ]; then
+  if [ -s "$out/$name.json" ]; then  # a result dict that raised leaves an empty file: keep the log then
     grep -E '"(refused|all_forwards_in_fp8|first_loss|last_loss|median_step_s|tokens_per_s|max_param_diff_across_ranks|delayed_scaling_differs_across_ranks)"' \
       "$out/$name.json"; rm -f "$out/$name.log"  # keep logs of failures only
   else

@@ -446,6 +446,7 @@ def main() -> None:
                                                    device=accelerator.device))
     if accelerator.is_main_process:
         tokens = preset.batch * preset.seq_len * accelerator.num_processes
+        inner_optimizer = getattr(optimizer, "optimizer", optimizer)
         with open(args.out, "w") as fh:
             json.dump({
                 "backend": backend, "recipe": plan.recipe if plan else None,
@@ -453,7 +454,8 @@ def main() -> None:
                 "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
                 "model_type": type(model).__name__,
                 "wrapped_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
-                "optimizer_fused": bool(getattr(optimizer, "optimizer", optimizer).defaults.get("fused")),
+                # DeepSpeed's ZeRO optimizer is no torch Optimizer and has no defaults (zero cells wrote empty JSON)
+                "optimizer_fused": bool(getattr(inner_optimizer, "defaults", {}).get("fused")),
                 "options": {k: str(v) for k, v in (plan.options if plan else {}).items()},
                 "fp8_modules": len(fp8_modules),
                 "planned_fp8_linears": sum(d.kind == "linear" for d in plan.converted) if plan else 0,

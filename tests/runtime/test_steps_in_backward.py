@@ -241,3 +241,18 @@ def test_after_load_state_dict_the_steps_use_the_loaded_groups():
         return model.weight.detach()
 
     assert torch.equal(run(True), run(False))
+
+
+def test_a_finished_run_leaves_neither_its_model_nor_its_optimizer_alive():
+    # the hooks live in autograd's C++ nodes, where the garbage collector sees no cycle: a hook holding its
+    # optimizer strongly kept every model that stepped in backward allocated (13.9 GiB of the proxy on the H200)
+    import gc
+    import weakref
+
+    accelerator, model, optimizer, _, _ = _train(True, steps=2)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    refs = [weakref.ref(p) for p in model.parameters()] + [weakref.ref(inner)]
+    assert inner.state and all(r() is not None for r in refs)
+    del accelerator, model, optimizer, inner
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
