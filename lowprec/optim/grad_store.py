@@ -22,6 +22,7 @@ from torch import nn
 
 from ..kernels.fused import amax_of_rows, cuda_fused, reduction_rows
 from ..kernels.scaling import compute_scale, quantize
+from ..utils.hooks import weak_post_accumulate_grad_hook
 
 STORE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 _PREFIX = "_lowprec_grad_"
@@ -42,7 +43,9 @@ class GradStore:
         module.register_buffer(_PREFIX + "scale", torch.ones((), device=device), persistent=False)
         module.register_buffer(_PREFIX + "amax", torch.zeros((), device=device), persistent=False)
         module.register_buffer(_PREFIX + "valid", torch.zeros((), device=device), persistent=False)
-        self._handle = weight.register_post_accumulate_grad_hook(self._take)
+        # the layer keeps its store alive; the weight's hook holds it weakly (a strong one kept the model alive)
+        module.__dict__[_PREFIX + "store"] = self
+        self._handle = weak_post_accumulate_grad_hook(weight, self, GradStore._take)
 
     # the attributes the optimizer, the clipper and the reducer read
     @property
@@ -84,6 +87,7 @@ class GradStore:
         self._handle.remove()
         for name in ("data", "scale", "amax", "valid"):
             delattr(self.module, _PREFIX + name)
+        self.module.__dict__.pop(_PREFIX + "store", None)
 
 
 @torch.no_grad()

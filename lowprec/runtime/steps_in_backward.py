@@ -21,10 +21,11 @@ model compiled block by block (Accelerate's regional compilation) or eager.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
+
+from ..utils.hooks import weak_post_accumulate_grad_hook
 
 FIELD = "FP8RecipeKwargs.optimizer_in_backward"
 _HANDLES = "_lowprec_steps_in_backward"
@@ -66,9 +67,10 @@ class StepsInBackward:
                 if id(param) in seen or not param.requires_grad:
                     continue
                 seen.add(id(param))
-                self.handles.append(param.register_post_accumulate_grad_hook(_parameter_hook(weakref.ref(self),
-                                                                                             index)))
-        self.handles.append(optimizer.register_step_post_hook(_clear_hook(weakref.ref(self))))
+                self.handles.append(weak_post_accumulate_grad_hook(
+                    param, self, lambda steps, tensor, index=index: steps.on_gradient(index, tensor)))
+        # in the optimizer's own dict, where the collector sees the cycle back to it: a strong reference is fine
+        self.handles.append(optimizer.register_step_post_hook(lambda *_args, **_kwargs: self.stepped.clear()))
         setattr(optimizer, _HANDLES, self)  # the optimizer keeps this alive; the hooks hold it weakly
 
     def on_gradient(self, index: int, param: torch.Tensor) -> None:
@@ -103,26 +105,6 @@ class StepsInBackward:
             handle.remove()
         self.handles = []
         setattr(self.optimizer, _HANDLES, None)
-
-
-# The hooks reach their StepsInBackward through a weak reference: a parameter's hooks live in autograd's C++
-# AccumulateGrad node, where the garbage collector cannot see a cycle through them, so a strong one (parameter ->
-# hook -> optimizer -> parameter) kept every model and optimizer that ever stepped in backward alive (13.9 GiB of
-# the d4096 proxy's state stayed allocated after its run, 3ee32b5 on the H200).
-def _parameter_hook(owner: weakref.ref, index: int) -> Callable[[torch.Tensor], None]:
-    def hook(param: torch.Tensor) -> None:
-        steps = owner()
-        if steps is not None:
-            steps.on_gradient(index, param)
-    return hook
-
-
-def _clear_hook(owner: weakref.ref) -> Callable[..., None]:
-    def hook(*_args, **_kwargs) -> None:
-        steps = owner()
-        if steps is not None:
-            steps.stepped.clear()
-    return hook
 
 
 def steps_in_backward(optimizer) -> StepsInBackward | None:
