@@ -15,11 +15,13 @@ With ACCELERATE_ENGINES_ON_GPU=1 (tests/gpu/test_te_gpu.py, a world of one) the 
 the real TransformerEngine and NCCL, as Accelerate sets them up there.
 """
 
+import gc
 import os
 import sys
 import tempfile
 import traceback
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -176,6 +178,16 @@ def train(accelerator, model, optimizer, steps: int) -> list[float]:
 
 
 def scenario(knobs: dict) -> dict:
+    """The scenario's record, with `outlived`: what of its model and optimizer was still alive once the run was
+    over and collected (parameter hooks in autograd's C++ nodes that held them kept whole models allocated)."""
+    refs: list[weakref.ref] = []
+    record = _scenario(knobs, refs)
+    gc.collect()
+    record["outlived"] = sorted(type(r()).__name__ for r in refs if r() is not None)
+    return record
+
+
+def _scenario(knobs: dict, refs: list) -> dict:
     import pytest
 
     from lowprec.runtime.export import BACKEND_ATTR
@@ -193,6 +205,7 @@ def scenario(knobs: dict) -> dict:
         patch.setattr("lowprec.runtime.run_context.device_info", lambda *_a, **_k: DeviceInfo("cuda", "H100", (9, 0)))
     try:
         accelerator, model, optimizer = prepared(knobs)
+        refs += [weakref.ref(p) for p in model.parameters()] + [weakref.ref(optimizer.optimizer)]
         inner = accelerator.unwrap_model(model)
         converted_by = getattr(inner, BACKEND_ATTR)
         fp8 = [m for m in inner.modules() if converted_by.converted_kind(m) == "linear"]
