@@ -18,11 +18,13 @@ while DeepSpeed's own process group has both: rows are chosen here by torch.dist
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
 import tempfile
 import traceback
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -127,7 +129,22 @@ def accumulated_losses(stage: int, knobs: dict, micro: int = 2) -> list[float]:
     return losses
 
 
+_REFS: list = []  # weak references to the running scenario's parameters and optimizer
+_ACCELERATORS: list = []  # its Accelerator, freed as Accelerate tells users to between two trainings
+
+
 def scenario(stage: int, knobs: dict) -> dict:
+    """The scenario's record, with `outlived`: what of its model and optimizer was alive after the run, collected."""
+    _REFS.clear()
+    record = _scenario_on_its_backend(stage, knobs)
+    while _ACCELERATORS:  # DeepSpeed's engine holds its model until destroyed: Accelerate's free_memory() does that
+        _ACCELERATORS.pop().free_memory()
+    gc.collect()
+    record["outlived"] = sorted(type(r()).__name__ for r in _REFS if r() is not None)
+    return record
+
+
+def _scenario_on_its_backend(stage: int, knobs: dict) -> dict:
     if knobs.get("backend") == "te":
         with _fake_te_on_an_h100():
             import fake_te
@@ -243,6 +260,8 @@ def _scenario(stage: int, knobs: dict, checkpoint: bool = True) -> dict:
     model = make_model()
     optimizer = make_optimizer(model, groups)
     model, optimizer = accelerator.prepare(model, optimizer)
+    _REFS.extend([weakref.ref(p) for p in model.parameters()] + [weakref.ref(optimizer)])
+    _ACCELERATORS.append(accelerator)
     inner = accelerator.unwrap_model(model)
     storage = None
     if knobs.get("activation_dtype") == "fp8":
