@@ -366,3 +366,28 @@ def test_a_state_dict_saved_before_fp8_ran_loads_after(te_accelerator):
         fake.fill_delayed_state(module, fake.DelayedScaling(margin=1, amax_history_len=8), seed=i)
     assert any(v.numel() != early[k].numel() for k, v in inner.state_dict().items() if k.endswith("_extra_state"))
     inner.load_state_dict(early)
+
+
+@pytest.mark.parametrize("fields", [{}, {"opt_level": "O2"}, {"weight_grad_dtype": "bf16"},
+                                    {"optimizer_in_backward": True}, {"activation_dtype": "fp8"}],
+                         ids=["default", "O2", "bf16 grad store", "in backward", "act8"])
+def test_a_finished_te_run_leaves_no_parameter_and_no_optimizer_alive(te_accelerator, fields):
+    # what tests/runtime/test_released.py checks of the other backends: a weight hook holding its gradient store
+    # kept te's O1/O2 models alive after their run until 2026-11-29
+    import gc
+    import weakref
+
+    def run():
+        accelerator = te_accelerator("current", **fields)
+        model = small_model()
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        for _ in range(2):
+            accelerator.backward(model(torch.randn(8, 32)).float().square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        assert optimizer.optimizer.state
+        return [weakref.ref(p) for p in model.parameters()] + [weakref.ref(optimizer.optimizer)]
+
+    refs = run()
+    gc.collect()
+    assert [type(r()).__name__ for r in refs if r() is not None] == []
