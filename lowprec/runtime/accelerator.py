@@ -36,6 +36,7 @@ from .health import FP8HealthMonitor
 from .notices import warn_once
 from .params import ReplacedParams, remap_optimizer_params
 from .planner import build_plan
+from .release import ReleasedOnFree
 from .run_context import engine_plugin, inherited_dynamo, run_context_of, split_launch_warning
 from .sharded_checkpoints import CheckedCheckpoints
 from .steps_in_backward import engine_problem, install
@@ -47,7 +48,7 @@ _PLAN_ATTR = "_lowprec_plan"
 _FINAL_ATTR = "_lowprec_finalized"
 
 
-class Accelerator(CheckedCheckpoints, GradientClipping, _Accelerator):
+class Accelerator(CheckedCheckpoints, GradientClipping, ReleasedOnFree, _Accelerator):
     """Drop-in `accelerate.Accelerator` that trains in FP8 through lowprec.
 
     FP8 is on when `mixed_precision="fp8"` (argument or `ACCELERATE_MIXED_PRECISION`, as

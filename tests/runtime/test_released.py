@@ -92,3 +92,34 @@ def test_a_layer_keeps_its_gradient_store_while_it_lives():
     for layer in layers:
         store = next(v for v in vars(layer).values() if isinstance(v, GradStore))
         assert layer.weight.grad is None and store.grad() is not None
+
+
+@pytest.mark.parametrize("recipe", ["torchao act8", "torchao O2", "torchao in backward", "msamp O2"])
+def test_free_memory_lets_go_of_every_model_the_accelerator_prepared(recipe):
+    # Accelerate's way between two trainings with one Accelerator: lowprec's own per-model state (backend, plan,
+    # health monitor, replaced parameters) kept each model alive through it until 2026-11-29
+    from lowprec import Accelerator, FP8RecipeKwargs
+
+    accelerator = Accelerator(mixed_precision="fp8", lowprec_quiet=True,
+                              kwargs_handlers=[FP8RecipeKwargs(skip_slow_shapes=False, **RECIPES[recipe])])
+
+    def run():
+        torch.manual_seed(0)
+        model = nn.Sequential(_Block(), _Block())
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        accelerator.fp8_health(every=1)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(len(losses)))).square().mean()
+            accelerator.backward(loss.float())
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return [weakref.ref(p) for p in model.parameters()] + [weakref.ref(optimizer.optimizer)], losses
+
+    refs, first = run()
+    accelerator.free_memory()
+    assert accelerator.precision_plan is None
+    assert [r for r in refs if r() is not None] == []
+    refs, second = run()  # the same Accelerator trains the next model as it did the first
+    assert second == first and accelerator.precision_plan is not None
