@@ -193,8 +193,10 @@ INDUCTOR: dict[str, dict] = _settings("inductor")
 PATCHES: dict[str, dict[str, object]] = _settings("patches")
 # FP8Linear's amax_history_len (MS-AMP's 16): msamp's steps before it take current scales, another compiled graph
 MSAMP_WINDOW = 16
-# more left allocated than this after a configuration's run is reported (its JSON's left_allocated_gib, a warning)
-LEFT_ALLOCATED_LIMIT_GIB = 1 / 16
+# more left allocated than this after a configuration's run is reported (its JSON's left_allocated_gib, a warning):
+# workspaces kept for the process (cuBLAS's, TE's) are below it (3ee32b5: torchao act8 left 62 MiB, the steps in
+# backward's leak 13.87 GiB)
+LEFT_ALLOCATED_LIMIT_GIB = 0.25
 DEFAULT_CONFIGS = ["bf16 eager", "te", "auto", "raw te", "bf16 compiled", "torchao", "msamp O2", "auto compiled"]
 
 
