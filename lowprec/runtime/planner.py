@@ -152,6 +152,8 @@ def build_plan(
                           "dynamo plugin's options do not set it: the FP8 activations' decodes stay in the backward "
                           "kernels that read them, not stored in FP32 (LOWPREC_ACT8_COMPILE_OPTIONS=0: compiled as "
                           "the plugin says)")
+    if recipe.activation_dtype == "fp8" and not in_graph:
+        plan.notes.append(_hooks_note(context))
     if recipe.optimizer_in_backward:
         plan.notes.append("optimizer_in_backward: each parameter's optimizer step runs in backward once autograd has "
                           "accumulated its gradient, which is freed there (the gradients never all exist at once); "
@@ -187,6 +189,18 @@ def build_plan(
     if not plan.converted:
         plan.notes.insert(0, "no module runs in FP8 with this recipe and model: training is high precision throughout")
     return plan
+
+
+def _hooks_note(context: RunContext) -> str:
+    """What FP8 activations cost where they are encoded from Python hooks, and what avoids it."""
+    note = ("activation_dtype='fp8' through Python hooks: each saved tensor is encoded by a kernel of its own from a "
+            "Python call and decoded the same way, which costs time in a step the host bounds (docs/performance.md: "
+            "msamp O3 under FSDP2, 0.9-1.1x BF16's speed on two H200s); ")
+    if context.engine == "single":
+        return note + ("compiling the model through Accelerate (dynamo_backend='inductor') encodes inside the "
+                       "compiled graphs instead")
+    return note + (f"under {context.engine} that is the default; LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1 with the model "
+                   "compiled through Accelerate encodes inside the compiled graphs (measured on one process only)")
 
 
 def plan_for(model: nn.Module, recipe: FP8RecipeKwargs, *, capability: str | None = None,

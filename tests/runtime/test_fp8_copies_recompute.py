@@ -220,3 +220,27 @@ def test_a_bad_switch_is_refused_at_prepare(monkeypatch):
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(backend="msamp")])
     with pytest.raises(ValueError, match=ENV):
         accelerator.prepare(_model())
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize(("engine", "compiled", "said"), [
+    ("single", False, "dynamo_backend='inductor'"),  # eager on one process: compiling moves the encode in-graph
+    ("fsdp2", False, "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1"),
+    ("ddp", True, "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1"),  # compiled, but the hooks are an engine's default
+    ("single", True, None),  # in-graph: no hooks, no note
+])
+def test_the_plan_says_where_fp8_activations_go_through_python_hooks(engine, compiled, said):
+    from lowprec import FP8RecipeKwargs
+    from lowprec.planning.hardware import assumed_device
+    from lowprec.runtime.planner import build_plan
+    from lowprec.runtime.run_context import RunContext
+
+    recipe = FP8RecipeKwargs(backend="msamp", opt_level="O3" if engine == "fsdp2" else "O2", skip_slow_shapes=False,
+                             activation_dtype="fp8")
+    context = RunContext(device=assumed_device("9.0"), engine=engine, world_size=1 if engine == "single" else 2,
+                         compiled=compiled)
+    notes = " ".join(build_plan(_model(), recipe, context=context).notes)
+    if said is None:
+        assert "through Python hooks" not in notes
+    else:
+        assert "through Python hooks" in notes and said in notes
