@@ -669,3 +669,22 @@ def test_multi_sh_says_what_it_cannot_import_before_the_first_launch(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "cannot import all of accelerate torchao deepspeed transformer_engine.pytorch" in proc.stderr
     assert "== bf16::zero2" not in proc.stdout  # nothing launched
+
+
+def test_matrix_table_sets_each_cells_model_state_beside_its_plan_and_names_an_empty_result(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
+    try:
+        from matrix_table import table
+    finally:
+        sys.path.pop(0)
+
+    def state(total, planned):
+        return {"model_state_bytes_per_param": {"all_params": {"total": total}}, "planned_bytes_per_param": planned}
+
+    (tmp_path / "bf16_fsdp2.json").write_text(json.dumps({**_cell("bf16", "fsdp2", 0.12), **state(8.0, None)}))
+    (tmp_path / "msamp_O3_fsdp2.json").write_text(json.dumps({**_cell("msamp", "fsdp2", 0.1), **state(3.5, 3.504)}))
+    (tmp_path / "torchao_fsdp2.json").write_text(json.dumps({**_cell("torchao", "fsdp2", 0.1), **state(8.0, 16.0)}))
+    (tmp_path / "bf16_zero2.json").write_text("")  # the harness failed after opening its result file
+    text = table(str(tmp_path))
+    assert "| 3.50 (3.50) |" in text and "| 8.00 (16.00) **differs** |" in text and "| 8.00 |" in text
+    assert "| bf16_zero2 | refused: no result: an empty JSON (see the cell's log)" in text

@@ -170,12 +170,28 @@ def test_build_plan_with_context():
 
 
 @pytest.mark.parametrize(("engine", "dtype", "baseline"), [("single", "BF16", 8), ("ddp", "BF16", 8),
-                                                          ("fsdp2", "FP32", 16)])
+                                                          ("fsdp2", "FP32", 16 / 2)])
 def test_a_bf16_model_under_fsdp2_is_planned_on_the_fp32_masters_accelerate_makes(engine, dtype, baseline):
-    # Accelerate upcasts every trainable parameter to FP32 under FSDP2 when mixed precision is on (always, for FP8)
+    # Accelerate upcasts every trainable parameter to FP32 under FSDP2 when mixed precision is on (always, for FP8);
+    # FSDP2 shards all 16 bytes of them over the two ranks
     context = RunContext(device=DeviceInfo("cuda", "H100", (9, 0)), engine=engine, world_size=2)
     plan = build_plan(model().to(torch.bfloat16), FP8RecipeKwargs(backend="torchao"), context=context)
     assert (plan.param_dtype, plan.baseline_bytes_per_param) == (dtype, baseline)
+
+
+@pytest.mark.parametrize(("engine", "world", "fields", "per_rank"), [
+    ("fsdp2", 4, {}, 16 / 4),  # FSDP2 shards weight, gradient and both moments
+    ("fsdp2", 1, {}, 16),
+    ("ddp", 4, {}, 16),  # DDP keeps everything on every rank
+    ("fsdp2", 2, {"optimizer_states": "bf16"}, (4 + 4 + 4) / 2),
+])
+def test_model_state_is_counted_per_rank_where_fsdp_shards_it(engine, world, fields, per_rank):
+    # as gpu_engines.py measures it from the tensors on each rank (torchao under FSDP2 on two H200s: 8.00 bytes per
+    # parameter, where the plan said 16 until 2026-11-29)
+    context = RunContext(device=DeviceInfo("cuda", "H100", (9, 0)), engine=engine, world_size=world)
+    plan = build_plan(model(), FP8RecipeKwargs(backend="torchao", **fields), context=context)
+    assert plan.model_state_bytes_per_param == pytest.approx(per_rank)
+    assert ("per rank" in plan.summary()) == (engine == "fsdp2" and world > 1)
 
 
 def test_bad_engine():

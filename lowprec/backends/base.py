@@ -389,7 +389,7 @@ class Backend(LayerExecution, ABC):
         out = {"weight": size, "weight_grad": size, "master_weight": 0,
                "optimizer_states": self.optimizer_precision.state_bytes(param_dtype)}
         out.update(self.communication.state_bytes(param_dtype))
-        return self.weight_storage.adjust_bytes(out, plan, param_dtype)
+        return self.weight_storage.per_rank(self.weight_storage.adjust_bytes(out, plan, param_dtype))
 
     def notes(self, plan: PrecisionPlan) -> list[str]:
         """Extra lines for the printed plan."""

@@ -162,8 +162,10 @@ class PrecisionPlan:
     @property
     def baseline_bytes_per_param(self) -> float:
         """Model-state bytes per parameter of the table's "BF16 AMP (baseline)" row: weight, gradient and two
-        Adam moments in the model's own dtype (16 for an FP32 model, 8 for a BF16 one)."""
-        return {"FP32": 16, "BF16": 8, "FP16": 8}.get(self.param_dtype, 16)
+        Adam moments in the model's own dtype (16 for an FP32 model, 8 for a BF16 one), per rank under FSDP, which
+        shards them all."""
+        whole = {"FP32": 16, "BF16": 8, "FP16": 8}.get(self.param_dtype, 16)
+        return whole / self.world_size if self.engine in ("fsdp2", "fsdp1") else whole
 
     def tensor(self, kind: str) -> TensorPrecision:
         return next(t for t in self.tensors if t.kind == kind)
@@ -249,7 +251,8 @@ class PrecisionPlan:
                   f"({100 * self.fp8_linear_param_fraction:.1f}% of Linear parameters)")
         if norms:
             layers += f", {sum(m.convert for m in norms)} of {len(norms)} norm layers replaced"
-        memory = (f"model state {self.model_state_bytes_per_param:.3g} bytes/param "
+        rank = " per rank" if self.engine in ("fsdp2", "fsdp1") and self.world_size > 1 else ""
+        memory = (f"model state {self.model_state_bytes_per_param:.3g} bytes/param{rank} "
                   f"(BF16 AMP baseline {self.baseline_bytes_per_param:g})")
         return "\n".join([
             f"lowprec precision plan{f' for {model}' if model else ''}: backend {self.backend} "

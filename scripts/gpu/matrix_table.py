@@ -18,17 +18,21 @@ def table(folder: str) -> str:
     cells = {}
     for path in sorted(glob.glob(os.path.join(folder, "**", "*.json"), recursive=True)):
         with open(path) as fh:
-            cell = json.load(fh)
+            text = fh.read()
+        if not text.strip():  # the harness opened its result and failed before writing it: its log says why
+            cells[os.path.relpath(path, folder)[:-5]] = {"refused": "no result: an empty JSON (see the cell's log)"}
+            continue
+        cell = json.loads(text)
         if "engine" in cell or "refused" in cell:  # a cell of multi.sh, not another benchmark's JSON beside them
             cells[os.path.relpath(path, folder)[:-5]] = cell
     # keyed by (subfolder, engine, compiled model): a round's cells are compared with that round's BF16 of their mode
     bf16 = {_key(name, c): c for name, c in cells.items() if c.get("backend") == "bf16" and "refused" not in c}
     lines = ["| cell | FP8 in every forward | loss first → last 5 | step ms | vs BF16 | steady ms | vs BF16 (steady) "
-             "| peak GiB/rank | vs BF16 | ranks' weights differ by |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak GiB/rank | vs BF16 | ranks' weights differ by | state B/param/rank (plan) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in cells.items():
         if "refused" in c:
-            lines.append(f"| {name} | refused: {c['refused'][:100]}… | | | | | | | | |")
+            lines.append(f"| {name} | refused: {c['refused'][:100]}… | | | | | | | | | |")
             continue
         base = bf16.get(_key(name, c))
         peak = max(c["peak_memory_gib_per_rank"])
@@ -46,7 +50,7 @@ def table(folder: str) -> str:
         steady_speed = f"{base_steady / steady:.2f}" if steady and base_steady else ""
         lines.append(f"| {name} | {c['all_forwards_in_fp8']} | {c['first_loss']:.2f} → {c['last_loss']:.2f} "
                      f"| {median_ms} | {speed} | {steady_ms} | {steady_speed} | {peak:.1f} "
-                     f"| {memory} | {'' if diff is None else diff} |")
+                     f"| {memory} | {'' if diff is None else diff} | {_state(c)} |")
     lines += _rounds(cells, bf16)
     phased = {name: c["phase_ms"] for name, c in cells.items() if c.get("phase_ms")}
     if phased:  # where each step's time goes (gpu_engines.py's marks): device ms where measured, else host
@@ -62,6 +66,20 @@ def table(folder: str) -> str:
             lines += [f"| {name} | {r} | {s['kernels']} | {s['kernel_ms']} | {s['nccl_ms']} | {s['busy_ms']} "
                       f"| {s['span_ms']} |" for r, s in enumerate(ranks)]
     return "\n".join(lines)
+
+
+def _state(cell: dict) -> str:
+    """Model-state bytes per parameter on a rank as measured from the tensors (`model_state_bytes_per_param`), with
+    the plan's figure beside it, marked where they differ by more than 5%; empty where not measured (DeepSpeed's
+    own optimizer)."""
+    measured = (cell.get("model_state_bytes_per_param") or {}).get("all_params", {}).get("total")
+    planned = cell.get("planned_bytes_per_param")
+    if measured is None:
+        return ""
+    if not planned:
+        return f"{measured:.2f}"
+    mark = " **differs**" if abs(measured - planned) > 0.05 * planned else ""
+    return f"{measured:.2f} ({planned:.2f}){mark}"
 
 
 def _key(name: str, cell: dict) -> tuple:

@@ -115,6 +115,9 @@ class MSAMPStorage(WeightStorage):
         by_kind = {row.kind: row for row in mine}
         return [by_kind.get(row.kind, row) for row in rows]
 
+    def counts_per_rank(self) -> bool:
+        return self.owner.level == "O3"
+
     def adjust_bytes(self, out: dict[str, float], plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
         """`out` with the level's weight, gradient and master bytes per parameter, per rank at O3."""
         share, size = plan.fp8_param_share, param_dtype.itemsize

@@ -255,6 +255,18 @@ class WeightStorage:
             out.append(row)
         return out
 
+    # adjust_bytes already counts one rank's share under a sharding engine (msamp's O3, te's FP8 weights under FSDP2)
+    def counts_per_rank(self) -> bool:
+        return False
+
+    def per_rank(self, out: dict[str, float]) -> dict[str, float]:
+        """`out` as one rank holds it: FSDP shards weights, gradients, masters and optimizer states over the ranks
+        (DeepSpeed's partitioning depends on its ZeRO stage, which the plan does not know: not counted)."""
+        context = self.owner.context
+        if context.engine in ("fsdp2", "fsdp1") and context.world_size > 1 and not self.counts_per_rank():
+            return {kind: value / context.world_size for kind, value in out.items()}
+        return out
+
     def adjust_bytes(self, out: dict[str, float], plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
         """`out` (bytes per parameter) with the converted weights' and gradients' storage in force."""
         size = param_dtype.itemsize

@@ -43,6 +43,9 @@ class TEWeightStorage(WeightStorage):
                                                      "before quantisation")}
         return [mine.get(row.kind, row) for row in rows]
 
+    def counts_per_rank(self) -> bool:
+        return bool(self.owner.recipe.fp8_weights and self.owner.gathers_fp8_weights)
+
     def adjust_bytes(self, out: dict[str, float], plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
         out = super().adjust_bytes(out, plan, param_dtype)
         if self.owner.recipe.fp8_weights:
