@@ -688,3 +688,29 @@ def test_matrix_table_sets_each_cells_model_state_beside_its_plan_and_names_an_e
     text = table(str(tmp_path))
     assert "| 3.50 (3.50) |" in text and "| 8.00 (16.00) **differs** |" in text and "| 8.00 |" in text
     assert "| bf16_zero2 | refused: no result: an empty JSON (see the cell's log)" in text
+
+
+def test_engine_matrix_lists_each_parts_cells_and_refuses_an_unknown_part(tmp_path):
+    script = os.path.join(ROOT, "scripts", "gpu", "engine_matrix.sh")
+    proc = subprocess.run(["bash", script, str(tmp_path), "fsdp2", "compiled"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "DRY": "1"})
+    assert proc.returncode == 0, proc.stderr
+    fsdp2, compiled = proc.stdout.splitlines()
+    # each part holds the BF16 cell of every engine and mode it measures: matrix_table compares within a part
+    assert fsdp2.split()[2:] == ["bf16::fsdp2", "te:current:fsdp2", "te:current:fsdp2:::fp8w",
+                                 "torchao:tensorwise:fsdp2", "msamp@O3::fsdp2"]
+    assert {"bf16::fsdp2:::model+fused", "bf16::ddp:::model"} <= set(compiled.split())
+    proc = subprocess.run(["bash", script, str(tmp_path), "zero4"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "unknown part 'zero4'" in proc.stderr
+
+
+def test_every_engine_matrix_cell_has_its_bf16_baseline_in_its_part(tmp_path):
+    parts = ["ddp", "ddp_levels", "fsdp2", "zero", "zero3", "compiled"]
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "engine_matrix.sh"), str(tmp_path), *parts],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "DRY": "1"})
+    assert proc.returncode == 0 and len(proc.stdout.splitlines()) == len(parts), proc.stderr
+    for line in proc.stdout.splitlines():
+        cells = [c.split(":") + [""] * (6 - len(c.split(":"))) for c in line.split()[2:]]
+        baselines = {(engine, "model" in flags) for backend, _, engine, *_, flags in cells if backend == "bf16"}
+        for backend, _, engine, *_, flags in cells:
+            assert (engine, "model" in flags) in baselines, (line, backend, engine, flags)

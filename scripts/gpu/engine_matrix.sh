@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 29's engine matrix (item 5) on two GPUs (nvidia-h200-x2), after `bash .gpubundle/setup.sh` (TE's extension
+# built) and `export PYTHONPATH=/tmp/site:$PWD NVTE_FRAMEWORK=pytorch`: every backend x level x engine on the d4096
+# proxy through scripts/gpu/multi.sh, each part against BF16 of its own engine and mode in the same call, with
+# matrix_table.py's table (speed, peak per rank, model-state bytes per parameter per rank beside the plan's).
+#
+#   COMMIT=<hash> bash scripts/gpu/engine_matrix.sh OUT PART [PART ...]
+#
+# Parts and their cells; the seconds are what such cells took on two H200s at 3ee32b5 (45-105 s a cell: launch,
+# compiles, 30 steps), so that the parts of one device call stay inside its 600 s:
+#   ddp        (~370 s) bf16, te current, torchao tensorwise, msamp O1, msamp O2
+#   ddp_levels (~300 s) bf16, torchao O1, torchao O2, te O2
+#   fsdp2      (~300 s) bf16, te current, te current with fp8_weights, torchao tensorwise, msamp O3
+#   zero       (~420 s) ZeRO-1 and ZeRO-2: bf16, torchao tensorwise, msamp O3; ZeRO-2: te current
+#   zero3      (~170 s) bf16, te current, torchao tensorwise
+#   compiled   (~250 s) the model compiled block by block, fused AdamW: bf16 and torchao under FSDP2; bf16 and
+#                       msamp O2 under DDP
+# Each part writes OUT/PART/ (the cells' JSONs, a failed cell's log, table.md) and, with PACK=1 (the default here),
+# OUT/PART.tgz instead: the device tool brings back 8 files a call. STEPS (30), SIZE (proxy) and CASE_TIMEOUT (150)
+# pass to multi.sh. DRY=1 prints each part's multi.sh command instead of running it. Held-out losses after 300
+# steps are `lowprec bench --convergence` on one GPU (docs/performance.md), not these 30-step runs.
+set -uo pipefail
+out=${1:?usage: engine_matrix.sh OUT PART [PART ...] (ddp ddp_levels fsdp2 zero zero3 compiled)}; shift
+[ $# -gt 0 ] || { echo "name at least one part: ddp ddp_levels fsdp2 zero zero3 compiled" >&2; exit 2; }
+cd "$(dirname "$0")/../.."
+status=0
+for part in "$@"; do
+  case "$part" in
+    ddp) cells="bf16::ddp te:current:ddp torchao:tensorwise:ddp msamp@O1::ddp msamp@O2::ddp" ;;
+    ddp_levels) cells="bf16::ddp torchao@O1:tensorwise:ddp torchao@O2:tensorwise:ddp te@O2:current:ddp" ;;
+    fsdp2) cells="bf16::fsdp2 te:current:fsdp2 te:current:fsdp2:::fp8w torchao:tensorwise:fsdp2 msamp@O3::fsdp2" ;;
+    zero) cells="bf16::zero1 torchao:tensorwise:zero1 msamp@O3::zero1 bf16::zero2 torchao:tensorwise:zero2
+                 te:current:zero2 msamp@O3::zero2" ;;
+    zero3) cells="bf16::zero3 te:current:zero3 torchao:tensorwise:zero3" ;;
+    compiled) cells="bf16::fsdp2:::model+fused torchao:tensorwise:fsdp2:::model+fused bf16::ddp:::model
+                     msamp@O2::ddp:::model" ;;
+    *) echo "unknown part '$part' (ddp ddp_levels fsdp2 zero zero3 compiled)" >&2; exit 2 ;;
+  esac
+  # shellcheck disable=SC2086  # the cells are words
+  if [ "${DRY:-0}" = 1 ]; then echo "multi.sh $out/$part" $cells; continue; fi
+  STEPS=${STEPS:-30} SIZE=${SIZE:-proxy} CASE_TIMEOUT=${CASE_TIMEOUT:-150} PACK=0 \
+    bash scripts/gpu/multi.sh "$out/$part" $cells || status=1
+  python3 scripts/gpu/matrix_table.py "$out/$part" > "$out/$part/table.md" || status=1
+  echo "${COMMIT:-unknown}" > "$out/$part/commit.txt"
+  cat "$out/$part/table.md"
+  if [ "${PACK:-1}" = 1 ]; then tar czf "$out/$part.tgz" -C "$out" "$part" && rm -rf "${out:?}/$part"; fi
+done
+exit $status
