@@ -382,7 +382,7 @@ class Backend(LayerExecution, ABC):
         return out
 
     def model_state_bytes(self, plan: PrecisionPlan, param_dtype: torch.dtype) -> dict[str, float]:
-        """Bytes per parameter of weight, gradient, master weight and optimizer states (Adam-type): the
+        """Bytes per parameter (on one rank, where FSDP shards them) of weight, gradient, master and Adam states: the
         optimizer part's states, the engine's weights and masters (communication part), as the storage
         part changes them."""
         size = param_dtype.itemsize

@@ -195,7 +195,7 @@ def _hooks_note(context: RunContext) -> str:
     """What FP8 activations cost where they are encoded from Python hooks, and what avoids it."""
     note = ("activation_dtype='fp8' through Python hooks: each saved tensor is encoded by a kernel of its own from a "
             "Python call and decoded the same way, which costs time in a step the host bounds (docs/performance.md: "
-            "msamp O3 under FSDP2, 0.9-1.1x BF16's speed on two H200s); ")
+            "msamp O3 under FSDP2, 0.86-1.13x BF16's speed in four runs on two H200s); ")
     if context.engine == "single":
         return note + ("compiling the model through Accelerate (dynamo_backend='inductor') encodes inside the "
                        "compiled graphs instead")

@@ -4,9 +4,9 @@ A post-accumulate-grad hook lives in autograd's C++ AccumulateGrad node of its p
 collector cannot see it: a hook that refers, however indirectly, back to its parameter (an optimizer, a module, an
 object holding either) makes a cycle that is never collected, and the whole model and optimizer outlive the run
 that used them. On the GPU host lowprec's steps in backward kept 13.9 GiB of the d4096 proxy allocated after their
-run (results/gpu/2026-11-29-h200-inbackward-3ee32b5); torchao's O2 gradient stores did the same. The hooks here
-reach their owner through a weak reference; the owner must be kept alive by something the collector can see (the
-optimizer or the module it serves).
+run (results/gpu/2026-11-29-h200-inbackward-3ee32b5); te's and torchao's O1/O2 gradient stores did the same. The
+hooks here reach their owner through a weak reference; the owner must be kept alive by something the collector can
+see (the optimizer or the module it serves).
 """
 
 from __future__ import annotations
