@@ -714,3 +714,18 @@ def test_every_engine_matrix_cell_has_its_bf16_baseline_in_its_part(tmp_path):
         baselines = {(engine, "model" in flags) for backend, _, engine, *_, flags in cells if backend == "bf16"}
         for backend, _, engine, *_, flags in cells:
             assert (engine, "model" in flags) in baselines, (line, backend, engine, flags)
+
+
+def test_matrix_table_sets_each_held_out_loss_beside_bf16s_of_the_same_engine(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
+    try:
+        from matrix_table import table
+    finally:
+        sys.path.pop(0)
+    cells = {"bf16_fsdp2": (2.00, 8), "msamp_O3_fsdp2": (2.02, 8), "torchao_fsdp2": (1.99, 4)}
+    for name, (loss, batches) in cells.items():
+        cell = {**_cell(name.split("_")[0], "fsdp2", 0.1), "heldout_loss": loss, "eval_batches": batches}
+        (tmp_path / f"{name}.json").write_text(json.dumps(cell))
+    text = table(str(tmp_path))
+    assert "| 2.0200 (+1.00%) |" in text
+    assert "| 1.9900 |" in text  # evaluated on other batches than BF16's: no difference to give

@@ -17,8 +17,9 @@
 #                       msamp O2 under DDP
 # Each part writes OUT/PART/ (the cells' JSONs, a failed cell's log, table.md) and, with PACK=1 (the default here),
 # OUT/PART.tgz instead: the device tool brings back 8 files a call. STEPS (30), SIZE (proxy) and CASE_TIMEOUT (150)
-# pass to multi.sh. DRY=1 prints each part's multi.sh command instead of running it. Held-out losses after 300
-# steps are `lowprec bench --convergence` on one GPU (docs/performance.md), not these 30-step runs.
+# pass to multi.sh, and EVAL_BATCHES (unset: none) too: each cell's held-out loss after training, beside BF16's of its
+# engine in the table (STEPS=300 EVAL_BATCHES=8: the loss of every level under its engine; several times the seconds
+# above). DRY=1 prints each part's multi.sh command instead of running it.
 set -uo pipefail
 out=${1:?usage: engine_matrix.sh OUT PART [PART ...] (ddp ddp_levels fsdp2 zero zero3 compiled)}; shift
 [ $# -gt 0 ] || { echo "name at least one part: ddp ddp_levels fsdp2 zero zero3 compiled" >&2; exit 2; }

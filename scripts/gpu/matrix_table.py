@@ -28,11 +28,12 @@ def table(folder: str) -> str:
     # keyed by (subfolder, engine, compiled model): a round's cells are compared with that round's BF16 of their mode
     bf16 = {_key(name, c): c for name, c in cells.items() if c.get("backend") == "bf16" and "refused" not in c}
     lines = ["| cell | FP8 in every forward | loss first → last 5 | step ms | vs BF16 | steady ms | vs BF16 (steady) "
-             "| peak GiB/rank | vs BF16 | ranks' weights differ by | state B/param/rank (plan) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| peak GiB/rank | vs BF16 | ranks' weights differ by | state B/param/rank (plan) "
+             "| held-out loss (vs BF16) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in cells.items():
         if "refused" in c:
-            lines.append(f"| {name} | refused: {c['refused'][:100]}… | | | | | | | | | |")
+            lines.append(f"| {name} | refused: {c['refused'][:100]}… | | | | | | | | | | |")
             continue
         base = bf16.get(_key(name, c))
         peak = max(c["peak_memory_gib_per_rank"])
@@ -50,7 +51,7 @@ def table(folder: str) -> str:
         steady_speed = f"{base_steady / steady:.2f}" if steady and base_steady else ""
         lines.append(f"| {name} | {c['all_forwards_in_fp8']} | {c['first_loss']:.2f} → {c['last_loss']:.2f} "
                      f"| {median_ms} | {speed} | {steady_ms} | {steady_speed} | {peak:.1f} "
-                     f"| {memory} | {'' if diff is None else diff} | {_state(c)} |")
+                     f"| {memory} | {'' if diff is None else diff} | {_state(c)} | {_heldout(c, base)} |")
     lines += _rounds(cells, bf16)
     phased = {name: c["phase_ms"] for name, c in cells.items() if c.get("phase_ms")}
     if phased:  # where each step's time goes (gpu_engines.py's marks): device ms where measured, else host
@@ -80,6 +81,18 @@ def _state(cell: dict) -> str:
         return f"{measured:.2f}"
     mark = " **differs**" if abs(measured - planned) > 0.05 * planned else ""
     return f"{measured:.2f} ({planned:.2f}){mark}"
+
+
+def _heldout(cell: dict, base: dict | None) -> str:
+    """The cell's held-out loss (multi.sh's EVAL_BATCHES) and its difference from BF16's of the same engine and mode,
+    where both were evaluated on as many batches."""
+    loss = cell.get("heldout_loss")
+    if loss is None:
+        return ""
+    base_loss = (base or {}).get("heldout_loss")
+    if base_loss is None or cell is base or base.get("eval_batches") != cell.get("eval_batches"):
+        return f"{loss:.4f}"
+    return f"{loss:.4f} ({100 * (loss - base_loss) / base_loss:+.2f}%)"
 
 
 def _key(name: str, cell: dict) -> tuple:

@@ -9,6 +9,9 @@
 # Each JSON has `median_step_s` (from step 5) and, with STEPS >= 26, `steady_median_step_s` (from step 18, after
 # msamp's 16-step warm-up and the recompile at its end; the steps the harness measures in left out of both): msamp
 # cells need it, a 20-step msamp median falls inside the warm-up. matrix_table.py shows both.
+# EVAL_BATCHES=N evaluates each cell after training on N batches a rank of the corpus's held-out split (`heldout_loss`,
+# the same windows in every cell; matrix_table.py sets it beside BF16's of the same engine): with STEPS=300, issue 29's
+# loss of every level under its engine.
 # CASE_TIMEOUT (s, default 300) bounds each case; COMPILE_FP8_LAYERS=true|false sets compile_fp8_layers. backend 'bf16' is the baseline without FP8; engines: ddp, fsdp2, zero1, zero2, zero3.
 # NPROC=1 runs each case as a world of one on one GPU (torchrun --nproc_per_node 1): the engine's own code
 # path (DDP's wrapper and hooks, FSDP2's all-gathers, DeepSpeed's ZeRO optimizer) with nothing on the wire.
@@ -91,7 +94,7 @@ for case in "$@"; do
     ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${PEAK:+--peak "$out/$name.peak.txt"} ${PEAK_STEP:+--peak-step "$PEAK_STEP"} ${fp8w:+--fp8-weights} ${act:+--activation-dtype "$act"} \
     ${states:+--optimizer-states "$states"} ${whole:+--compile-model} ${fused:+--fused-adamw} \
     ${noag:+--no-fp8-all-gather} ${aocast:+--torchao-gather-cast} \
-    --out "$out/$name.json" > "$out/$name.log" 2>&1
+    ${EVAL_BATCHES:+--eval-batches "$EVAL_BATCHES"} --out "$out/$name.json" > "$out/$name.log" 2>&1
   rc=$?; echo "exit $rc in $(( $(date +%s) - t0 )) s"
   if [ -s "$out/$name.json" ]; then  # a result dict that raised leaves an empty file: keep the log then
     grep -E '"(refused|all_forwards_in_fp8|first_loss|last_loss|median_step_s|tokens_per_s|max_param_diff_across_ranks|delayed_scaling_differs_across_ranks)"' \

@@ -170,6 +170,23 @@ def weight_sample(weight: torch.Tensor, n: int = 4096) -> torch.Tensor:
 EVIDENCE_STEPS = 2  # a compiled model's forwards the evidence hooks watch (every forward in an eager one)
 
 
+def heldout(accelerator, model, corpus, preset, batches: int) -> float:
+    """The mean loss over `batches` batches a rank of the corpus's held-out split, as `lowprec bench` measures it
+    (model.eval(), no gradient, each batch's loss averaged over the ranks), with the same windows in every cell."""
+    from lowprec.demo.data import Windows
+
+    windows = Windows(corpus.heldout, preset.seq_len, batches * preset.batch * accelerator.num_processes, seed=1234)
+    loader = accelerator.prepare_data_loader(torch.utils.data.DataLoader(windows, batch_size=preset.batch))
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids in loader:
+            total += accelerator.reduce(model(input_ids=ids, labels=ids).loss.float(), reduction="mean").item()
+            count += 1
+    model.train()
+    return total / max(count, 1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--backend", default="te")
@@ -198,6 +215,9 @@ def main() -> None:
                    help="torch.optim.AdamW(fused=True), as the one-process headline and torchtitan step (default: "
                         "torch's choice, foreach); an optimizer lowprec replaces (msamp's levels, optimizer_states) "
                         "steps its own way either way")
+    p.add_argument("--eval-batches", type=int, default=0,
+                   help="after training, the mean loss over this many batches a rank of the corpus's held-out split "
+                        "(the same windows for every cell: `heldout_loss`, to set beside BF16's of the same engine)")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="small")
     p.add_argument("--out", required=True)
@@ -388,6 +408,8 @@ def main() -> None:
     # took 12 GiB on the d4096 proxy and set the reported peak of DDP and ZeRO runs until 2026-11-27)
     steady_peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     peak = max(steady_peak, warm_peak or 0.0)
+    trained_counts = counts()  # the training's forwards: the evaluation's (TE's run in high precision) not among them
+    heldout_loss = heldout(accelerator, model, corpus, preset, args.eval_batches) if args.eval_batches > 0 else None
     evidence = {
         "fp8_weights_moved": sum(not torch.equal(a, weight_sample(m.weight))
                                  for a, m in zip(start_samples, fp8_modules)),
@@ -459,10 +481,11 @@ def main() -> None:
                 "options": {k: str(v) for k, v in (plan.options if plan else {}).items()},
                 "fp8_modules": len(fp8_modules),
                 "planned_fp8_linears": sum(d.kind == "linear" for d in plan.converted) if plan else 0,
-                "fp8_forward_calls": int(counts()[:, 0].sum()),
+                "fp8_forward_calls": int(trained_counts[:, 0].sum()),
                 # every FP8 Linear ran, and each of its forwards in FP8
-                "all_forwards_in_fp8": bool(len(fp8_modules)) and bool((counts()[:, 0] > 0).all())
-                and bool((counts()[:, 1] == counts()[:, 0]).all()),
+                "all_forwards_in_fp8": bool(len(fp8_modules)) and bool((trained_counts[:, 0] > 0).all())
+                and bool((trained_counts[:, 1] == trained_counts[:, 0]).all()),
+                "heldout_loss": heldout_loss, "eval_batches": args.eval_batches,
                 "first_loss": losses[0], "last_loss": sum(losses[-5:]) / 5, "median_step_s": per_step,
                 "tokens_per_s": tokens / per_step if per_step else None,
                 # the steps after msamp's warm-up and the recompile at its end (gpu_profile.STEADY_FROM); None in a

@@ -1,8 +1,9 @@
 """The two-GPU harness (gpu_engines.py, what scripts/gpu/multi.sh launches) on one CPU process: a compiled model's
-cell stays compiled."""
+cell stays compiled, a cell evaluates on the held-out split, and bad flags are refused."""
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -70,3 +71,19 @@ def test_the_harness_refuses_all_gather_flags_where_they_would_do_nothing(tmp_pa
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "cell.json").exists()
+
+
+def test_a_cell_evaluates_on_the_held_out_split_after_training(tmp_path):
+    # multi.sh's EVAL_BATCHES: the loss a level ends with under its engine, on windows no cell trained on, the same
+    # windows for BF16 and FP8 cells; the evaluation's forwards do not count as training ones
+    pytest.importorskip("torchao")
+    env = dict(OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", CUDA_VISIBLE_DEVICES="")
+    args = ("--engine", "ddp", "--size", "tiny", "--steps", "3", "--eval-batches", "2")
+    _, fp8 = world_of_one_cell(tmp_path, "--backend", "torchao", "--recipe", "tensorwise", *args, timeout=600, **env)
+    steps_only = fp8["fp8_forward_calls"]
+    assert fp8["eval_batches"] == 2 and fp8["heldout_loss"] is not None and math.isfinite(fp8["heldout_loss"])
+    assert fp8["all_forwards_in_fp8"] is True and steps_only == 3 * fp8["planned_fp8_linears"]
+    again = tmp_path / "again"
+    again.mkdir()
+    _, repeat = world_of_one_cell(again, "--backend", "torchao", "--recipe", "tensorwise", *args, timeout=600, **env)
+    assert repeat["heldout_loss"] == fp8["heldout_loss"]  # the same windows, the same weights: the same loss
