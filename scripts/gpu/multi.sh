@@ -35,6 +35,9 @@
 # compiled layer, against the FP8 all-gather's cast before it (eager: aten::mul 196 calls, 16.8 ms of one step at 85a7575).
 # 'aocast' (torchao under FSDP2) keeps torchao's own three-kernel cast of each shard before the FP8 all-gather, for the
 # A/B of lowprec's one-kernel cast (lowprec/backends/torchao_gather.py).
+# 'ingraph' (with act8 and a compiled model) sets LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1: the compiled graphs encode what they
+# save inside them, as on one process, instead of the Python hooks, an engine's default (msamp O3 under FSDP2 with FP8
+# activations ran 0.86-1.13x BF16 through the hooks): msamp@O3::fsdp2:::model+act8+ingraph against ...:::model+act8.
 # Several sixth-field flags join with '+' (te:current:fsdp2:::fp8w+act8, msamp@O3::fsdp2:::eager+act8); the cell's
 # file names them with '_' instead.
 # ROUNDS=N (default 1) runs the whole list N times in order, round r into OUTDIR/rR/ (ABAB on one machine: a ratio
@@ -54,13 +57,13 @@ for round in $(seq 1 "$rounds"); do
 for case in "$@"; do
   IFS=: read -r backend recipe engine comm steps layers <<< "$case"
   compile_layers=${COMPILE_FP8_LAYERS:-}
-  fp8w=""; overlap=0; act=""; states=""; whole=""; fused=""; noag=""; aocast=""
+  fp8w=""; overlap=0; act=""; states=""; whole=""; fused=""; noag=""; aocast=""; ingraph=""
   IFS=+ read -ra flags <<< "$layers"
   for flag in "${flags[@]}"; do
     case "$flag" in compiled) compile_layers=true ;; eager) compile_layers=false ;; fp8w) fp8w=1 ;; overlap) overlap=1 ;;
       act8) act=fp8 ;; bf16m) states=bf16 ;; fp8m) states=fp8 ;; model) whole=1 ;; fused) fused=1 ;;
-      noag) noag=1 ;; aocast) aocast=1 ;;
-      *) echo "unknown sixth field '$flag' in '$layers' (compiled|eager|fp8w|overlap|act8|bf16m|fp8m|model|fused|noag|aocast, joined with +)" >&2
+      noag) noag=1 ;; aocast) aocast=1 ;; ingraph) ingraph=1 ;;
+      *) echo "unknown sixth field '$flag' in '$layers' (compiled|eager|fp8w|overlap|act8|bf16m|fp8m|model|fused|noag|aocast|ingraph, joined with +)" >&2
          exit 2 ;;
     esac
   done
@@ -88,7 +91,7 @@ for case in "$@"; do
   else
     launch=(accelerate launch --multi_gpu --num_processes "${NPROC:-2}" --num_machines 1 --mixed_precision fp8 --dynamo_backend no)
   fi
-  LOWPREC_FP8_GRAD_OVERLAP=$overlap timeout "${CASE_TIMEOUT:-300}" "${launch[@]}" \
+  env LOWPREC_FP8_GRAD_OVERLAP=$overlap ${ingraph:+LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1} timeout "${CASE_TIMEOUT:-300}" "${launch[@]}" \
     tests/distributed/gpu_engines.py --backend "$backend" ${recipe:+--recipe "$recipe"} ${level:+--opt-level "$level"} \
     --engine "$engine" ${comm:+--grad-comm-dtype "$comm"} --steps "${steps:-${STEPS:-30}}" --size "${SIZE:-small}" \
     ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${PEAK:+--peak "$out/$name.peak.txt"} ${PEAK_STEP:+--peak-step "$PEAK_STEP"} ${fp8w:+--fp8-weights} ${act:+--activation-dtype "$act"} \

@@ -87,3 +87,28 @@ def test_a_cell_evaluates_on_the_held_out_split_after_training(tmp_path):
     again.mkdir()
     _, repeat = world_of_one_cell(again, "--backend", "torchao", "--recipe", "tensorwise", *args, timeout=600, **env)
     assert repeat["heldout_loss"] == fp8["heldout_loss"]  # the same windows, the same weights: the same loss
+
+
+@pytest.mark.parametrize("flags", ["act8", "act8+ingraph"])
+def test_multi_sh_runs_a_cell_as_a_world_of_one_and_ingraph_reaches_it(tmp_path, flags):
+    # multi.sh itself (NPROC=1: torchrun, one process) on the CPU: its sixth field's 'ingraph' sets
+    # LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1 for the cell, which the cell's plan then says
+    import json
+    import os
+    import subprocess
+
+    pytest.importorskip("torchao")
+    root = HERE.parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_"))}
+    env.update(NPROC="1", SIZE="tiny", STEPS="3", CASE_TIMEOUT="500", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", PYTHONPATH=str(root),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu" / "multi.sh"), str(tmp_path / "m"),
+                           f"torchao:tensorwise:ddp:::{flags}"], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(tmp_path / "m" / f"torchao_tensorwise_ddp_{flags.replace('+', '_')}.json") as fh:
+        cell = json.load(fh)
+    assert cell["activation_dtype"] == "fp8" and cell["all_forwards_in_fp8"] is True
+    said = " ".join(cell["saved_activations"] or [])
+    assert ("inside the graph" in said) == flags.endswith("ingraph"), said
