@@ -13,7 +13,8 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "distributed", "accelerate_engi
 FSDP2 = ("msamp_O3", "msamp_O3_act8", "msamp_O3_act8_ac", "msamp_O3_fp8_comm", "msamp_O3_accumulate", "msamp_O3_ac",
          "torchao", "torchao_act8_ac", "torchao_bf16_states", "torchao_accumulate", "torchao_full_state_bf16_states",
          "te", "te_delayed", "te_full_state", "te_fp8_weights", "te_fp8_weights_full_state",
-         "te_full_state_into_fp8_weights", "te_fp8_weights_full_state_out", "te_fp8_weights_full_state_out_bf16_states")
+         "te_full_state_into_fp8_weights", "te_fp8_weights_full_state_out", "te_fp8_weights_full_state_out_bf16_states",
+         "torchao_act8_compiled", "torchao_act8_compiled_in_graph")
 DDP = ("ddp_msamp_O1", "ddp_msamp_O2", "ddp_msamp_O2_act8", "ddp_msamp_O2_fp8_comm", "ddp_torchao", "ddp_torchao_O2",
        "ddp_torchao_act8", "ddp_te", "ddp_te_fp8_weights", "ddp_te_into_fp8_weights",
        "ddp_te_fp8_weights_out")
@@ -154,7 +155,8 @@ def test_a_checkpoint_saved_with_fp8_weights_resumes_without_them(ranks, name):
 def test_fp8_activations_are_stored_through_accelerates_engines(ranks, name):
     # activation_dtype='fp8' under FSDP2 (with the plugin's activation checkpointing too) and DDP: tensors saved
     # for backward were packed, and the run trains and resumes (the tests above)
-    assert all(rank[name]["packed_elements"] > 0 for rank in ranks)
+    # (inside compiled graphs, counted once when a graph compiles: traced_packed)
+    assert all(rank[name]["packed_elements"] > 0 or rank[name]["traced_packed"] > 0 for rank in ranks)
 
 
 @pytest.mark.slow
@@ -163,3 +165,15 @@ def test_nothing_of_a_finished_run_outlives_it(ranks, name):
     # each rank's model parameters and optimizer, collected once the scenario dropped them: a gradient store's hook
     # holding its layer kept torchao's O2 model alive under DDP (15 parameters a rank) until 799fdf4
     assert all(rank[name]["outlived"] == [] for rank in ranks), [rank[name]["outlived"] for rank in ranks]
+
+
+@pytest.mark.slow
+def test_fp8_activations_under_fsdp2_in_a_compiled_model_through_hooks_or_inside_the_graphs(ranks):
+    # multi.sh's 'ingraph' A/B on two CPU ranks: Accelerate's regional compilation under FSDP2, the saved tensors
+    # encoded by the Python hooks after each graph (an engine's default) or inside the compiled graphs
+    # (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1); both train alike and resume exactly (the other tests above)
+    for rank in ranks:
+        hooks, graphs = rank["torchao_act8_compiled"], rank["torchao_act8_compiled_in_graph"]
+        assert hooks["packed_elements"] > 0 and hooks["traced_packed"] == 0
+        assert graphs["traced_packed"] > 0
+        assert graphs["losses"] == pytest.approx(hooks["losses"], rel=0.02)

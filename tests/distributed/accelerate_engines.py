@@ -79,6 +79,12 @@ SCENARIOS = {
                              run=dict(plugin=dict(activation_checkpointing=True))),
     "torchao_act8_ac": dict(backend="torchao", recipe="tensorwise", activation_dtype="fp8",
                             run=dict(plugin=dict(activation_checkpointing=True))),
+    # FP8 activations with the model compiled block by block under FSDP2: through the Python hooks (an engine's
+    # default) and encoded inside the compiled graphs (LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1, multi.sh's 'ingraph')
+    "torchao_act8_compiled": dict(backend="torchao", recipe="tensorwise", activation_dtype="fp8",
+                                  run=dict(compile=True)),
+    "torchao_act8_compiled_in_graph": dict(backend="torchao", recipe="tensorwise", activation_dtype="fp8",
+                                           run=dict(compile=True, environ={"LOWPREC_FP8_ACTIVATIONS_IN_GRAPH": "1"})),
     # DDP (the gloo group as it is)
     "ddp_msamp_O1": dict(backend="msamp", opt_level="O1", run=dict(engine="ddp")),
     "ddp_msamp_O2": dict(backend="msamp", opt_level="O2", run=dict(engine="ddp", accumulate=2, clip=1.0,
@@ -138,6 +144,10 @@ def prepared(knobs: dict):
             transformer_cls_names_to_wrap=["LlamaDecoderLayer"], **run.get("plugin", {}))
     elif not ON_GPU:
         PartialState._shared_state["distributed_type"] = DistributedType.MULTI_CPU
+    if run.get("compile"):  # the model compiled block by block through Accelerate, as torchtitan runs FP8 under FSDP2
+        from accelerate.utils import TorchDynamoPlugin
+
+        engine["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
     accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(
         skip_slow_shapes=False, skip_first_last=False, **knobs)], gradient_accumulation_steps=run.get("accumulate", 1),
         **engine)
@@ -193,6 +203,8 @@ def _scenario(knobs: dict, refs: list) -> dict:
     from lowprec.runtime.export import BACKEND_ATTR
 
     patch = pytest.MonkeyPatch()
+    for key, value in knobs.get("run", {}).get("environ", {}).items():
+        patch.setenv(key, value)
     fake = knobs["backend"] == "te" and not ON_GPU
     if fake:
         import fake_te
@@ -229,7 +241,8 @@ def _scenario(knobs: dict, refs: list) -> dict:
         if knobs.get("activation_dtype") == "fp8":
             from lowprec.runtime.activations import activation_storage
 
-            record["packed_elements"] = activation_storage(model).counts.packed_elements
+            counts = activation_storage(model).counts
+            record.update(packed_elements=counts.packed_elements, traced_packed=counts.traced_packed)
         record.update(
             fp8_weights_moved=sum(not torch.equal(a, weight_sample(m.weight)) for a, m in zip(before, fp8)),
             grads_after_zero_grad=sum(p.grad is not None for p in model.parameters()),
