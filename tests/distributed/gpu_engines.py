@@ -409,7 +409,6 @@ def main() -> None:
     steady_peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     peak = max(steady_peak, warm_peak or 0.0)
     trained_counts = counts()  # the training's forwards: the evaluation's (TE's run in high precision) not among them
-    heldout_loss = heldout(accelerator, model, corpus, preset, args.eval_batches) if args.eval_batches > 0 else None
     evidence = {
         "fp8_weights_moved": sum(not torch.equal(a, weight_sample(m.weight))
                                  for a, m in zip(start_samples, fp8_modules)),
@@ -462,6 +461,8 @@ def main() -> None:
         evidence["optimizer"] = type(getattr(optimizer, "optimizer", optimizer)).__name__
         evidence["opt_level"] = plan.opt_level
         evidence["ddp_ignores_fp8_weights"] = len(getattr(inner, "_ddp_params_and_buffers_to_ignore", []))
+    # after the evidence above: evaluation forwards on each rank's own batches would move msamp's amax windows apart
+    heldout_loss = heldout(accelerator, model, corpus, preset, args.eval_batches) if args.eval_batches > 0 else None
     per_step, steady = step_medians(times, instrumented)
     peaks = accelerator.gather(torch.tensor([peak], device=accelerator.device))
     steady_peaks = accelerator.gather(torch.tensor([steady_peak if warm_peak is not None else -1.0],
