@@ -247,7 +247,9 @@ class TorchAOBackend(Backend):
     def notes(self, plan: PrecisionPlan) -> list[str]:
         notes = []
         if not self.emulated:
-            notes.append("torchao's FP8 speed-up needs torch.compile (Accelerate: dynamo_backend='inductor')")
+            if not self.context.compiled and not self.layer_compile()[0]:  # eager model, eager FP8 layers
+                notes.append("torchao's FP8 speed-up needs torch.compile: compile the model (Accelerate: "
+                             "dynamo_backend='inductor') or leave compile_fp8_layers on")
             if not self.recipe.pad_inner_dim:
                 notes.append(
                     "FP8 GEMMs need batch x sequence to be a multiple of 16: pad sequences, or set pad_inner_dim=True"

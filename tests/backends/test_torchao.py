@@ -323,3 +323,23 @@ def test_a_copy_keeps_the_fp8_input_forward(how, tmp_path):
     saved, dx, _ = _saved(clone, x)
     assert sum(name == "Float8TrainingTensor" for name, _ in saved) == 3
     assert torch.equal(dx, _saved(model, x)[1])
+
+
+@pytest.mark.parametrize(("compiled", "compile_fp8_layers", "said"), [
+    (False, False, True),  # eager model, eager FP8 layers: the only case without a compiled FP8 cast
+    (False, None, False),  # lowprec compiles each FP8 layer on an FP8 GPU
+    (True, None, False),  # the model is compiled
+])
+def test_the_plan_asks_for_torch_compile_only_where_nothing_compiles_the_fp8_layers(compiled, compile_fp8_layers,
+                                                                                     said):
+    from lowprec import FP8RecipeKwargs
+    from lowprec.planning.hardware import assumed_device
+    from lowprec.runtime.planner import build_plan
+    from lowprec.runtime.run_context import RunContext
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    recipe = FP8RecipeKwargs(backend="torchao", skip_slow_shapes=False, skip_first_last=False,
+                             compile_fp8_layers=compile_fp8_layers)
+    plan = build_plan(model, recipe, context=RunContext(device=assumed_device("9.0"), engine="ddp", world_size=2,
+                                                        compiled=compiled))
+    assert any("needs torch.compile" in n for n in plan.notes) == said, plan.notes
