@@ -47,6 +47,11 @@ class GradStore:
         module.__dict__[_PREFIX + "store"] = self
         self._handle = weak_post_accumulate_grad_hook(weight, self, GradStore._take)
 
+    def __getstate__(self) -> dict:
+        # a pickled or deep-copied layer (torch.save of a whole model, an EMA copy) carries no hook on its weight: its
+        # store is dormant, as the layer was storeless before stores were kept on it (the hook is a local function)
+        return {**self.__dict__, "_handle": None}
+
     # the attributes the optimizer, the clipper and the reducer read
     @property
     def weight(self) -> nn.Parameter:
@@ -84,7 +89,8 @@ class GradStore:
 
     def remove(self) -> None:
         """Stop taking gradients (they go to `.grad` again) and free the buffers."""
-        self._handle.remove()
+        if self._handle is not None:
+            self._handle.remove()
         for name in ("data", "scale", "amax", "valid"):
             delattr(self.module, _PREFIX + name)
         self.module.__dict__.pop(_PREFIX + "store", None)

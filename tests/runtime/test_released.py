@@ -123,3 +123,26 @@ def test_free_memory_lets_go_of_every_model_the_accelerator_prepared(recipe):
     assert [r for r in refs if r() is not None] == []
     refs, second = run()  # the same Accelerator trains the next model as it did the first
     assert second == first and accelerator.precision_plan is not None
+
+
+def test_a_model_with_gradient_stores_pickles_whole_and_its_copies_store_nothing(tmp_path):
+    # the layer holds its store since 799fdf4, so torch.save of a whole model and copy.deepcopy (an EMA copy) reach
+    # it: the weak hook, a local function, failed to pickle; a copy's store is dormant, the original's keeps working
+    import copy
+
+    from lowprec import Accelerator, FP8RecipeKwargs
+    from lowprec.optim.grad_store import GradStore
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(mixed_precision="fp8", lowprec_quiet=True, kwargs_handlers=[
+        FP8RecipeKwargs(backend="torchao", opt_level="O2", skip_slow_shapes=False)])
+    model = accelerator.prepare(nn.Sequential(_Block(), _Block()))
+    torch.save(model, tmp_path / "whole.pt")
+    loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    ema = copy.deepcopy(model)
+    for other in (loaded, ema):
+        other(torch.randn(4, 16, 64)).float().square().mean().backward()
+        assert all(m.weight.grad is not None for m in other.modules() if isinstance(m, nn.Linear))
+    model(torch.randn(4, 16, 64)).float().square().mean().backward()
+    stores = [v for m in model.modules() for v in vars(m).values() if isinstance(v, GradStore)]
+    assert len(stores) == 4 and all(s.grad() is not None and s.weight.grad is None for s in stores)
