@@ -47,9 +47,17 @@ class EnginePrecision:
     source: str = ""
 
 
+FSDP_ENGINES = ("fsdp2", "fsdp1")
+
+
+def fsdp_shards(engine: str, world_size: int) -> bool:
+    """Whether each rank holds 1/world_size of every weight, gradient, master and optimizer state (FSDP)."""
+    return engine in FSDP_ENGINES and world_size > 1
+
+
 def default_engine_precision(engine: str) -> EnginePrecision:
     """What `accelerate launch` gives each engine when lowprec passes it mixed_precision='bf16'."""
-    if engine in ("fsdp2", "fsdp1"):
+    if engine in FSDP_ENGINES:
         # FullyShardedDataParallelPlugin.set_mixed_precision("bf16"): param_dtype = reduce_dtype = bf16
         return EnginePrecision(grad_reduce="BF16", param_gather="BF16",
                                source="Accelerate's FSDP mixed-precision policy for bf16")
@@ -154,7 +162,7 @@ def apply_grad_comm_dtype(choice: str | None, engine: str, plugin=None) -> None:
     if choice is None or choice == "fp8" or plugin is None:
         return
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[choice]
-    if engine in ("fsdp2", "fsdp1"):
+    if engine in FSDP_ENGINES:
         import dataclasses
 
         policy = plugin.mixed_precision_policy

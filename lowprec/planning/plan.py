@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .activations import SavedActivations
+from .engines import fsdp_shards
 from .selection import BLOCK_RULES, ModuleDecision, block_reason_key, blocks_label, number_runs
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class PrecisionPlan:
         Adam moments in the model's own dtype (16 for an FP32 model, 8 for a BF16 one), per rank under FSDP, which
         shards them all."""
         whole = {"FP32": 16, "BF16": 8, "FP16": 8}.get(self.param_dtype, 16)
-        return whole / self.world_size if self.engine in ("fsdp2", "fsdp1") else whole
+        return whole / self.world_size if fsdp_shards(self.engine, self.world_size) else whole
 
     def tensor(self, kind: str) -> TensorPrecision:
         return next(t for t in self.tensors if t.kind == kind)
@@ -251,7 +252,7 @@ class PrecisionPlan:
                   f"({100 * self.fp8_linear_param_fraction:.1f}% of Linear parameters)")
         if norms:
             layers += f", {sum(m.convert for m in norms)} of {len(norms)} norm layers replaced"
-        rank = " per rank" if self.engine in ("fsdp2", "fsdp1") and self.world_size > 1 else ""
+        rank = " per rank" if fsdp_shards(self.engine, self.world_size) else ""
         memory = (f"model state {self.model_state_bytes_per_param:.3g} bytes/param{rank} "
                   f"(BF16 AMP baseline {self.baseline_bytes_per_param:g})")
         return "\n".join([

@@ -157,7 +157,7 @@ def build_plan(
     if recipe.optimizer_in_backward:
         plan.notes.append("optimizer_in_backward: each parameter's optimizer step runs in backward once autograd has "
                           "accumulated its gradient, which is freed there (the gradients never all exist at once); "
-                          "optimizer.step() then only runs its hooks; clip_grad_norm_ is refused")
+                          "optimizer.step() then only runs its hooks; gradient clipping is refused")
     if recompute is True and not in_graph:
         plan.notes.append("LOWPREC_RECOMPUTE_FP8_COPIES=1 does nothing here: it acts in compiled graphs that store "
                           "their saved tensors in FP8 themselves (activation_dtype='fp8', a compiled model)")
@@ -196,6 +196,9 @@ def _hooks_note(context: RunContext) -> str:
     note = ("activation_dtype='fp8' through Python hooks: each saved tensor is encoded by a kernel of its own from a "
             "Python call and decoded the same way, which costs time in a step the host bounds (docs/performance.md: "
             "msamp O3 under FSDP2, 0.86-1.13x BF16's speed in four runs on two H200s); ")
+    if context.engine == "single" and context.compiled:  # LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=0, or a torch before 2.8
+        return note + ("compiled graphs encode inside them where LOWPREC_FP8_ACTIVATIONS_IN_GRAPH is not 0 and torch "
+                       "inlines saved-tensor hooks (2.8 and later)")
     if context.engine == "single":
         return note + ("compiling the model through Accelerate (dynamo_backend='inductor') encodes inside the "
                        "compiled graphs instead")

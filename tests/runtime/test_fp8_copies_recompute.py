@@ -228,13 +228,17 @@ def test_a_bad_switch_is_refused_at_prepare(monkeypatch):
     ("fsdp2", False, "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1"),
     ("ddp", True, "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1"),  # compiled, but the hooks are an engine's default
     ("single", True, None),  # in-graph: no hooks, no note
+    ("single", "hooks asked for", "LOWPREC_FP8_ACTIVATIONS_IN_GRAPH is not 0"),  # compiled, =0: not "compile it"
 ])
-def test_the_plan_says_where_fp8_activations_go_through_python_hooks(engine, compiled, said):
+def test_the_plan_says_where_fp8_activations_go_through_python_hooks(monkeypatch, engine, compiled, said):
     from lowprec import FP8RecipeKwargs
     from lowprec.planning.hardware import assumed_device
     from lowprec.runtime.planner import build_plan
     from lowprec.runtime.run_context import RunContext
 
+    if compiled == "hooks asked for":
+        monkeypatch.setenv("LOWPREC_FP8_ACTIVATIONS_IN_GRAPH", "0")
+        compiled = True
     recipe = FP8RecipeKwargs(backend="msamp", opt_level="O3" if engine == "fsdp2" else "O2", skip_slow_shapes=False,
                              activation_dtype="fp8")
     context = RunContext(device=assumed_device("9.0"), engine=engine, world_size=1 if engine == "single" else 2,

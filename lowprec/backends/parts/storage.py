@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ...planning.engines import fsdp_shards
 from ..context import BackendUnavailableError
 
 if TYPE_CHECKING:
@@ -263,7 +264,7 @@ class WeightStorage:
         """`out` as one rank holds it: FSDP shards weights, gradients, masters and optimizer states over the ranks
         (DeepSpeed's partitioning depends on its ZeRO stage, which the plan does not know: not counted)."""
         context = self.owner.context
-        if context.engine in ("fsdp2", "fsdp1") and context.world_size > 1 and not self.counts_per_rank():
+        if fsdp_shards(context.engine, context.world_size) and not self.counts_per_rank():
             return {kind: value / context.world_size for kind, value in out.items()}
         return out
 
