@@ -121,7 +121,7 @@ class FP8RecipeKwargs(KwargsHandler):
         optimizer_in_backward: True runs each parameter's optimizer step in backward, as soon as its gradient is
             accumulated, and frees that gradient there, so the gradients never all exist at once (the peak of
             torchao and te with FP32 moments; the arithmetic is the optimizer's own). One process only; no
-            `clip_grad_norm_`; not with gradients kept outside `.grad` (msamp, weight_grad_dtype, opt_level) or
+            gradient clipping; not with gradients kept outside `.grad` (msamp, weight_grad_dtype, opt_level) or
             te's fp8_weights. None: off.
     """
 
