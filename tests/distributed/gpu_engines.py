@@ -231,6 +231,8 @@ def main() -> None:
                    help="the step --peak records (default: the fourth from the end, a steady one; 0 or 1: what the "
                         "first steps leave allocated for the rest of the training)")
     args = p.parse_args()
+    if args.eval_batches < 0:
+        p.error(f"--eval-batches takes a whole number >= 0 (0: no evaluation), got {args.eval_batches}")
     if args.peak_step is not None and (args.peak is None or not 0 <= args.peak_step < args.steps):
         p.error(f"--peak-step {args.peak_step} needs --peak and a step of the run "
                 f"(0 to --steps - 1 = {args.steps - 1})")

@@ -112,3 +112,11 @@ def test_multi_sh_runs_a_cell_as_a_world_of_one_and_ingraph_reaches_it(tmp_path,
     assert cell["activation_dtype"] == "fp8" and cell["all_forwards_in_fp8"] is True
     said = " ".join(cell["saved_activations"] or [])
     assert ("inside the graph" in said) == flags.endswith("ingraph"), said
+
+
+def test_the_harness_refuses_a_negative_eval_batches(tmp_path):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(HERE / "gpu_engines.py"), "--eval-batches", "-1", "--out",
+                           str(tmp_path / "c.json")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--eval-batches takes a whole number >= 0" in proc.stderr, proc.stderr[-1000:]
