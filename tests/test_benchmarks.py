@@ -507,6 +507,29 @@ def test_matrix_table_compares_each_round_with_its_own_bf16(tmp_path):
     assert "| r1/msamp_O3_fsdp2 | True | 6.00 → 3.00 | 105 | n/a |" in table(str(tmp_path))
 
 
+def test_matrix_table_gives_each_seeds_held_out_loss_against_its_bf16_and_the_mean(tmp_path):
+    # multi.sh's SEEDS writes s0/ and s1/: each seed's FP8 cell against BF16 of the same seed, then the mean
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
+    try:
+        from matrix_table import table
+    finally:
+        sys.path.pop(0)
+    for folder, bf16_loss, fp8_loss in (("s0", 2.00, 2.04), ("s1", 2.10, 2.079)):
+        (tmp_path / folder).mkdir()
+        for backend, loss, step in (("bf16", bf16_loss, 0.140), ("msamp", fp8_loss, 0.105)):
+            cell = {**_cell(backend, "ddp", step), "heldout_loss": loss, "eval_batches": 8, "seed": int(folder[1])}
+            (tmp_path / folder / f"{backend}_ddp.json").write_text(json.dumps(cell))
+    text = table(str(tmp_path))
+    assert "| s0/msamp_ddp | True | 6.00 → 3.00 | 105 | 1.33 | 105 | 1.33 | 10.0 | 1.00 |  |  | 2.0400 (+2.00%) |" \
+        in text
+    assert "| cell (held-out loss vs BF16, %) | s0 | s1 | mean |" in text
+    assert "| msamp_ddp | +2.00 | -1.00 | +0.50 |" in text
+    # a seed evaluated on other batches than its BF16 is no comparison: left out of that seed's column and the mean
+    other = {**json.loads((tmp_path / "s1" / "msamp_ddp.json").read_text()), "eval_batches": 4}
+    (tmp_path / "s1" / "msamp_ddp.json").write_text(json.dumps(other))
+    assert "| msamp_ddp | +2.00 |  | +2.00 |" in table(str(tmp_path))
+
+
 def test_matrix_table_compares_a_compiled_model_with_compiled_bf16(tmp_path):
     # multi.sh's 'model' flag: the whole model compiled, against BF16 compiled the same way, never eager BF16
     sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
@@ -529,6 +552,19 @@ def test_multi_sh_names_rounds_it_cannot_take(tmp_path, rounds):
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "multi.sh"), str(tmp_path / "m"), "bf16::ddp"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "ROUNDS": rounds})
     assert proc.returncode == 2 and f"ROUNDS must be a whole number >= 1, got '{rounds}'" in proc.stderr
+
+
+@pytest.mark.parametrize("seeds, rounds, says", [
+    ("0 x", "1", "SEEDS must be whole numbers >= 0 separated by spaces, got '0 x'"),
+    ("-1", "1", "SEEDS must be whole numbers >= 0"),
+    ("1 2 1", "1", "SEEDS names seed 1 twice"),
+    ("0 1", "2", "SEEDS and ROUNDS > 1 cannot be combined"),
+])
+def test_multi_sh_names_seeds_it_cannot_take(tmp_path, seeds, rounds, says):
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "multi.sh"), str(tmp_path / "m"), "bf16::ddp"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SEEDS": seeds, "ROUNDS": rounds})
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
 
 
 def test_matrix_table_leaves_out_what_a_short_cpu_run_cannot_give(tmp_path):

@@ -18,8 +18,11 @@
 # Each part writes OUT/PART/ (the cells' JSONs, a failed cell's log, table.md) and, with PACK=1 (the default here),
 # OUT/PART.tgz instead: the device tool brings back 8 files a call. STEPS (30), SIZE (proxy) and CASE_TIMEOUT (150)
 # pass to multi.sh, and EVAL_BATCHES (unset: none) too: each cell's held-out loss after training, beside BF16's of its
-# engine in the table (STEPS=300 EVAL_BATCHES=8: the loss of every level under its engine; several times the seconds
-# above). DRY=1 prints each part's multi.sh command instead of running it.
+# engine in the table (STEPS=300 EVAL_BATCHES=8: the loss of every level under its engine; at 9c30527 fsdp2 took 480 s
+# and ddp 610 s so, 90-180 s a cell: a part a call at most, ddp's last cell in a call of its own), and SEEDS too (each
+# seed's cells in PART/sS/ against BF16 of that seed, and the mean: one seed's held-out losses spread -2.6% to +2.0%
+# around BF16's, results/gpu/2026-11-29-h200x2-matrix-9c30527). DRY=1 prints each part's multi.sh command instead of
+# running it.
 set -uo pipefail
 out=${1:?usage: engine_matrix.sh OUT PART [PART ...] (ddp ddp_levels fsdp2 zero zero3 compiled)}; shift
 [ $# -gt 0 ] || { echo "name at least one part: ddp ddp_levels fsdp2 zero zero3 compiled" >&2; exit 2; }

@@ -1,7 +1,7 @@
 """Markdown table of scripts/gpu/multi.sh results: one row per cell, speed and peak memory as ratios
 against the BF16 cell of the same engine and mode (the model compiled or eager: multi.sh's 'model' flag) in the same
-folder (with ROUNDS, the same round's subfolder), and with several rounds, each cell's steady ratio per round and
-their mean.
+folder (with ROUNDS or SEEDS, the same round's or seed's subfolder), and with several of them, each cell's steady
+ratio and held-out loss against BF16 per round or seed, and their means.
 
     python scripts/gpu/matrix_table.py results/gpu/2026-11-23-h200x2-matrix
 """
@@ -84,15 +84,20 @@ def _state(cell: dict) -> str:
 
 
 def _heldout(cell: dict, base: dict | None) -> str:
-    """The cell's held-out loss (multi.sh's EVAL_BATCHES) and its difference from BF16's of the same engine and mode,
-    where both were evaluated on as many batches."""
+    """The cell's held-out loss (multi.sh's EVAL_BATCHES) and its difference from BF16's of the same engine and mode."""
     loss = cell.get("heldout_loss")
     if loss is None:
         return ""
-    base_loss = (base or {}).get("heldout_loss")
-    if base_loss is None or cell is base or base.get("eval_batches") != cell.get("eval_batches"):
-        return f"{loss:.4f}"
-    return f"{loss:.4f} ({100 * (loss - base_loss) / base_loss:+.2f}%)"
+    delta = None if base is None or cell is base else _heldout_delta(cell, base)
+    return f"{loss:.4f}" if delta is None else f"{loss:.4f} ({delta:+.2f}%)"
+
+
+def _heldout_delta(cell: dict, base: dict) -> float | None:
+    """The cell's held-out loss against BF16's in percent, where both were evaluated on as many batches."""
+    loss, base_loss = cell.get("heldout_loss"), base.get("heldout_loss")
+    if loss is None or base_loss is None or base.get("eval_batches") != cell.get("eval_batches"):
+        return None
+    return 100 * (loss - base_loss) / base_loss
 
 
 def _key(name: str, cell: dict) -> tuple:
@@ -102,26 +107,36 @@ def _key(name: str, cell: dict) -> tuple:
 
 
 def _rounds(cells: dict, bf16: dict) -> list[str]:
-    """Each FP8 cell's steady ratio in every round it ran in (cells in subfolders, as ROUNDS writes them), and the
-    mean: empty with one round."""
-    ratios: dict[str, dict[str, float]] = {}
+    """Each FP8 cell's steady ratio and held-out loss against BF16 in every round or seed it ran in (cells in
+    subfolders, as ROUNDS and SEEDS write them), and their mean: empty with one folder."""
+    def steady(c, base):
+        s, b = c.get("steady_median_step_s"), base.get("steady_median_step_s")
+        return b / s if s and b else None
+
+    return (_by_folder(cells, bf16, steady, "steady vs BF16", "{:.3f}")
+            + _by_folder(cells, bf16, _heldout_delta, "held-out loss vs BF16, %", "{:+.2f}"))
+
+
+def _by_folder(cells: dict, bf16: dict, value, title: str, form: str) -> list[str]:
+    """A table of `value(cell, its BF16 cell)` per FP8 cell (rows) and subfolder (columns), with the mean."""
+    values: dict[str, dict[str, float]] = {}
     for name, c in cells.items():
         folder = os.path.dirname(name)
         base = bf16.get(_key(name, c))
         if not folder or c.get("backend") == "bf16" or "refused" in c or not base:
             continue
-        steady, base_steady = c.get("steady_median_step_s"), base.get("steady_median_step_s")
-        if steady and base_steady:
-            ratios.setdefault(os.path.basename(name), {})[folder] = base_steady / steady
-    if not ratios:
+        v = value(c, base)
+        if v is not None:
+            values.setdefault(os.path.basename(name), {})[folder] = v
+    if not values:
         return []
-    folders = sorted({f for per in ratios.values() for f in per})
-    out = ["", "| cell (steady vs BF16) | " + " | ".join(folders) + " | mean |", "|---|" + "---|" * (len(folders) + 1)]
-    for cell, per in ratios.items():
-        out.append(f"| {cell} | " + " | ".join(f"{per[f]:.3f}" if f in per else "" for f in folders)
-                   + f" | {sum(per.values()) / len(per):.3f} |")
+    # every round's or seed's column, a blank where a cell has no comparison there (not a column left out)
+    folders = sorted({os.path.dirname(name) for name in cells} - {""})
+    out = ["", f"| cell ({title}) | " + " | ".join(folders) + " | mean |", "|---|" + "---|" * (len(folders) + 1)]
+    for cell, per in values.items():
+        out.append(f"| {cell} | " + " | ".join(form.format(per[f]) if f in per else "" for f in folders)
+                   + f" | {form.format(sum(per.values()) / len(per))} |")
     return out
-
 
 if __name__ == "__main__":
     print(table(sys.argv[1]))

@@ -42,6 +42,10 @@
 # file names them with '_' instead.
 # ROUNDS=N (default 1) runs the whole list N times in order, round r into OUTDIR/rR/ (ABAB on one machine: a ratio
 # that moves between rounds is noise); matrix_table.py compares each cell with the BF16 cell of its own round.
+# SEEDS="0 1 2" runs the whole list once per seed, seed S into OUTDIR/sS/ (gpu_engines.py --seed: the initial weights
+# and the training windows; the held-out windows stay the same): one seed's held-out losses spread -2.6% to +2.0%
+# around BF16's after 300 steps (results/gpu/2026-11-29-h200x2-matrix-9c30527), so a 1% comparison needs several;
+# matrix_table.py compares each cell with BF16 of its seed and gives the mean over seeds. Not with ROUNDS > 1.
 # PACK=1 packs OUTDIR into OUTDIR.tgz at the end (the device tool brings back at most 8 files a call: a matrix
 # with profiles writes two per cell; a file that does not come back is lost with the machine).
 set -uo pipefail
@@ -51,9 +55,24 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 rounds=${ROUNDS:-1}
 [[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a whole number >= 1, got '$rounds'" >&2; exit 2; }
+seeds=()
+declare -A seen=()
+for s in ${SEEDS:-}; do
+  [[ $s =~ ^[0-9]+$ ]] || { echo "SEEDS must be whole numbers >= 0 separated by spaces, got '$SEEDS'" >&2; exit 2; }
+  [ -z "${seen[$s]:-}" ] || { echo "SEEDS names seed $s twice ('$SEEDS'): its second run would overwrite the first" >&2; exit 2; }
+  seen[$s]=1; seeds+=("$s")
+done
+[ ${#seeds[@]} -gt 0 ] && [ "$rounds" -gt 1 ] && { echo "SEEDS and ROUNDS > 1 cannot be combined: a round per seed is" \
+  "SEEDS alone (each seed's cells against that seed's BF16, in OUTDIR/sSEED/)" >&2; exit 2; }
 base=$out
-for round in $(seq 1 "$rounds"); do
-[ "$rounds" -gt 1 ] && { out=$base/r$round; mkdir -p "$out"; echo "== round $round of $rounds"; }
+passes=("${seeds[@]}"); [ ${#seeds[@]} -gt 0 ] || passes=($(seq 1 "$rounds"))
+for pass in "${passes[@]}"; do
+seed=""
+if [ ${#seeds[@]} -gt 0 ]; then
+  seed=$pass; out=$base/s$seed; mkdir -p "$out"; echo "== seed $seed"
+elif [ "$rounds" -gt 1 ]; then
+  out=$base/r$pass; mkdir -p "$out"; echo "== round $pass of $rounds"
+fi
 for case in "$@"; do
   IFS=: read -r backend recipe engine comm steps layers <<< "$case"
   compile_layers=${COMPILE_FP8_LAYERS:-}
@@ -97,7 +116,7 @@ for case in "$@"; do
     ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${PEAK:+--peak "$out/$name.peak.txt"} ${PEAK_STEP:+--peak-step "$PEAK_STEP"} ${fp8w:+--fp8-weights} ${act:+--activation-dtype "$act"} \
     ${states:+--optimizer-states "$states"} ${whole:+--compile-model} ${fused:+--fused-adamw} \
     ${noag:+--no-fp8-all-gather} ${aocast:+--torchao-gather-cast} \
-    ${EVAL_BATCHES:+--eval-batches "$EVAL_BATCHES"} --out "$out/$name.json" > "$out/$name.log" 2>&1
+    ${EVAL_BATCHES:+--eval-batches "$EVAL_BATCHES"} ${seed:+--seed "$seed"} --out "$out/$name.json" > "$out/$name.log" 2>&1
   rc=$?; echo "exit $rc in $(( $(date +%s) - t0 )) s"
   if [ -s "$out/$name.json" ]; then  # a result dict that raised leaves an empty file: keep the log then
     grep -E '"(refused|all_forwards_in_fp8|first_loss|last_loss|median_step_s|tokens_per_s|max_param_diff_across_ranks|delayed_scaling_differs_across_ranks)"' \

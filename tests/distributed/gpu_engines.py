@@ -218,6 +218,9 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=0,
                    help="after training, the mean loss over this many batches a rank of the corpus's held-out split "
                         "(the same windows for every cell: `heldout_loss`, to set beside BF16's of the same engine)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the model's initial weights and which training windows it sees (the held-out windows stay the "
+                        "same): one cell per seed against BF16 of the same seed, multi.sh's SEEDS")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--size", default="small")
     p.add_argument("--out", required=True)
@@ -231,6 +234,8 @@ def main() -> None:
                    help="the step --peak records (default: the fourth from the end, a steady one; 0 or 1: what the "
                         "first steps leave allocated for the rest of the training)")
     args = p.parse_args()
+    if args.seed < 0:
+        p.error(f"--seed takes a whole number >= 0, got {args.seed}")
     if args.eval_batches < 0:
         p.error(f"--eval-batches takes a whole number >= 0 (0: no evaluation), got {args.eval_batches}")
     if args.peak_step is not None and (args.peak is None or not 0 <= args.peak_step < args.steps):
@@ -286,10 +291,11 @@ def main() -> None:
                                      else args.compile_fp8_layers == "true")
             accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
 
-        torch.manual_seed(0)
+        torch.manual_seed(args.seed)
         model = build_model(preset)
         corpus = stdlib_corpus(max_bytes=8 * 2**20)
-        data = Windows(corpus.train, preset.seq_len, args.steps * preset.batch * accelerator.num_processes, seed=0)
+        data = Windows(corpus.train, preset.seq_len, args.steps * preset.batch * accelerator.num_processes,
+                       seed=args.seed)
         loader = torch.utils.data.DataLoader(data, batch_size=preset.batch)
         optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, **({"fused": True} if args.fused_adamw else {}))
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -488,7 +494,7 @@ def main() -> None:
                 # every FP8 Linear ran, and each of its forwards in FP8
                 "all_forwards_in_fp8": bool(len(fp8_modules)) and bool((trained_counts[:, 0] > 0).all())
                 and bool((trained_counts[:, 1] == trained_counts[:, 0]).all()),
-                "heldout_loss": heldout_loss, "eval_batches": args.eval_batches,
+                "heldout_loss": heldout_loss, "eval_batches": args.eval_batches, "seed": args.seed,
                 "first_loss": losses[0], "last_loss": sum(losses[-5:]) / 5, "median_step_s": per_step,
                 "tokens_per_s": tokens / per_step if per_step else None,
                 # the steps after msamp's warm-up and the recompile at its end (gpu_profile.STEADY_FROM); None in a
