@@ -482,6 +482,16 @@ def test_activation_codec_benchmark_names_the_option_a_bad_value_was_given_to(tm
     assert proc.returncode == 2 and message in proc.stderr
 
 
+def _matrix_table():
+    """scripts/gpu/matrix_table.py's `table` (a script beside the GPU scripts, not a package module)."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
+    try:
+        from matrix_table import table
+    finally:
+        sys.path.pop(0)
+    return table
+
+
 def _cell(backend, engine, steady, peak=10.0):
     return {"backend": backend, "engine": engine, "all_forwards_in_fp8": backend != "bf16", "first_loss": 6.0,
             "last_loss": 3.0, "median_step_s": steady, "steady_median_step_s": steady,
@@ -490,11 +500,7 @@ def _cell(backend, engine, steady, peak=10.0):
 
 def test_matrix_table_compares_each_round_with_its_own_bf16(tmp_path):
     # scripts/gpu/multi.sh with ROUNDS=2 writes r1/ and r2/: a round's FP8 cell against that round's BF16 only
-    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
-    try:
-        from matrix_table import table
-    finally:
-        sys.path.pop(0)
+    table = _matrix_table()
     for folder, bf16_s, fp8_s in (("r1", 0.126, 0.105), ("r2", 0.120, 0.110)):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "bf16_fsdp2.json").write_text(json.dumps(_cell("bf16", "fsdp2", bf16_s)))
@@ -509,11 +515,7 @@ def test_matrix_table_compares_each_round_with_its_own_bf16(tmp_path):
 
 def test_matrix_table_gives_each_seeds_held_out_loss_against_its_bf16_and_the_mean(tmp_path):
     # multi.sh's SEEDS writes s0/ and s1/: each seed's FP8 cell against BF16 of the same seed, then the mean
-    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
-    try:
-        from matrix_table import table
-    finally:
-        sys.path.pop(0)
+    table = _matrix_table()
     for folder, bf16_loss, fp8_loss in (("s0", 2.00, 2.04), ("s1", 2.10, 2.079)):
         (tmp_path / folder).mkdir()
         for backend, loss, step in (("bf16", bf16_loss, 0.140), ("msamp", fp8_loss, 0.105)):
@@ -532,11 +534,7 @@ def test_matrix_table_gives_each_seeds_held_out_loss_against_its_bf16_and_the_me
 
 def test_matrix_table_compares_a_compiled_model_with_compiled_bf16(tmp_path):
     # multi.sh's 'model' flag: the whole model compiled, against BF16 compiled the same way, never eager BF16
-    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
-    try:
-        from matrix_table import table
-    finally:
-        sys.path.pop(0)
+    table = _matrix_table()
     cells = {"bf16_fsdp2": _cell("bf16", "fsdp2", 0.125), "torchao_fsdp2": _cell("torchao", "fsdp2", 0.100, 7.3),
              "bf16_fsdp2_model": {**_cell("bf16", "fsdp2", 0.110), "compiled_model": True},
              "torchao_fsdp2_model": {**_cell("torchao", "fsdp2", 0.088, 7.3), "compiled_model": True}}
@@ -569,11 +567,7 @@ def test_multi_sh_names_seeds_it_cannot_take(tmp_path, seeds, rounds, says):
 
 def test_matrix_table_leaves_out_what_a_short_cpu_run_cannot_give(tmp_path):
     # fewer than 6 steps: no median; on a CPU: no CUDA peak (0). The table says n/a instead of failing.
-    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
-    try:
-        from matrix_table import table
-    finally:
-        sys.path.pop(0)
+    table = _matrix_table()
     for backend in ("bf16", "msamp"):
         cell = {**_cell(backend, "ddp", None, 0.0), "median_step_s": None}
         (tmp_path / f"{backend}_ddp.json").write_text(json.dumps(cell))
@@ -708,11 +702,7 @@ def test_multi_sh_says_what_it_cannot_import_before_the_first_launch(tmp_path):
 
 
 def test_matrix_table_sets_each_cells_model_state_beside_its_plan_and_names_an_empty_result(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
-    try:
-        from matrix_table import table
-    finally:
-        sys.path.pop(0)
+    table = _matrix_table()
 
     def state(total, planned):
         return {"model_state_bytes_per_param": {"all_params": {"total": total}}, "planned_bytes_per_param": planned}
@@ -753,11 +743,7 @@ def test_every_engine_matrix_cell_has_its_bf16_baseline_in_its_part(tmp_path):
 
 
 def test_matrix_table_sets_each_held_out_loss_beside_bf16s_of_the_same_engine(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "scripts", "gpu"))
-    try:
-        from matrix_table import table
-    finally:
-        sys.path.pop(0)
+    table = _matrix_table()
     cells = {"bf16_fsdp2": (2.00, 8), "msamp_O3_fsdp2": (2.02, 8), "torchao_fsdp2": (1.99, 4)}
     for name, (loss, batches) in cells.items():
         cell = {**_cell(name.split("_")[0], "fsdp2", 0.1), "heldout_loss": loss, "eval_batches": batches}
