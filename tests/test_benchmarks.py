@@ -730,6 +730,35 @@ def test_engine_matrix_lists_each_parts_cells_and_refuses_an_unknown_part(tmp_pa
     assert proc.returncode == 2 and "unknown part 'zero4'" in proc.stderr
 
 
+def test_engine_matrix_within_its_budget_names_the_cells_it_did_not_start_and_still_packs_the_part(tmp_path):
+    # an outer `timeout` killed the ddp part at 300 steps before its table and packing (2026-11-29); with BUDGET_S
+    # a cell starts only where the time left holds one, and the part ends with its table, packed
+    import tarfile
+
+    pytest.importorskip("torchao")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_"))}
+    env.update(BUDGET_S="1", COMMIT="test", PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "engine_matrix.sh"), str(tmp_path), "compiled"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "== bf16::fsdp2:::model+fused: not started (" in proc.stdout and "BUDGET_S=1 left" in proc.stdout
+    with tarfile.open(tmp_path / "compiled.tgz") as tgz:
+        names = set(tgz.getnames())
+        listed = tgz.extractfile("compiled/not_started.txt").read().decode().split("\n")
+    assert {"compiled/table.md", "compiled/commit.txt"} <= names and not any(n.endswith(".json") for n in names)
+    assert listed[:4] == ["bf16::fsdp2:::model+fused", "torchao:tensorwise:fsdp2:::model+fused", "bf16::ddp:::model",
+                          "msamp@O2::ddp:::model"]
+
+
+@pytest.mark.parametrize("script", ["multi.sh", "engine_matrix.sh"])
+@pytest.mark.parametrize("budget", ["0", "ten", "-5"])
+def test_gpu_scripts_name_a_budget_they_cannot_take(tmp_path, script, budget):
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", script), str(tmp_path / "m"),
+                           "bf16::ddp" if script == "multi.sh" else "ddp"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "BUDGET_S": budget})
+    assert proc.returncode == 2 and f"BUDGET_S must be a whole number of seconds > 0, got '{budget}'" in proc.stderr
+
+
 def test_every_engine_matrix_cell_has_its_bf16_baseline_in_its_part(tmp_path):
     parts = ["ddp", "ddp_levels", "fsdp2", "zero", "zero3", "compiled"]
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "engine_matrix.sh"), str(tmp_path), *parts],

@@ -22,11 +22,15 @@
 # and ddp 610 s so, 90-180 s a cell: a part a call at most, ddp's last cell in a call of its own), and SEEDS too (each
 # seed's cells in PART/sS/ against BF16 of that seed, and the mean: one seed's held-out losses spread -2.6% to +2.0%
 # around BF16's, results/gpu/2026-11-29-h200x2-matrix-9c30527). DRY=1 prints each part's multi.sh command instead of
-# running it.
+# running it. BUDGET_S bounds all the parts named (multi.sh's: a cell starts only where the time left holds it, each
+# part's table and packing still made, the cells not started in PART/not_started.txt): BUDGET_S=570 in a 600 s call.
 set -uo pipefail
 out=${1:?usage: engine_matrix.sh OUT PART [PART ...] (ddp ddp_levels fsdp2 zero zero3 compiled)}; shift
 [ $# -gt 0 ] || { echo "name at least one part: ddp ddp_levels fsdp2 zero zero3 compiled" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
+[ -z "${BUDGET_S:-}" ] || [[ $BUDGET_S =~ ^[1-9][0-9]*$ ]] || { echo "BUDGET_S must be a whole number of seconds > 0," \
+  "got '$BUDGET_S'" >&2; exit 2; }
+start=$(date +%s)
 status=0
 for part in "$@"; do
   case "$part" in
@@ -42,7 +46,11 @@ for part in "$@"; do
   esac
   # shellcheck disable=SC2086  # the cells are words
   if [ "${DRY:-0}" = 1 ]; then echo "multi.sh $out/$part" $cells; continue; fi
-  STEPS=${STEPS:-30} SIZE=${SIZE:-proxy} CASE_TIMEOUT=${CASE_TIMEOUT:-150} PACK=0 \
+  budget=""
+  if [ -n "${BUDGET_S:-}" ]; then  # what the parts before left of the whole call's budget (at least 1 s: multi.sh
+    budget=$(( BUDGET_S - ($(date +%s) - start) )); [ "$budget" -ge 1 ] || budget=1  # then names every cell)
+  fi
+  STEPS=${STEPS:-30} SIZE=${SIZE:-proxy} CASE_TIMEOUT=${CASE_TIMEOUT:-150} PACK=0 BUDGET_S=$budget \
     bash scripts/gpu/multi.sh "$out/$part" $cells || status=1
   python3 scripts/gpu/matrix_table.py "$out/$part" > "$out/$part/table.md" || status=1
   echo "${COMMIT:-unknown}" > "$out/$part/commit.txt"

@@ -46,6 +46,10 @@
 # and the training windows; the held-out windows stay the same): one seed's held-out losses spread -2.6% to +2.0%
 # around BF16's after 300 steps (results/gpu/2026-11-29-h200x2-matrix-9c30527), so a 1% comparison needs several;
 # matrix_table.py compares each cell with BF16 of its seed and gives the mean over seeds. Not with ROUNDS > 1.
+# BUDGET_S=N bounds the whole list (for a device call of 600 s: 570 leaves the packing and the table): a cell starts
+# only while the time left holds the longest cell so far (CASE_TIMEOUT before the first) and is cut at the budget; the
+# cells not started are listed in OUTDIR/not_started.txt. An outer `timeout` instead kills the list where it is,
+# before PACK=1 and the tables (2026-11-29: the ddp part at 300 steps, 610 s, lost its table so).
 # PACK=1 packs OUTDIR into OUTDIR.tgz at the end (the device tool brings back at most 8 files a call: a matrix
 # with profiles writes two per cell; a file that does not come back is lost with the machine).
 set -uo pipefail
@@ -55,6 +59,10 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 rounds=${ROUNDS:-1}
 [[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a whole number >= 1, got '$rounds'" >&2; exit 2; }
+budget=${BUDGET_S:-}
+[ -z "$budget" ] || [[ $budget =~ ^[1-9][0-9]*$ ]] || { echo "BUDGET_S must be a whole number of seconds > 0, got" \
+  "'$budget'" >&2; exit 2; }
+t_start=$(date +%s); longest=0
 seeds=()
 declare -A seen=()
 for s in ${SEEDS:-}; do
@@ -102,6 +110,18 @@ for case in "$@"; do
       2>/dev/null || { echo "multi.sh: python3 cannot import all of ${modules[*]}: on the GPU host run" \
         "'bash .gpubundle/setup.sh' and export PYTHONPATH=/tmp/site:\$PWD first" >&2; exit 2; }
   fi
+  limit=${CASE_TIMEOUT:-300}
+  if [ -n "$budget" ]; then
+    # a cell starts only where the time left holds the longest cell of this call so far (CASE_TIMEOUT before the
+    # first), and never runs past the budget: what ran is kept and packed, what did not is named
+    left=$(( budget - ($(date +%s) - t_start) ))
+    need=$(( longest > 0 ? longest : limit ))
+    if [ "$left" -lt "$need" ]; then
+      echo "== $case: not started (${left} s of BUDGET_S=$budget left; a cell took up to ${need} s)"
+      echo "$case${seed:+ (seed $seed)}" >> "$base/not_started.txt"; continue
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "== $case"
   t0=$(date +%s)
   if [ "${NPROC:-2}" = 1 ]; then
@@ -110,14 +130,14 @@ for case in "$@"; do
   else
     launch=(accelerate launch --multi_gpu --num_processes "${NPROC:-2}" --num_machines 1 --mixed_precision fp8 --dynamo_backend no)
   fi
-  env LOWPREC_FP8_GRAD_OVERLAP=$overlap ${ingraph:+LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1} timeout "${CASE_TIMEOUT:-300}" "${launch[@]}" \
+  env LOWPREC_FP8_GRAD_OVERLAP=$overlap ${ingraph:+LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1} timeout "$limit" "${launch[@]}" \
     tests/distributed/gpu_engines.py --backend "$backend" ${recipe:+--recipe "$recipe"} ${level:+--opt-level "$level"} \
     --engine "$engine" ${comm:+--grad-comm-dtype "$comm"} --steps "${steps:-${STEPS:-30}}" --size "${SIZE:-small}" \
     ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${PEAK:+--peak "$out/$name.peak.txt"} ${PEAK_STEP:+--peak-step "$PEAK_STEP"} ${fp8w:+--fp8-weights} ${act:+--activation-dtype "$act"} \
     ${states:+--optimizer-states "$states"} ${whole:+--compile-model} ${fused:+--fused-adamw} \
     ${noag:+--no-fp8-all-gather} ${aocast:+--torchao-gather-cast} \
     ${EVAL_BATCHES:+--eval-batches "$EVAL_BATCHES"} ${seed:+--seed "$seed"} --out "$out/$name.json" > "$out/$name.log" 2>&1
-  rc=$?; echo "exit $rc in $(( $(date +%s) - t0 )) s"
+  rc=$?; took=$(( $(date +%s) - t0 )); echo "exit $rc in $took s"; [ "$took" -gt "$longest" ] && longest=$took
   if [ -s "$out/$name.json" ]; then  # a result dict that raised leaves an empty file: keep the log then
     grep -E '"(refused|all_forwards_in_fp8|first_loss|last_loss|median_step_s|tokens_per_s|max_param_diff_across_ranks|delayed_scaling_differs_across_ranks)"' \
       "$out/$name.json"; rm -f "$out/$name.log"  # keep logs of failures only

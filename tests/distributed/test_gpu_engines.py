@@ -134,7 +134,8 @@ def test_multi_sh_seeds_give_each_seed_its_folder_weights_and_windows(tmp_path):
 
     root = HERE.parent.parent
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_"))}
-    env.update(NPROC="1", SIZE="tiny", STEPS="2", EVAL_BATCHES="1", SEEDS="0 3", CASE_TIMEOUT="300",
+    # BUDGET_S as a device call would set it: both cells fit, so both start (the one before gives the second its need)
+    env.update(NPROC="1", SIZE="tiny", STEPS="2", EVAL_BATCHES="1", SEEDS="0 3", CASE_TIMEOUT="300", BUDGET_S="570",
                CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(root),
                PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""))
     proc = subprocess.run(["bash", str(root / "scripts" / "gpu" / "multi.sh"), str(tmp_path / "m"), "bf16::ddp"],
@@ -147,3 +148,4 @@ def test_multi_sh_seeds_give_each_seed_its_folder_weights_and_windows(tmp_path):
     assert cells[0]["seed"] == 0 and cells[3]["seed"] == 3
     assert cells[0]["first_loss"] != cells[3]["first_loss"]  # other weights on other windows
     assert all(math.isfinite(c["heldout_loss"]) for c in cells.values())
+    assert not (tmp_path / "m" / "not_started.txt").exists()
