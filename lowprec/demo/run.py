@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import statistics
@@ -34,6 +33,7 @@ from ..runtime.activations_in_graph import ENV as IN_GRAPH_ENV
 from .data import TOKENIZATIONS, Windows, stdlib_corpus, tokenize
 from .memory import model_state_bytes
 from .model import ARCHS, PRESETS, build_model
+from .schedule import ADAMW_SETTINGS, lr_schedule
 
 OPTIMIZER_STATES = tuple(STATE_PRESETS)  # FP8RecipeKwargs.optimizer_states' named presets ("fp32", "bf16", ...)
 
@@ -146,19 +146,6 @@ def worker_args(size: str, steps: int, batch: int | None, seq_len: int | None, c
     return args
 
 
-def _lr_lambda(total: int):
-    # A fifth of a short run warms up: Adam's first steps move every weight by ~lr regardless of
-    # the gradient, which at d=4096 spikes the loss if the learning rate arrives too early.
-    warm = max(2, total // 5)
-
-    def fn(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
-
-    return fn
-
-
 def run(args: argparse.Namespace) -> dict:
     cuda = torch.cuda.is_available()
     preset = PRESETS[args.size]
@@ -200,9 +187,8 @@ def run(args: argparse.Namespace) -> dict:
     heldout = Windows(tokenize(corpus.heldout, args.tokens), seq_len, args.eval_batches * batch * processes, seed=1234)
     model = build_model(preset, args.arch, TOKENIZATIONS[args.tokens])
     n_params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, weight_decay=0.1, betas=(0.9, 0.95),
-                                  fused=cuda or None)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(args.steps))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, **ADAMW_SETTINGS, fused=cuda or None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args.steps))
     model, optimizer, scheduler, train_loader, heldout_loader = accelerator.prepare(
         model, optimizer, scheduler, DataLoader(train, batch_size=batch), DataLoader(heldout, batch_size=batch)
     )
@@ -357,8 +343,7 @@ def _raw_torchao(args, plan, train, batch: int, compile_model: bool, warmup: int
     convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(plan.recipe),
                                module_filter_fn=lambda module, fqn: fqn in fp8)
     cuda = torch.cuda.is_available()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, weight_decay=0.1, betas=(0.9, 0.95),
-                                  fused=cuda or None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, **ADAMW_SETTINGS, fused=cuda or None)
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(train, batch_size=batch))
     times = []
     t_step = time.perf_counter()

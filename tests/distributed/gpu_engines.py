@@ -255,6 +255,7 @@ def main() -> None:
 
     from lowprec.demo.data import Windows, stdlib_corpus
     from lowprec.demo.model import PRESETS, build_model
+    from lowprec.demo.schedule import ADAMW_SETTINGS, DESCRIPTION, lr_schedule
 
     preset = PRESETS[args.size]
     kwargs = {}
@@ -297,8 +298,15 @@ def main() -> None:
         data = Windows(corpus.train, preset.seq_len, args.steps * preset.batch * accelerator.num_processes,
                        seed=args.seed)
         loader = torch.utils.data.DataLoader(data, batch_size=preset.batch)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, **({"fused": True} if args.fused_adamw else {}))
+        # `lowprec bench`'s protocol (lowprec/demo/schedule.py), so that a cell's held-out loss reads as bench's:
+        # without the warm-up Adam's first step spiked the loss to 19 and one seed's held-out losses after 300 steps
+        # spread -2.6% to +2.0% around BF16's (results/gpu/2026-11-29-h200x2-matrix-9c30527)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, **ADAMW_SETTINGS,
+                                      **({"fused": True} if args.fused_adamw else {}))
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        # stepped here once a step on every rank, not through Accelerate's scheduler, which steps once per process
+        # (a schedule of STEPS steps would end halfway on two ranks)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args.steps))
     except refusals as exc:  # a refused combination: its message is the result
         if os.environ.get("RANK", "0") == "0":
             with open(args.out, "w") as fh:
@@ -403,6 +411,7 @@ def main() -> None:
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
             marks.mark("clip")
             optimizer.step()
+            scheduler.step()
             marks.mark("optimizer")
             optimizer.zero_grad()
             marks.mark("zero_grad")
@@ -495,6 +504,7 @@ def main() -> None:
                 "all_forwards_in_fp8": bool(len(fp8_modules)) and bool((trained_counts[:, 0] > 0).all())
                 and bool((trained_counts[:, 1] == trained_counts[:, 0]).all()),
                 "heldout_loss": heldout_loss, "eval_batches": args.eval_batches, "seed": args.seed,
+                "training": DESCRIPTION,
                 "first_loss": losses[0], "last_loss": sum(losses[-5:]) / 5, "median_step_s": per_step,
                 "tokens_per_s": tokens / per_step if per_step else None,
                 # the steps after msamp's warm-up and the recompile at its end (gpu_profile.STEADY_FROM); None in a

@@ -146,6 +146,9 @@ def test_multi_sh_seeds_give_each_seed_its_folder_weights_and_windows(tmp_path):
         with open(tmp_path / "m" / f"s{seed}" / "bf16_ddp.json") as fh:
             cells[seed] = json.load(fh)
     assert cells[0]["seed"] == 0 and cells[3]["seed"] == 3
+    from lowprec.demo.schedule import DESCRIPTION  # lowprec bench's protocol, so both held-out losses read alike
+
+    assert cells[0]["training"] == DESCRIPTION
     assert cells[0]["first_loss"] != cells[3]["first_loss"]  # other weights on other windows
     assert all(math.isfinite(c["heldout_loss"]) for c in cells.values())
     assert not (tmp_path / "m" / "not_started.txt").exists()
