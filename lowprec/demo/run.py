@@ -188,10 +188,13 @@ def run(args: argparse.Namespace) -> dict:
     model = build_model(preset, args.arch, TOKENIZATIONS[args.tokens])
     n_params = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, **ADAMW_SETTINGS, fused=cuda or None)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args.steps))
-    model, optimizer, scheduler, train_loader, heldout_loader = accelerator.prepare(
-        model, optimizer, scheduler, DataLoader(train, batch_size=batch), DataLoader(heldout, batch_size=batch)
+    model, optimizer, train_loader, heldout_loader = accelerator.prepare(
+        model, optimizer, DataLoader(train, batch_size=batch), DataLoader(heldout, batch_size=batch)
     )
+    # Stepped here once an optimizer step, not prepared: Accelerate steps a prepared scheduler once per process each
+    # step (on two ranks a schedule of --steps steps ended halfway and its cosine climbed back) and under DeepSpeed
+    # hands it to the engine; this way every process count and engine follows the same rates
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args.steps))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
@@ -201,7 +204,7 @@ def run(args: argparse.Namespace) -> dict:
     label = "BF16 autocast" if args.variant == "bf16" else f"FP8 {plan.backend}:{plan.recipe}"
     bar = tqdm(total=args.steps, desc=f"{label:<24}", disable=args.no_progress or not accelerator.is_main_process,
                file=sys.stderr, dynamic_ncols=True)
-    losses, step_times = [], []
+    losses, step_times, rates = [], [], []
     model.train()
     step = 0
     t_step = time.perf_counter()
@@ -212,7 +215,9 @@ def run(args: argparse.Namespace) -> dict:
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            scheduler.step()
+            if accelerator.sync_gradients:  # the optimizer stepped (the last micro-step of an accumulation)
+                rates.append(optimizer.param_groups[0]["lr"])
+                scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         if not accelerator.sync_gradients:
             continue
@@ -280,6 +285,7 @@ def run(args: argparse.Namespace) -> dict:
         "grad_accum": args.grad_accum,
         "tokens_per_step": tokens_per_step,
         "losses": losses,
+        "learning_rates": rates,  # each optimizer step's (lowprec/demo/schedule.py)
         "first_loss": losses[0],
         "final_loss": sum(losses[-tail:]) / tail,
         "heldout_loss": heldout_loss,

@@ -97,6 +97,34 @@ def test_demo_run_with_gradient_accumulation(tmp_path):
     assert "skip_slow_shapes: no measured thresholds for CPU (emulated)" in result["plan_text"]
     assert "modules: 15 of 15 Linear layers in FP8" in result["plan_text"]
     assert json.loads((tmp_path / "r.json").read_text())["grad_accum"] == 2
+    from lowprec.demo.model import PRESETS
+    from lowprec.demo.schedule import lr_schedule
+
+    # one rate an optimizer step, not one a micro-step
+    assert result["learning_rates"] == [PRESETS["tiny"].lr * lr_schedule(4)(s) for s in range(4)]
+
+
+def test_two_ranks_follow_the_same_learning_rates_as_one(tmp_path):
+    # Accelerate steps a prepared scheduler once per process each step: on two ranks bench's schedule ended halfway
+    # and its cosine climbed back; stepped by the run once an optimizer step, it is the same on any process count
+    from conftest import free_port, run_processes
+
+    from lowprec.demo.model import PRESETS
+    from lowprec.demo.schedule import lr_schedule
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    # ACCELERATE_USE_CPU: Accelerate's MULTI_CPU (gloo); without it each CPU rank ran a training of its own
+    env.update(OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1", CUDA_VISIBLE_DEVICES="",
+               ACCELERATE_USE_CPU="true")
+    out = tmp_path / "r.json"
+    proc = run_processes([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port()), "-m", "lowprec.demo.run", "--variant", "bf16", "--steps", "6",
+                          "--grad-accum", "2", "--batch", "2", "--seq-len", "16", "--eval-batches", "1",
+                          "--no-progress", "--json", str(out)], env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["steps"] == 6
+    assert result["learning_rates"] == pytest.approx([PRESETS["tiny"].lr * lr_schedule(6)(s) for s in range(6)])
 
 
 @pytest.mark.parametrize("policy", ["bf16", "keep"])
