@@ -532,6 +532,18 @@ def test_matrix_table_gives_each_seeds_held_out_loss_against_its_bf16_and_the_me
     assert "| msamp_ddp | +2.00 |  | +2.00 |" in table(str(tmp_path))
 
 
+def test_matrix_table_averages_rounds_and_seeds_but_not_an_engine_matrixs_parts(tmp_path):
+    # engine_matrix.sh's parts (ddp/, fsdp2/) are different cells side by side, not repeats of one cell
+    table = _matrix_table()
+    for part, engine in (("ddp", "ddp"), ("fsdp2", "fsdp2")):
+        (tmp_path / part).mkdir()
+        (tmp_path / part / f"bf16_{engine}.json").write_text(json.dumps(_cell("bf16", engine, 0.140)))
+        (tmp_path / part / f"msamp_{engine}.json").write_text(json.dumps(_cell("msamp", engine, 0.105)))
+    text = table(str(tmp_path))
+    assert "| ddp/msamp_ddp | True |" in text and "| fsdp2/msamp_fsdp2 | True |" in text
+    assert "mean |" not in text
+
+
 def test_matrix_table_compares_a_compiled_model_with_compiled_bf16(tmp_path):
     # multi.sh's 'model' flag: the whole model compiled, against BF16 compiled the same way, never eager BF16
     table = _matrix_table()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import sys
 
 
@@ -123,7 +124,7 @@ def _by_folder(cells: dict, bf16: dict, value, title: str, form: str) -> list[st
     for name, c in cells.items():
         folder = os.path.dirname(name)
         base = bf16.get(_key(name, c))
-        if not folder or c.get("backend") == "bf16" or "refused" in c or not base:
+        if not _repeat(folder) or c.get("backend") == "bf16" or "refused" in c or not base:
             continue
         v = value(c, base)
         if v is not None:
@@ -131,12 +132,18 @@ def _by_folder(cells: dict, bf16: dict, value, title: str, form: str) -> list[st
     if not values:
         return []
     # every round's or seed's column, a blank where a cell has no comparison there (not a column left out)
-    folders = sorted({os.path.dirname(name) for name in cells} - {""})
+    folders = sorted({os.path.dirname(name) for name in cells if _repeat(os.path.dirname(name))})
     out = ["", f"| cell ({title}) | " + " | ".join(folders) + " | mean |", "|---|" + "---|" * (len(folders) + 1)]
     for cell, per in values.items():
         out.append(f"| {cell} | " + " | ".join(form.format(per[f]) if f in per else "" for f in folders)
                    + f" | {form.format(sum(per.values()) / len(per))} |")
     return out
+
+def _repeat(folder: str) -> bool:
+    """Whether `folder` is one round (rN, multi.sh's ROUNDS) or one seed (sN, SEEDS) of a list: other subfolders (an
+    engine matrix's parts) are different cells, not repeats to average."""
+    return re.fullmatch(r"[rs]\d+", os.path.basename(folder)) is not None
+
 
 if __name__ == "__main__":
     print(table(sys.argv[1]))
