@@ -372,7 +372,7 @@ def main() -> None:
     start_samples = [weight_sample(m.weight) for m in fp8_modules]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    losses, times, state_bytes = [], [], None
+    losses, times, rates, state_bytes = [], [], [], None
     instrumented: set[int] = set()  # steps a measurement ran in: left out of the medians
     model.train()
     syncs: dict[str, int] = {}
@@ -411,6 +411,7 @@ def main() -> None:
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
             marks.mark("clip")
             optimizer.step()
+            rates.append(optimizer.param_groups[0]["lr"])  # the rate this step used, as the engine's optimizer reads it
             scheduler.step()
             marks.mark("optimizer")
             optimizer.zero_grad()
@@ -518,7 +519,8 @@ def main() -> None:
                 "after_prepare_gib_rank0": after_prepare,
                 "model_state_bytes_per_param": state_bytes,
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
-                "losses": losses, "step_times_s": times, "phase_ms": median_phases([p for i, p in phases if i >= 5]),
+                "losses": losses, "learning_rates": rates,
+                "step_times_s": times, "phase_ms": median_phases([p for i, p in phases if i >= 5]),
                 "steady_phase_ms": median_phases([p for i, p in phases if i >= STEADY_FROM]),
                 "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
                 "grad_comm_how": plan.tensor("grad_comm").scaling if plan else None,

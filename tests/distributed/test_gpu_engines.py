@@ -149,6 +149,10 @@ def test_multi_sh_seeds_give_each_seed_its_folder_weights_and_windows(tmp_path):
     from lowprec.demo.schedule import DESCRIPTION  # lowprec bench's protocol, so both held-out losses read alike
 
     assert cells[0]["training"] == DESCRIPTION
+    from lowprec.demo.model import PRESETS
+    from lowprec.demo.schedule import lr_schedule
+
+    assert cells[3]["learning_rates"] == pytest.approx([PRESETS["tiny"].lr * lr_schedule(2)(s) for s in range(2)])
     assert cells[0]["first_loss"] != cells[3]["first_loss"]  # other weights on other windows
     assert all(math.isfinite(c["heldout_loss"]) for c in cells.values())
     assert not (tmp_path / "m" / "not_started.txt").exists()
