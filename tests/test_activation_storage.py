@@ -14,6 +14,7 @@ import re
 
 import pytest
 import torch
+from norm_mlp_block import NormMLPBlock
 from torch import nn
 
 from lowprec import Accelerator, FP8RecipeKwargs
@@ -34,20 +35,10 @@ def python_hooks(monkeypatch):
     monkeypatch.setenv("LOWPREC_FP8_ACTIVATIONS_IN_GRAPH", "0")
 
 
-class Block(nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x):
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
 def mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(32, WIDTH), Block(WIDTH), Block(WIDTH), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 16))
+    return nn.Sequential(nn.Linear(32, WIDTH), NormMLPBlock(WIDTH), NormMLPBlock(WIDTH), nn.LayerNorm(WIDTH),
+                         nn.Linear(WIDTH, 16))
 
 
 def batches(n: int, seed: int = 0):

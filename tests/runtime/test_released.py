@@ -15,6 +15,7 @@ import weakref
 
 import pytest
 import torch
+from norm_mlp_block import NormMLPBlock
 from torch import nn
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
@@ -32,17 +33,6 @@ RECIPES = {
 }
 
 
-class _Block(nn.Module):
-    def __init__(self, width: int = 64):
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x):
-        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
-
-
 def _run(fields: dict | None, steps: int = 3) -> list[weakref.ref]:
     """Train `steps` steps through lowprec's Accelerator; weak references to every parameter and the optimizer."""
     from lowprec import Accelerator, FP8RecipeKwargs
@@ -53,7 +43,7 @@ def _run(fields: dict | None, steps: int = 3) -> list[weakref.ref]:
     else:
         accelerator = Accelerator(mixed_precision="fp8", lowprec_quiet=True,
                                   kwargs_handlers=[FP8RecipeKwargs(skip_slow_shapes=False, **fields)])
-    model = nn.Sequential(_Block(), _Block())
+    model = nn.Sequential(NormMLPBlock(64), NormMLPBlock(64))
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     for _ in range(steps):
         loss = model(torch.randn(4, 16, 64)).float().square().mean()
@@ -83,7 +73,7 @@ def test_a_layer_keeps_its_gradient_store_while_it_lives():
     torch.manual_seed(0)
     accelerator = Accelerator(mixed_precision="fp8", lowprec_quiet=True, kwargs_handlers=[
         FP8RecipeKwargs(backend="torchao", opt_level="O2", skip_slow_shapes=False)])
-    model = accelerator.prepare(nn.Sequential(_Block(), _Block()))
+    model = accelerator.prepare(nn.Sequential(NormMLPBlock(64), NormMLPBlock(64)))
     layers = [m for m in model.modules() if any(isinstance(v, GradStore) for v in vars(m).values())]
     assert len(layers) == 4
     del accelerator
@@ -105,7 +95,7 @@ def test_free_memory_lets_go_of_every_model_the_accelerator_prepared(recipe):
 
     def run():
         torch.manual_seed(0)
-        model = nn.Sequential(_Block(), _Block())
+        model = nn.Sequential(NormMLPBlock(64), NormMLPBlock(64))
         model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         accelerator.fp8_health(every=1)
         losses = []
@@ -136,7 +126,7 @@ def test_a_model_with_gradient_stores_pickles_whole_and_its_copies_store_nothing
     torch.manual_seed(0)
     accelerator = Accelerator(mixed_precision="fp8", lowprec_quiet=True, kwargs_handlers=[
         FP8RecipeKwargs(backend="torchao", opt_level="O2", skip_slow_shapes=False)])
-    model = accelerator.prepare(nn.Sequential(_Block(), _Block()))
+    model = accelerator.prepare(nn.Sequential(NormMLPBlock(64), NormMLPBlock(64)))
     torch.save(model, tmp_path / "whole.pt")
     loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
     ema = copy.deepcopy(model)
