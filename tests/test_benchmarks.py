@@ -792,3 +792,25 @@ def test_matrix_table_sets_each_held_out_loss_beside_bf16s_of_the_same_engine(tm
     text = table(str(tmp_path))
     assert "| 2.0200 (+1.00%) |" in text
     assert "| 1.9900 |" in text  # evaluated on other batches than BF16's: no difference to give
+
+
+@pytest.mark.parametrize("value, flag", [(None, "--compile"), ("false", "--no-compile"), ("eager", None)])
+def test_memory_sh_convergence_runs_eager_when_told(value, flag, tmp_path):
+    # te's DelayedScaling refuses compiled code: its convergence runs need every run eager, BF16 too
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/argv\n")
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "COMMIT": "abc"}
+    env.pop("CONVERGENCE_COMPILE", None)
+    if value is not None:
+        env["CONVERGENCE_COMPILE"] = value
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "memory.sh"), str(tmp_path / "m"),
+                           "convergence"], capture_output=True, text=True, timeout=60, env=env)
+    if flag is None:
+        assert proc.returncode == 2 and "CONVERGENCE_COMPILE must be true or false, got 'eager'" in proc.stderr
+        assert not (tmp_path / "argv").exists()
+    else:
+        assert proc.returncode == 0, proc.stderr
+        argv = (tmp_path / "argv").read_text().split()
+        assert argv[:4] == ["-m", "lowprec.cli", "bench", "--convergence"] and argv[4] == flag

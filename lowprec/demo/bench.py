@@ -19,14 +19,13 @@ LOWPREC_FP8_ACTIVATIONS_IN_GRAPH), so that each form is a configuration of its o
 `,amax_compute_algo=max|most_recent` sets a delayed recipe's (FP8RecipeKwargs.amax_compute_algo), and te's
 `,te_first_scales=true|false` casts DelayedScaling's first step with scales from its own tensors or with TE's 1
 (LOWPREC_TE_FIRST_SCALES), and te's `,fp8_weights=true|false` keeps its Linear weights in FP8 only with FP32 masters in
-TE's FusedAdam (FP8RecipeKwargs.fp8_weights), for A/Bs paired with BF16 in one bench.
-Each runs `python -m lowprec.demo.run` in a fresh process (Accelerate's state is a process-wide
-singleton, and peak memory and compile caches must be the run's own) on the demo corpus: tokens/s
-(median step after warm-up), peak memory split into model state (weights, gradients, optimizer states,
-measured) and the rest (saved activations, temporaries), what one forward leaves held for backward,
-model-state bytes per parameter, losses and held-out loss. torchao configurations are also trained
-with torchao driven directly in the same process (`--raw`), giving lowprec's overhead against the peer.
-Written to --out: results.json, results.md (the table), throughput.png and loss.png.
+TE's FusedAdam (FP8RecipeKwargs.fp8_weights), for A/Bs paired with BF16 in one bench. Each runs `python -m
+lowprec.demo.run` in a fresh process (Accelerate's state is a process-wide singleton, and peak memory and compile
+caches must be the run's own) on the demo corpus: tokens/s (median step after warm-up), peak memory split into model
+state (weights, gradients, optimizer states, measured) and the rest (saved activations, temporaries), what one forward
+leaves held for backward, model-state bytes per parameter, losses and held-out loss. torchao configurations are also
+trained with torchao driven directly in the same process (`--raw`), giving lowprec's overhead against the peer. Written
+to --out: results.json, results.md (the table), throughput.png and loss.png.
 """
 
 from __future__ import annotations
@@ -118,6 +117,21 @@ def available_configs(compiled: bool, skipped: dict[str, str] | None = None) -> 
                     continue
                 names.append(f"{cls.name}:{recipe}" + (f":{level}" if level else ""))
     return names
+
+
+def context_problems(configs: list[dict], compiled: bool) -> list[str]:
+    """Why a named configuration cannot run in this bench's mode (TE's DelayedScaling compiled), before BF16 ran."""
+    from ..backends import RunContext, backend_class
+    from ..planning.hardware import device_info
+    context, problems = RunContext(device=device_info(), compiled=compiled), []
+    for config in (c for c in configs if c["backend"] not in (None, "auto")):
+        try:
+            problem = backend_class(config["backend"]).context_problem(config["recipe"], context)
+        except ValueError as exc:  # an unknown backend, named with the accepted ones
+            problem = str(exc)
+        if problem:
+            problems.append(f"configuration {config['name']!r}: {problem}")
+    return problems
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -327,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     for reason in sorted(set(skipped.values())):  # said, not silently dropped: a missing package, no FP8 GPU
         names = [name for name, why in skipped.items() if why == reason]
         print(f"lowprec bench: not run here ({', '.join(names)}): {reason}", file=sys.stderr)
+    if problems := context_problems(configs, compiled):
+        mode = "compiled (--compile; --no-compile runs every configuration eager, BF16 too)" if compiled else "eager"
+        print("lowprec bench: nothing run: " + "; ".join(problems) + f". This bench runs {mode}.", file=sys.stderr)
+        return 2
     if not any(c["name"] == "bf16" for c in configs):
         configs.insert(0, parse_config("bf16"))  # every ratio is against BF16 measured the same way
     out = args.out or tempfile.mkdtemp(prefix="lowprec-bench-")

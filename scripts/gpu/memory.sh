@@ -38,7 +38,9 @@
 #                                                #   CONVERGENCE_JOBS=5: five at a time over the machine's GPUs,
 #                                                #   losses and peaks each run's own, speeds not compared;
 #                                                #   CONVERGENCE_SEEDS=3: each configuration with seeds 0..2,
-#                                                #   against BF16's run of the same seed and BF16's mean)
+#                                                #   against BF16's run of the same seed and BF16's mean;
+#                                                #   CONVERGENCE_COMPILE=false: every run eager, BF16 too,
+#                                                #   as te's DelayedScaling needs)
 #   bash scripts/gpu/memory.sh OUT inbackward    # ~5 min: torchao (compiled) and te (eager) with FP8 activations,
 #                                                #   with and without optimizer_in_backward (each parameter
 #                                                #   stepped in backward, its FP32 gradient freed there), against
@@ -165,7 +167,12 @@ for part in "$@"; do
       python3 benchmarks/headline.py --summarize "$dir/whole.json" > "$dir/whole.md" 2>&1
       tar czf "$dir/whole.peak.tgz" -C "$dir" whole_peaks && rm -rf "$dir/whole_peaks" ;;
     convergence)
-      python3 -m lowprec.cli bench --convergence --steps 300 --size proxy --no-raw --no-progress --out "$dir/convergence" \
+      case "${CONVERGENCE_COMPILE:-true}" in
+        true) mode=--compile ;; false) mode=--no-compile ;;
+        *) echo "CONVERGENCE_COMPILE must be true or false, got '$CONVERGENCE_COMPILE'" >&2; exit 2 ;;
+      esac
+      python3 -m lowprec.cli bench --convergence "$mode" --steps 300 --size proxy --no-raw --no-progress \
+        --out "$dir/convergence" \
         --jobs "${CONVERGENCE_JOBS:-1}" --seeds "${CONVERGENCE_SEEDS:-1}" \
         --configs ${CONVERGENCE_CONFIGS:-bf16 msamp:delayed:O2 msamp:delayed:O2,activation_dtype=fp8 \
         torchao:tensorwise,activation_dtype=fp8} \

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lowprec.demo.bench import available_configs, markdown, parse_args, parse_config, summarise
+from lowprec.demo.bench import available_configs, main, markdown, parse_args, parse_config, summarise
 
 pytest.importorskip("torchao")
 pytest.importorskip("transformers")
@@ -303,6 +303,8 @@ def test_each_parallel_run_gets_a_device_the_bench_sees(tmp_path, monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(bench.torch.cuda, "get_device_name", lambda *a: "a GPU")
+    monkeypatch.setattr(bench.torch.cuda, "current_device", lambda: 0)  # the configurations' check describes it
+    monkeypatch.setattr(bench.torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(bench, "plot", lambda *a: [])
     placed = []
 
@@ -314,3 +316,17 @@ def test_each_parallel_run_gets_a_device_the_bench_sees(tmp_path, monkeypatch):
     bench.main(["--size", "tiny", "--steps", "2", "--no-progress", "--no-raw", "--no-compile", "--jobs", "4",
                 "--configs", "msamp:delayed:O2", "--seeds", "2", "--out", str(tmp_path)])
     assert placed == ["1"] * 4
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_configuration_the_mode_refuses_is_named_before_any_run(compiled, tmp_path, capsys, monkeypatch):
+    # TE's DelayedScaling does not compile: once BF16 had run for minutes, the failure came after it (2026-11-29)
+    monkeypatch.setattr("lowprec.demo.bench.run_one", lambda *a, **k: pytest.fail("a run started"))
+    flag = "--compile" if compiled else "--no-compile"
+    if compiled:
+        assert main(["--configs", "bf16", "te:delayed,optimizer_states=bf16", flag, "--out", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert "'te:delayed,optimizer_states=bf16'" in err and "DelayedScaling" in err and "--no-compile" in err
+    assert main(["--configs", "bf16", "nosuch:delayed", flag, "--out", str(tmp_path)]) == 2
+    assert "'nosuch:delayed': FP8RecipeKwargs.backend='nosuch' is not one of 'auto'" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
