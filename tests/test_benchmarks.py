@@ -754,6 +754,8 @@ def test_engine_matrix_within_its_budget_names_the_cells_it_did_not_start_and_st
                           capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "== bf16::fsdp2:::model+fused: not started (" in proc.stdout and "BUDGET_S=1 left" in proc.stdout
+    # before a first cell the estimate is CASE_TIMEOUT, and says so (2026-11-29: "a cell took up to 300 s", none had)
+    assert "no cell has run yet: CASE_TIMEOUT=150 s stands for one" in proc.stdout
     with tarfile.open(tmp_path / "compiled.tgz") as tgz:
         names = set(tgz.getnames())
         listed = tgz.extractfile("compiled/not_started.txt").read().decode().split("\n")

@@ -117,7 +117,9 @@ for case in "$@"; do
     left=$(( budget - ($(date +%s) - t_start) ))
     need=$(( longest > 0 ? longest : limit ))
     if [ "$left" -lt "$need" ]; then
-      echo "== $case: not started (${left} s of BUDGET_S=$budget left; a cell took up to ${need} s)"
+      if [ "$longest" -gt 0 ]; then why="a cell took up to ${need} s"
+      else why="no cell has run yet: CASE_TIMEOUT=${limit} s stands for one; set CASE_TIMEOUT to a cell's time"; fi
+      echo "== $case: not started (${left} s of BUDGET_S=$budget left; $why)"
       echo "$case${seed:+ (seed $seed)}" >> "$base/not_started.txt"; continue
     fi
     [ "$left" -lt "$limit" ] && limit=$left
