@@ -742,6 +742,25 @@ def test_engine_matrix_lists_each_parts_cells_and_refuses_an_unknown_part(tmp_pa
     assert proc.returncode == 2 and "unknown part 'zero4'" in proc.stderr
 
 
+def test_engine_matrix_runs_parts_at_once_on_disjoint_gpu_groups(tmp_path):
+    # on four GPUs two parts fit the time of one: each pair its parts in turn, its own rendezvous port
+    script = os.path.join(ROOT, "scripts", "gpu", "engine_matrix.sh")
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "MAIN_PORT")}
+    proc = subprocess.run(["bash", script, str(tmp_path), "ddp", "fsdp2", "zero"], capture_output=True, text=True,
+                          timeout=60, env={**env, "DRY": "1", "GPU_GROUPS": "0,1 2,3"})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "== GPUs 0,1" and lines[3] == "== GPUs 2,3" and len(lines) == 5
+    pair = ["CUDA_VISIBLE_DEVICES=0,1", "MAIN_PORT=29510", "multi.sh"]
+    assert [line.split()[:3] for line in lines[1:3]] == [pair, pair]
+    assert [line.split()[3] for line in lines[1:3]] == [f"{tmp_path}/ddp", f"{tmp_path}/zero"]
+    assert lines[4].split()[:4] == ["CUDA_VISIBLE_DEVICES=2,3", "MAIN_PORT=29520", "multi.sh", f"{tmp_path}/fsdp2"]
+    for groups in ("0,1 x", "0;1"):
+        proc = subprocess.run(["bash", script, str(tmp_path), "ddp"], capture_output=True, text=True, timeout=60,
+                              env={**env, "DRY": "1", "GPU_GROUPS": groups})
+        assert proc.returncode == 2 and "GPU_GROUPS must be GPU lists separated by spaces" in proc.stderr
+
+
 def test_engine_matrix_within_its_budget_names_the_cells_it_did_not_start_and_still_packs_the_part(tmp_path):
     # an outer `timeout` killed the ddp part at 300 steps before its table and packing (2026-11-29); with BUDGET_S
     # a cell starts only where the time left holds one, and the part ends with its table, packed

@@ -24,15 +24,17 @@
 # around BF16's, results/gpu/2026-11-29-h200x2-matrix-9c30527). DRY=1 prints each part's multi.sh command instead of
 # running it. BUDGET_S bounds all the parts named (multi.sh's: a cell starts only where the time left holds it, each
 # part's table and packing still made, the cells not started in PART/not_started.txt): BUDGET_S=570 in a 600 s call.
+# GPU_GROUPS="0,1 2,3" (on nvidia-h200-x4) runs the parts at once, one GPU pair each, the parts dealt to the pairs in
+# turn (each pair runs its own one after another, its own rendezvous port, its output in OUT/gpusN.log, printed at
+# the end); every cell's ratio is still against BF16 of its own part on the same pair, and BUDGET_S bounds each pair.
 set -uo pipefail
 out=${1:?usage: engine_matrix.sh OUT PART [PART ...] (ddp ddp_levels fsdp2 zero zero3 compiled)}; shift
 [ $# -gt 0 ] || { echo "name at least one part: ddp ddp_levels fsdp2 zero zero3 compiled" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
 [ -z "${BUDGET_S:-}" ] || [[ $BUDGET_S =~ ^[1-9][0-9]*$ ]] || { echo "BUDGET_S must be a whole number of seconds > 0," \
   "got '$BUDGET_S'" >&2; exit 2; }
-start=$(date +%s)
-status=0
-for part in "$@"; do
+run_part() {  # one part: its cells through multi.sh, its table, packed
+  local part=$1 cells budget status=0
   case "$part" in
     ddp) cells="bf16::ddp te:current:ddp torchao:tensorwise:ddp msamp@O1::ddp msamp@O2::ddp" ;;
     ddp_levels) cells="bf16::ddp torchao@O1:tensorwise:ddp torchao@O2:tensorwise:ddp te@O2:current:ddp" ;;
@@ -42,10 +44,13 @@ for part in "$@"; do
     zero3) cells="bf16::zero3 te:current:zero3 torchao:tensorwise:zero3" ;;
     compiled) cells="bf16::fsdp2:::model+fused torchao:tensorwise:fsdp2:::model+fused bf16::ddp:::model
                      msamp@O2::ddp:::model" ;;
-    *) echo "unknown part '$part' (ddp ddp_levels fsdp2 zero zero3 compiled)" >&2; exit 2 ;;
+    *) echo "unknown part '$part' (ddp ddp_levels fsdp2 zero zero3 compiled)" >&2; return 2 ;;
   esac
   # shellcheck disable=SC2086  # the cells are words
-  if [ "${DRY:-0}" = 1 ]; then echo "multi.sh $out/$part" $cells; continue; fi
+  if [ "${DRY:-0}" = 1 ]; then
+    echo "${MAIN_PORT:+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-} MAIN_PORT=$MAIN_PORT }multi.sh" \
+      "$out/$part" $cells; return 0
+  fi
   budget=""
   if [ -n "${BUDGET_S:-}" ]; then  # what the parts before left of the whole call's budget (at least 1 s: multi.sh
     budget=$(( BUDGET_S - ($(date +%s) - start) )); [ "$budget" -ge 1 ] || budget=1  # then names every cell)
@@ -56,5 +61,41 @@ for part in "$@"; do
   echo "${COMMIT:-unknown}" > "$out/$part/commit.txt"
   cat "$out/$part/table.md"
   if [ "${PACK:-1}" = 1 ]; then tar czf "$out/$part.tgz" -C "$out" "$part" && rm -rf "${out:?}/$part"; fi
+  return $status
+}
+start=$(date +%s)
+for part in "$@"; do  # every name first: a typo costs no device time
+  case "$part" in ddp|ddp_levels|fsdp2|zero|zero3|compiled) ;;
+    *) echo "unknown part '$part' (ddp ddp_levels fsdp2 zero zero3 compiled)" >&2; exit 2 ;; esac
 done
-exit $status
+read -ra groups <<< "${GPU_GROUPS:-}"
+for g in "${groups[@]}"; do
+  [[ $g =~ ^[0-9]+(,[0-9]+)*$ ]] || { echo "GPU_GROUPS must be GPU lists separated by spaces (\"0,1 2,3\"), got" \
+    "'$GPU_GROUPS'" >&2; exit 2; }
+done
+if [ "${#groups[@]}" -le 1 ]; then
+  [ "${#groups[@]}" = 1 ] && export CUDA_VISIBLE_DEVICES=${groups[0]}
+  overall=0
+  for part in "$@"; do run_part "$part" || overall=1; done
+  exit $overall
+fi
+mkdir -p "$out"
+pids=()
+for i in "${!groups[@]}"; do
+  (
+    export CUDA_VISIBLE_DEVICES=${groups[$i]} MAIN_PORT=$(( 29500 + 10 * (i + 1) ))
+    overall=0; n=0
+    for part in "$@"; do
+      (( n++ % ${#groups[@]} == i )) || continue
+      run_part "$part" || overall=1
+    done
+    exit $overall
+  ) > "$out/gpus$i.log" 2>&1 &
+  pids+=($!)
+done
+overall=0
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || overall=1
+  echo "== GPUs ${groups[$i]}"; cat "$out/gpus$i.log"
+done
+exit $overall

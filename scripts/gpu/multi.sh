@@ -12,6 +12,7 @@
 # EVAL_BATCHES=N evaluates each cell after training on N batches a rank of the corpus's held-out split (`heldout_loss`,
 # the same windows in every cell; matrix_table.py sets it beside BF16's of the same engine): with STEPS=300, issue 29's
 # loss of every level under its engine.
+# MAIN_PORT=N: the launch's rendezvous port (two calls at once on disjoint GPUs: engine_matrix.sh GPU_GROUPS).
 # CASE_TIMEOUT (s, default 300) bounds each case; COMPILE_FP8_LAYERS=true|false sets compile_fp8_layers. backend 'bf16' is the baseline without FP8; engines: ddp, fsdp2, zero1, zero2, zero3.
 # NPROC=1 runs each case as a world of one on one GPU (torchrun --nproc_per_node 1): the engine's own code
 # path (DDP's wrapper and hooks, FSDP2's all-gathers, DeepSpeed's ZeRO optimizer) with nothing on the wire.
@@ -127,10 +128,11 @@ for case in "$@"; do
   echo "== $case"
   t0=$(date +%s)
   if [ "${NPROC:-2}" = 1 ]; then
-    launch=(torchrun --nproc_per_node 1)
+    launch=(torchrun --nproc_per_node 1 ${MAIN_PORT:+--master_port "$MAIN_PORT"})
     [[ $engine == zero* ]] && export ACCELERATE_USE_DEEPSPEED=true || unset ACCELERATE_USE_DEEPSPEED
   else
-    launch=(accelerate launch --multi_gpu --num_processes "${NPROC:-2}" --num_machines 1 --mixed_precision fp8 --dynamo_backend no)
+    launch=(accelerate launch --multi_gpu --num_processes "${NPROC:-2}" --num_machines 1 --mixed_precision fp8 --dynamo_backend no
+            ${MAIN_PORT:+--main_process_port "$MAIN_PORT"})
   fi
   env LOWPREC_FP8_GRAD_OVERLAP=$overlap ${ingraph:+LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1} timeout "$limit" "${launch[@]}" \
     tests/distributed/gpu_engines.py --backend "$backend" ${recipe:+--recipe "$recipe"} ${level:+--opt-level "$level"} \
