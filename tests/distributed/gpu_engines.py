@@ -95,6 +95,17 @@ class PhaseMarks:
 REDUCTIONS: list[tuple] = []  # (host seconds, start event, end event) of each FP8GradReducer.reduce of a step
 
 
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux's /proc): the launch and the imports before main()."""
+    try:
+        with open("/proc/self/stat") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as fh:
+            return round(float(fh.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def time_fp8_reductions() -> None:
     """Record every `FP8GradReducer.reduce` call (`PhaseMarks.phases_ms` reports their sum)."""
     from lowprec.optim.grad_reduce import FP8GradReducer
@@ -188,6 +199,12 @@ def heldout(accelerator, model, corpus, preset, batches: int) -> float:
 
 
 def main() -> None:
+    # where a cell's wall time goes besides its steps (74-98 s for 31-43 s of steps at 300 steps, 2026-11-29)
+    timeline, started = {"before_main": process_age_s()}, time.perf_counter()
+
+    def mark(name: str) -> None:
+        timeline[name] = round(time.perf_counter() - started, 2)
+
     p = argparse.ArgumentParser()
     p.add_argument("--backend", default="te")
     p.add_argument("--recipe", default=None)
@@ -294,6 +311,7 @@ def main() -> None:
 
         torch.manual_seed(args.seed)
         model = build_model(preset)
+        mark("built")
         corpus = stdlib_corpus(max_bytes=8 * 2**20)
         data = Windows(corpus.train, preset.seq_len, args.steps * preset.batch * accelerator.num_processes,
                        seed=args.seed)
@@ -304,6 +322,7 @@ def main() -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=preset.lr, **ADAMW_SETTINGS,
                                       **({"fused": True} if args.fused_adamw else {}))
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        mark("prepared")
         # stepped here once a step on every rank, not through Accelerate's scheduler, which steps once per process
         # (a schedule of STEPS steps would end halfway on two ranks)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(args.steps))
@@ -426,6 +445,7 @@ def main() -> None:
     # took 12 GiB on the d4096 proxy and set the reported peak of DDP and ZeRO runs until 2026-11-27)
     steady_peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
     peak = max(steady_peak, warm_peak or 0.0)
+    mark("trained")
     trained_counts = counts()  # the training's forwards: the evaluation's (TE's run in high precision) not among them
     evidence = {
         "fp8_weights_moved": sum(not torch.equal(a, weight_sample(m.weight))
@@ -481,6 +501,7 @@ def main() -> None:
         evidence["ddp_ignores_fp8_weights"] = len(getattr(inner, "_ddp_params_and_buffers_to_ignore", []))
     # after the evidence above: evaluation forwards on each rank's own batches would move msamp's amax windows apart
     heldout_loss = heldout(accelerator, model, corpus, preset, args.eval_batches) if args.eval_batches > 0 else None
+    mark("evaluated")
     per_step, steady = step_medians(times, instrumented)
     peaks = accelerator.gather(torch.tensor([peak], device=accelerator.device))
     steady_peaks = accelerator.gather(torch.tensor([steady_peak if warm_peak is not None else -1.0],
@@ -520,7 +541,10 @@ def main() -> None:
                 "model_state_bytes_per_param": state_bytes,
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
                 "losses": losses, "learning_rates": rates,
-                "step_times_s": times, "phase_ms": median_phases([p for i, p in phases if i >= 5]),
+                "step_times_s": times,
+                # seconds: before_main from the process's start, the rest from main()'s (built, prepared, trained,
+                # evaluated): with step_times_s, where a cell's wall time goes
+                "timeline_s": timeline, "phase_ms": median_phases([p for i, p in phases if i >= 5]),
                 "steady_phase_ms": median_phases([p for i, p in phases if i >= STEADY_FROM]),
                 "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
                 "grad_comm_how": plan.tensor("grad_comm").scaling if plan else None,
