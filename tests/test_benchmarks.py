@@ -513,6 +513,21 @@ def test_matrix_table_compares_each_round_with_its_own_bf16(tmp_path):
     assert "| r1/msamp_O3_fsdp2 | True | 6.00 → 3.00 | 105 | n/a |" in table(str(tmp_path))
 
 
+def test_matrix_table_says_where_each_cells_wall_time_went(tmp_path):
+    # 74-98 s a cell for 31-43 s of steps at 300 steps (2026-11-29): the timeline names the rest
+    table = _matrix_table()
+    timed = {**_cell("te", "fsdp2", 0.1), "step_times_s": [2.0] + [0.1] * 10,
+             "timeline_s": {"before_main": 12.5, "built": 4.0, "prepared": 9.5, "trained": 22.0, "evaluated": 25.0}}
+    (tmp_path / "te_current_fsdp2.json").write_text(json.dumps(timed))
+    (tmp_path / "bf16_fsdp2.json").write_text(json.dumps(_cell("bf16", "fsdp2", 0.12)))  # an older cell: no timeline
+    text = table(str(tmp_path))
+    assert "| te_current_fsdp2 | 12.5 | 4.0 | 5.5 | 3.0 (2.0) | 12.5 |" in text
+    assert "| bf16_fsdp2 | 12.5" not in text and text.count("| launch + imports s |") == 1
+    timed["timeline_s"]["before_main"] = None  # no /proc: the launch's share unknown, the rest still given
+    (tmp_path / "te_current_fsdp2.json").write_text(json.dumps(timed))
+    assert "| te_current_fsdp2 |  | 4.0 | 5.5 | 3.0 (2.0) | 12.5 |" in table(str(tmp_path))
+
+
 def test_matrix_table_gives_each_seeds_held_out_loss_against_its_bf16_and_the_mean(tmp_path):
     # multi.sh's SEEDS writes s0/ and s1/: each seed's FP8 cell against BF16 of the same seed, then the mean
     table = _matrix_table()

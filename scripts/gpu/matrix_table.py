@@ -61,6 +61,15 @@ def table(folder: str) -> str:
         for name, phases in phased.items():
             side = "device" if "device" in phases else "host"
             lines.append(f"| {name} | {side} | " + " | ".join(f"{phases[side].get(n, 0):.1f}" for n in names) + " |")
+    timed = {name: c for name, c in cells.items() if c.get("timeline_s")}
+    if timed:  # where a cell's wall time went (gpu_engines.py's timeline): the launch's and the steps' share
+        lines += ["", "| cell | launch + imports s | build s | prepare s | steps s (first) | besides the steps s (evidence, eval) |",
+                  "|---" * 6 + "|"]
+        for name, c in timed.items():
+            t, steps = c["timeline_s"], c.get("step_times_s") or [0.0]
+            launch = "" if t.get("before_main") is None else f"{t['before_main']:.1f}"
+            lines.append(f"| {name} | {launch} | {t['built']:.1f} | {t['prepared'] - t['built']:.1f} "
+                         f"| {sum(steps):.1f} ({steps[0]:.1f}) | {t['evaluated'] - t['prepared'] - sum(steps):.1f} |")
     profiled = {name: c["profiled_step"] for name, c in cells.items() if c.get("profiled_step")}
     if profiled:  # one profiled step per rank (gpu_profile.kernel_summary): busy << span means the GPU waited
         lines += ["", "| cell | rank | kernels | kernel ms | NCCL ms | busy ms | span ms |", "|---" * 7 + "|"]
