@@ -63,8 +63,8 @@ def table(folder: str) -> str:
             lines.append(f"| {name} | {side} | " + " | ".join(f"{phases[side].get(n, 0):.1f}" for n in names) + " |")
     timed = {name: c for name, c in cells.items() if c.get("timeline_s")}
     if timed:  # where a cell's wall time went (gpu_engines.py's timeline): the launch's and the steps' share
-        lines += ["", "| cell | launch + imports s | build s | prepare s | steps s (first) | besides the steps s (evidence, eval) |",
-                  "|---" * 6 + "|"]
+        lines += ["", "| cell | launch + imports s | build s | prepare s | steps s (first) "
+                  "| besides the steps s (evidence, eval) |", "|---" * 6 + "|"]
         for name, c in timed.items():
             t, steps = c["timeline_s"], c.get("step_times_s") or [0.0]
             launch = "" if t.get("before_main") is None else f"{t['before_main']:.1f}"
