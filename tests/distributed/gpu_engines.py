@@ -309,6 +309,13 @@ def main() -> None:
                                      else args.compile_fp8_layers == "true")
             accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[recipe], **kwargs)
 
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if accelerator.num_processes != launched:
+            # each rank a training of its own, all writing one JSON (two CPU ranks under torchrun without
+            # ACCELERATE_USE_CPU wrote one file over the other, labelled DDP): no cell at all instead
+            raise SystemExit(f"gpu_engines.py: launched as {launched} processes but Accelerate runs "
+                             f"{accelerator.num_processes} ({accelerator.distributed_type}); on CPUs set "
+                             "ACCELERATE_USE_CPU=true")
         torch.manual_seed(args.seed)
         model = build_model(preset)
         mark("built")

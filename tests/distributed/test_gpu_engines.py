@@ -162,3 +162,22 @@ def test_multi_sh_seeds_give_each_seed_its_folder_weights_and_windows(tmp_path):
     assert cells[0]["first_loss"] != cells[3]["first_loss"]  # other weights on other windows
     assert all(math.isfinite(c["heldout_loss"]) for c in cells.values())
     assert not (tmp_path / "m" / "not_started.txt").exists()
+
+
+def test_two_ranks_that_accelerate_runs_as_two_trainings_write_no_cell(tmp_path):
+    # two CPU ranks under torchrun without ACCELERATE_USE_CPU: Accelerate made each a world of one, both ranks wrote
+    # the one JSON (one over the other: unreadable, and labelled DDP had it been read); now no cell, and why
+    import os
+    import subprocess
+
+    from conftest import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(free_port()), str(HERE / "gpu_engines.py"), "--backend", "bf16", "--engine", "ddp",
+                           "--size", "tiny", "--steps", "2", "--out", str(tmp_path / "cell.json")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0
+    assert "launched as 2 processes but Accelerate runs 1" in proc.stderr and "ACCELERATE_USE_CPU=true" in proc.stderr
+    assert not (tmp_path / "cell.json").exists()
