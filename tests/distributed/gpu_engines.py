@@ -316,6 +316,12 @@ def main() -> None:
             raise SystemExit(f"gpu_engines.py: launched as {launched} processes but Accelerate runs "
                              f"{accelerator.num_processes} ({accelerator.distributed_type}); on CPUs set "
                              "ACCELERATE_USE_CPU=true")
+        engine_in_force = {"fsdp2": "FSDP", "zero1": "DEEPSPEED", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}
+        wanted = engine_in_force.get(args.engine)
+        if launched > 1 and wanted and accelerator.distributed_type.name != wanted:
+            # Accelerate makes FSDP a GPU engine: on CPU ranks --engine fsdp2 trained under DDP, labelled FSDP2
+            raise SystemExit(f"gpu_engines.py: --engine {args.engine} but Accelerate runs "
+                             f"{accelerator.distributed_type} ({wanted} is a GPU engine of Accelerate's)")
         torch.manual_seed(args.seed)
         model = build_model(preset)
         mark("built")

@@ -164,20 +164,24 @@ def test_multi_sh_seeds_give_each_seed_its_folder_weights_and_windows(tmp_path):
     assert not (tmp_path / "m" / "not_started.txt").exists()
 
 
-def test_two_ranks_that_accelerate_runs_as_two_trainings_write_no_cell(tmp_path):
+@pytest.mark.parametrize("cpu, says", [("", "launched as 2 processes but Accelerate runs 1"),
+                                       ("true", "--engine fsdp2 but Accelerate runs DistributedType.MULTI_CPU")])
+def test_a_launch_accelerate_runs_otherwise_writes_no_cell(tmp_path, cpu, says):
     # two CPU ranks under torchrun without ACCELERATE_USE_CPU: Accelerate made each a world of one, both ranks wrote
-    # the one JSON (one over the other: unreadable, and labelled DDP had it been read); now no cell, and why
+    # the one JSON (one over the other: unreadable, and labelled DDP had it been read); now no cell, and why;
     import os
     import subprocess
 
     from conftest import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    # and two CPU ranks with it asked for FSDP2: Accelerate wrapped the model in DDP, and the cell said FSDP2
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TORCHAO_FORCE_SKIP_LOADING_SO_FILES="1")
+    if cpu:
+        env["ACCELERATE_USE_CPU"] = cpu
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(HERE / "gpu_engines.py"), "--backend", "bf16", "--engine", "ddp",
-                           "--size", "tiny", "--steps", "2", "--out", str(tmp_path / "cell.json")],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode != 0
-    assert "launched as 2 processes but Accelerate runs 1" in proc.stderr and "ACCELERATE_USE_CPU=true" in proc.stderr
+                           str(free_port()), str(HERE / "gpu_engines.py"), "--backend", "bf16", "--engine",
+                           "fsdp2" if cpu else "ddp", "--size", "tiny", "--steps", "2", "--out",
+                           str(tmp_path / "cell.json")], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0 and says in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "cell.json").exists()
