@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     for reason in sorted(set(skipped.values())):  # said, not silently dropped: a missing package, no FP8 GPU
         names = [name for name, why in skipped.items() if why == reason]
         print(f"lowprec bench: not run here ({', '.join(names)}): {reason}", file=sys.stderr)
-    if problems := context_problems(configs, compiled):
+    if problems := context_problems(args.configs or [], compiled):  # the defaults passed the same check above
         mode = "compiled (--compile; --no-compile runs every configuration eager, BF16 too)" if compiled else "eager"
         print("lowprec bench: nothing run: " + "; ".join(problems) + f". This bench runs {mode}.", file=sys.stderr)
         return 2

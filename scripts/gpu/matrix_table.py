@@ -148,6 +148,7 @@ def _by_folder(cells: dict, bf16: dict, value, title: str, form: str) -> list[st
                    + f" | {form.format(sum(per.values()) / len(per))} |")
     return out
 
+
 def _repeat(folder: str) -> bool:
     """Whether `folder` is one round (rN, multi.sh's ROUNDS) or one seed (sN, SEEDS) of a list: other subfolders (an
     engine matrix's parts) are different cells, not repeats to average."""

@@ -321,7 +321,8 @@ def main() -> None:
         if launched > 1 and wanted and accelerator.distributed_type.name != wanted:
             # Accelerate makes FSDP a GPU engine: on CPU ranks --engine fsdp2 trained under DDP, labelled FSDP2
             raise SystemExit(f"gpu_engines.py: --engine {args.engine} but Accelerate runs "
-                             f"{accelerator.distributed_type} ({wanted} is a GPU engine of Accelerate's)")
+                             f"{accelerator.distributed_type}: the cell would carry the wrong engine's label "
+                             "(Accelerate runs FSDP on GPU process groups only)")
         torch.manual_seed(args.seed)
         model = build_model(preset)
         mark("built")
