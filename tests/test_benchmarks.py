@@ -798,6 +798,13 @@ def test_engine_matrix_within_its_budget_names_the_cells_it_did_not_start_and_st
                           "msamp@O2::ddp:::model"]
 
 
+@pytest.mark.parametrize("port", ["0", "http", "70000", "-1"])
+def test_multi_sh_names_a_port_it_cannot_take(tmp_path, port):
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "multi.sh"), str(tmp_path / "m"), "bf16::ddp"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "MAIN_PORT": port})
+    assert proc.returncode == 2 and f"MAIN_PORT must be a port number from 1 to 65535, got '{port}'" in proc.stderr
+
+
 @pytest.mark.parametrize("script", ["multi.sh", "engine_matrix.sh"])
 @pytest.mark.parametrize("budget", ["0", "ten", "-5"])
 def test_gpu_scripts_name_a_budget_they_cannot_take(tmp_path, script, budget):

@@ -63,6 +63,8 @@ rounds=${ROUNDS:-1}
 budget=${BUDGET_S:-}
 [ -z "$budget" ] || [[ $budget =~ ^[1-9][0-9]*$ ]] || { echo "BUDGET_S must be a whole number of seconds > 0, got" \
   "'$budget'" >&2; exit 2; }
+[ -z "${MAIN_PORT:-}" ] || { [[ $MAIN_PORT =~ ^[1-9][0-9]*$ ]] && [ "$MAIN_PORT" -le 65535 ]; } || {
+  echo "MAIN_PORT must be a port number from 1 to 65535, got '$MAIN_PORT'" >&2; exit 2; }
 t_start=$(date +%s); longest=0
 seeds=()
 declare -A seen=()
