@@ -857,3 +857,47 @@ def test_memory_sh_convergence_runs_eager_when_told(value, flag, tmp_path):
         assert proc.returncode == 0, proc.stderr
         argv = (tmp_path / "argv").read_text().split()
         assert argv[:4] == ["-m", "lowprec.cli", "bench", "--convergence"] and argv[4] == flag
+
+
+def _cudnn_frontend_wheel(path, header=True):
+    import zipfile
+
+    names = {"cudnn/_compiled_module.so": b"\0" * 4096, "cudnn/__init__.py": b"from ._compiled_module import *\n",
+             "nvidia_cudnn_frontend-1.32.0.dist-info/METADATA": b"Name: nvidia-cudnn-frontend\nVersion: 1.32.0\n"}
+    if header:
+        names["include/cudnn_frontend.h"] = b"#pragma once\n"
+    record = "".join(f"{n},sha256=x,{len(d)}\n" for n, d in names.items())
+    names["nvidia_cudnn_frontend-1.32.0.dist-info/RECORD"] = (record + "nvidia_cudnn_frontend-1.32.0.dist-info/"
+                                                                       "RECORD,,\n").encode()
+    with zipfile.ZipFile(path, "w") as z:
+        for n, d in names.items():
+            z.writestr(n, d)
+
+
+def test_slim_bundle_keeps_the_headers_te_compiles_against_and_nothing_else(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "nvidia_cudnn_frontend-1.32.0-cp312-cp312-manylinux_2_28_x86_64.whl"
+    _cudnn_frontend_wheel(wheel)
+    script = [sys.executable, os.path.join(ROOT, "scripts", "gpu", "slim_bundle.py"), str(tmp_path)]
+    proc = subprocess.run(script, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        record = z.read("nvidia_cudnn_frontend-1.32.0.dist-info/RECORD").decode()
+    assert names == {"include/cudnn_frontend.h", "nvidia_cudnn_frontend-1.32.0.dist-info/METADATA",
+                     "nvidia_cudnn_frontend-1.32.0.dist-info/RECORD"}
+    assert "cudnn/" not in record and "include/cudnn_frontend.h" in record  # pip's RECORD names what is there
+    slim = wheel.read_bytes()
+    assert subprocess.run(script, capture_output=True, text=True, timeout=60).returncode == 0
+    assert wheel.read_bytes() == slim  # a second run leaves a slim wheel as it is
+
+
+def test_slim_bundle_leaves_a_wheel_without_the_header_as_it_is(tmp_path):
+    wheel = tmp_path / "nvidia_cudnn_frontend-9.0.0-cp312-cp312-manylinux_2_28_x86_64.whl"
+    _cudnn_frontend_wheel(wheel, header=False)
+    before = wheel.read_bytes()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu", "slim_bundle.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "has no include/cudnn_frontend.h" in proc.stderr
+    assert wheel.read_bytes() == before
