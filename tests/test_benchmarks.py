@@ -516,16 +516,22 @@ def test_matrix_table_compares_each_round_with_its_own_bf16(tmp_path):
 def test_matrix_table_says_where_each_cells_wall_time_went(tmp_path):
     # 74-98 s a cell for 31-43 s of steps at 300 steps (2026-11-29): the timeline names the rest
     table = _matrix_table()
-    timed = {**_cell("te", "fsdp2", 0.1), "step_times_s": [2.0] + [0.1] * 10,
-             "timeline_s": {"before_main": 12.5, "built": 4.0, "prepared": 9.5, "trained": 22.0, "evaluated": 25.0}}
+    timed = {**_cell("te", "fsdp2", 0.1), "step_times_s": [2.0] + [0.1] * 10, "launch_wall_s": 45.0,
+             "timeline_s": {"before_main": 12.5, "accelerator": 1.5, "built": 4.0, "prepared": 9.5, "trained": 22.0,
+                            "evaluated": 25.0}}
     (tmp_path / "te_current_fsdp2.json").write_text(json.dumps(timed))
     (tmp_path / "bf16_fsdp2.json").write_text(json.dumps(_cell("bf16", "fsdp2", 0.12)))  # an older cell: no timeline
     text = table(str(tmp_path))
-    assert "| te_current_fsdp2 | 12.5 | 4.0 | 5.5 | 3.0 (2.0) | 12.5 |" in text
+    assert "| te_current_fsdp2 | 12.5 | 1.5 | 2.5 | 5.5 | 3.0 (2.0) | 12.5 | 7.5 |" in text
     assert "| bf16_fsdp2 | 12.5" not in text and text.count("| launch + imports s |") == 1
     timed["timeline_s"]["before_main"] = None  # no /proc: the launch's share unknown, the rest still given
     (tmp_path / "te_current_fsdp2.json").write_text(json.dumps(timed))
-    assert "| te_current_fsdp2 |  | 4.0 | 5.5 | 3.0 (2.0) | 12.5 |" in table(str(tmp_path))
+    assert "| te_current_fsdp2 |  | 1.5 | 2.5 | 5.5 | 3.0 (2.0) | 12.5 |  |" in table(str(tmp_path))
+    # a cell from before the Accelerator mark and multi.sh's wall time (2026-11-29): its build holds the Accelerator
+    del timed["timeline_s"]["accelerator"], timed["launch_wall_s"]
+    timed["timeline_s"]["before_main"] = 12.5
+    (tmp_path / "te_current_fsdp2.json").write_text(json.dumps(timed))
+    assert "| te_current_fsdp2 | 12.5 |  | 4.0 | 5.5 | 3.0 (2.0) | 12.5 |  |" in table(str(tmp_path))
 
 
 def test_matrix_table_gives_each_seeds_held_out_loss_against_its_bf16_and_the_mean(tmp_path):
@@ -726,6 +732,23 @@ def test_multi_sh_says_what_it_cannot_import_before_the_first_launch(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "cannot import all of accelerate torchao deepspeed transformer_engine.pytorch" in proc.stderr
     assert "== bf16::zero2" not in proc.stdout  # nothing launched
+
+
+def test_multi_sh_adds_each_launchs_wall_time_to_its_cell(tmp_path):
+    # 74-98 s a cell against ~60 s of the ranks' own timeline (2026-11-30): the launcher's start and the ranks' exit
+    # are outside it, so multi.sh writes the launch's wall time into the cell for matrix_table.py
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "accelerate").write_text('#!/bin/sh\nwhile [ "$1" != --out ]; do shift; done\n'
+                                        'echo \'{"backend": "bf16", "engine": "ddp"}\' > "$2"\n')
+    (bin_dir / "accelerate").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_"))}
+    env["PATH"] = os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), env.get("PATH", "")])
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "multi.sh"), str(tmp_path / "m"), "bf16::ddp"],
+                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    cell = json.loads((tmp_path / "m" / "bf16_ddp.json").read_text())
+    assert cell["backend"] == "bf16" and isinstance(cell["launch_wall_s"], int) and cell["launch_wall_s"] >= 0
 
 
 def test_matrix_table_sets_each_cells_model_state_beside_its_plan_and_names_an_empty_result(tmp_path):

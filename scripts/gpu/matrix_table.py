@@ -63,13 +63,20 @@ def table(folder: str) -> str:
             lines.append(f"| {name} | {side} | " + " | ".join(f"{phases[side].get(n, 0):.1f}" for n in names) + " |")
     timed = {name: c for name, c in cells.items() if c.get("timeline_s")}
     if timed:  # where a cell's wall time went (gpu_engines.py's timeline): the launch's and the steps' share
-        lines += ["", "| cell | launch + imports s | build s | prepare s | steps s (first) "
-                  "| besides the steps s (evidence, eval) |", "|---" * 6 + "|"]
+        lines += ["", "| cell | launch + imports s | Accelerator s | build s | prepare s | steps s (first) "
+                  "| besides the steps s (evidence, eval) | outside the ranks' main s (launcher, exit) |",
+                  "|---" * 8 + "|"]
         for name, c in timed.items():
             t, steps = c["timeline_s"], c.get("step_times_s") or [0.0]
             launch = "" if t.get("before_main") is None else f"{t['before_main']:.1f}"
-            lines.append(f"| {name} | {launch} | {t['built']:.1f} | {t['prepared'] - t['built']:.1f} "
-                         f"| {sum(steps):.1f} ({steps[0]:.1f}) | {t['evaluated'] - t['prepared'] - sum(steps):.1f} |")
+            setup = "" if "accelerator" not in t else f"{t['accelerator']:.1f}"
+            # multi.sh's wall time of the launch less what the ranks' timeline accounts for
+            wall = c.get("launch_wall_s")
+            outside = "" if wall is None or t.get("before_main") is None else \
+                f"{wall - t['before_main'] - t['evaluated']:.1f}"
+            lines.append(f"| {name} | {launch} | {setup} | {t['built'] - t.get('accelerator', 0.0):.1f} "
+                         f"| {t['prepared'] - t['built']:.1f} | {sum(steps):.1f} ({steps[0]:.1f}) "
+                         f"| {t['evaluated'] - t['prepared'] - sum(steps):.1f} | {outside} |")
     profiled = {name: c["profiled_step"] for name, c in cells.items() if c.get("profiled_step")}
     if profiled:  # one profiled step per rank (gpu_profile.kernel_summary): busy << span means the GPU waited
         lines += ["", "| cell | rank | kernels | kernel ms | NCCL ms | busy ms | span ms |", "|---" * 7 + "|"]

@@ -145,6 +145,9 @@ for case in "$@"; do
     ${EVAL_BATCHES:+--eval-batches "$EVAL_BATCHES"} ${seed:+--seed "$seed"} --out "$out/$name.json" > "$out/$name.log" 2>&1
   rc=$?; took=$(( $(date +%s) - t0 )); echo "exit $rc in $took s"; [ "$took" -gt "$longest" ] && longest=$took
   if [ -s "$out/$name.json" ]; then  # a result dict that raised leaves an empty file: keep the log then
+    # the launch's wall time beside the ranks' own timeline: matrix_table.py gives what lies outside main()
+    python3 -c 'import json, sys; p = sys.argv[1]; d = json.load(open(p)); d["launch_wall_s"] = int(sys.argv[2]);
+json.dump(d, open(p, "w"), indent=1)' "$out/$name.json" "$took" || echo "could not add launch_wall_s to $name.json"
     grep -E '"(refused|all_forwards_in_fp8|first_loss|last_loss|median_step_s|tokens_per_s|max_param_diff_across_ranks|delayed_scaling_differs_across_ranks)"' \
       "$out/$name.json"; rm -f "$out/$name.log"  # keep logs of failures only
   else

@@ -323,8 +323,12 @@ def main() -> None:
             raise SystemExit(f"gpu_engines.py: --engine {args.engine} but Accelerate runs "
                              f"{accelerator.distributed_type}: the cell would carry the wrong engine's label "
                              "(Accelerate runs FSDP on GPU process groups only)")
+        mark("accelerator")
         torch.manual_seed(args.seed)
-        model = build_model(preset)
+        # Initialised where it trains: on the CPU the proxy's 0.98B weights took ~10 s of each cell's 74-98 s
+        # (torch's CPU normal_ and uniform_ draw serially), for weights every cell of a seed shares either way
+        with torch.device(accelerator.device):
+            model = build_model(preset)
         mark("built")
         corpus = stdlib_corpus(max_bytes=8 * 2**20)
         data = Windows(corpus.train, preset.seq_len, args.steps * preset.batch * accelerator.num_processes,
@@ -556,8 +560,8 @@ def main() -> None:
                 "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
                 "losses": losses, "learning_rates": rates,
                 "step_times_s": times,
-                # seconds: before_main from the process's start, the rest from main()'s (built, prepared, trained,
-                # evaluated): with step_times_s, where a cell's wall time goes
+                # seconds: before_main from the process's start, the rest from main()'s (accelerator, built, prepared,
+                # trained, evaluated): with step_times_s, where a cell's wall time goes
                 "timeline_s": timeline, "phase_ms": median_phases([p for i, p in phases if i >= 5]),
                 "steady_phase_ms": median_phases([p for i, p in phases if i >= STEADY_FROM]),
                 "grad_comm": plan.tensor("grad_comm").dtype if plan else None,

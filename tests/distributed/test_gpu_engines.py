@@ -85,8 +85,9 @@ def test_a_cell_evaluates_on_the_held_out_split_after_training(tmp_path):
     assert fp8["all_forwards_in_fp8"] is True and steps_only == 3 * fp8["planned_fp8_linears"]
     # where the cell's wall time went, in order: the launch and imports, the build, prepare(), the steps, the eval
     timeline = fp8["timeline_s"]
-    assert list(timeline) == ["before_main", "built", "prepared", "trained", "evaluated"]
-    assert timeline["before_main"] > 0 and 0 < timeline["built"] <= timeline["prepared"] <= timeline["trained"]
+    assert list(timeline) == ["before_main", "accelerator", "built", "prepared", "trained", "evaluated"]
+    assert timeline["before_main"] > 0 and 0 < timeline["accelerator"] <= timeline["built"] <= timeline["prepared"]
+    assert timeline["prepared"] <= timeline["trained"]
     assert timeline["trained"] - timeline["prepared"] >= sum(fp8["step_times_s"]) - 0.01
     assert timeline["evaluated"] >= timeline["trained"]
     again = tmp_path / "again"
