@@ -325,8 +325,8 @@ def main() -> None:
                              "(Accelerate runs FSDP on GPU process groups only)")
         mark("accelerator")
         torch.manual_seed(args.seed)
-        # Initialised where it trains: on the CPU the proxy's 0.98B weights took ~10 s of each cell's 74-98 s
-        # (torch's CPU normal_ and uniform_ draw serially), for weights every cell of a seed shares either way
+        # Initialised where it trains: `built` took 16.2-18.0 s of each cell's 74-98 s at 1f25b82, the CPU's
+        # initialisation of the proxy's 0.98B weights most of it; every cell of a seed gets the same weights either way
         with torch.device(accelerator.device):
             model = build_model(preset)
         mark("built")
