@@ -40,98 +40,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..runtime.activations_fp32 import POLICIES as FP32_POLICIES
+from .bench_configs import VALUE_OPTIONS, available_configs, config_problems, parse_config
 from .data import TOKENIZATIONS
 from .model import ARCHS, PRESETS, default_size
-from .run import AMAX_COMPUTE_ALGOS, OPTIMIZER_STATES, worker_args
+from .run import positive_int, worker_args
 from .seeds import lowprec_environment, seed_markdown, seed_summary
-
-LEVELS = (None, "O1", "O2")
-
-
-# Switches a configuration may set after a comma ("torchao:tensorwise,skip_first_last=false"), so one bench
-# compares a default against the same backend with a layer rule (or the in-graph FP8 activations) turned off,
-# each in its own process.
-CONFIG_OPTIONS = ("skip_first_last", "skip_slow_shapes", "activations_in_graph", "te_first_scales", "fp8_weights")
-_BOOLS = {"true": True, "false": False}
-# Recipe fields a configuration may set to one of a few values ("msamp:delayed:O2,activation_dtype=fp8").
-VALUE_OPTIONS = {"activation_dtype": ("fp8",), "activations_fp32": FP32_POLICIES,
-                 "optimizer_states": OPTIMIZER_STATES, "amax_compute_algo": AMAX_COMPUTE_ALGOS}
-
-
-def parse_config(text: str) -> dict:
-    """'bf16' or 'backend:recipe[:level][,option=true|false...]' -> {"name", "backend", "recipe",
-    "opt_level", "options"} (bf16: backend None; options: CONFIG_OPTIONS given)."""
-    if text == "bf16":
-        return {"name": "bf16", "backend": None, "recipe": None, "opt_level": None, "options": {}}
-    head, *extras = text.split(",")
-    parts = head.split(":")
-    if len(parts) not in (2, 3) or not all(parts):
-        raise argparse.ArgumentTypeError(f"configuration {text!r} is not 'bf16' or 'backend:recipe[:level]' "
-                                         "(e.g. torchao:tensorwise, msamp:delayed:O2)")
-    level = parts[2] if len(parts) == 3 else None
-    if level is not None and level not in ("O1", "O2", "O3"):
-        raise argparse.ArgumentTypeError(f"configuration {text!r}: level {level!r} is not one of O1, O2, O3")
-    options = {}
-    for extra in extras:
-        key, _, value = extra.partition("=")
-        if key in VALUE_OPTIONS and value.lower() in VALUE_OPTIONS[key]:
-            options[key] = value.lower()
-        elif key in CONFIG_OPTIONS and value.lower() in _BOOLS:
-            options[key] = _BOOLS[value.lower()]
-        else:
-            accepted = [k + "=true|false" for k in CONFIG_OPTIONS]
-            accepted += [f"{k}={'|'.join(values)}" for k, values in VALUE_OPTIONS.items()]
-            raise argparse.ArgumentTypeError(
-                f"configuration {text!r}: option {extra!r} is not one of {', '.join(accepted)}")
-    for key in ("activations_fp32", "activations_in_graph"):
-        if key in options and options.get("activation_dtype") != "fp8":
-            raise argparse.ArgumentTypeError(f"configuration {text!r}: {key} says how FP8 activations are stored: "
-                                             "it needs activation_dtype=fp8")
-    if "te_first_scales" in options and (parts[0], parts[1]) != ("te", "delayed"):
-        raise argparse.ArgumentTypeError(f"configuration {text!r}: te_first_scales says how te's DelayedScaling "
-                                         "casts its first step: it needs te:delayed")
-    if "fp8_weights" in options and parts[0] != "te":
-        raise argparse.ArgumentTypeError(f"configuration {text!r}: fp8_weights keeps TransformerEngine's weights in "
-                                         "FP8 only: it needs backend te")
-    return {"name": text, "backend": parts[0], "recipe": parts[1], "opt_level": level, "options": options}
-
-
-def available_configs(compiled: bool, skipped: dict[str, str] | None = None) -> list[str]:
-    """Every backend x recipe x level that can run on this machine, as lowprec would decide it; with
-    `skipped`, each configuration left out is recorded there with lowprec's reason."""
-    from ..backends import BackendUnavailableError, RunContext, create_backend, registered_backends
-    from ..frontend.recipe import FP8RecipeKwargs
-    from ..planning.hardware import device_info
-
-    context = RunContext(device=device_info(), compiled=compiled)
-    names = ["bf16"]
-    for cls in registered_backends():
-        for recipe in cls.recipes:
-            for level in LEVELS:
-                try:
-                    create_backend(FP8RecipeKwargs(backend=cls.name, recipe=recipe, opt_level=level), context)
-                except (ValueError, BackendUnavailableError) as exc:
-                    if skipped is not None:
-                        skipped[f"{cls.name}:{recipe}" + (f":{level}" if level else "")] = str(exc)
-                    continue
-                names.append(f"{cls.name}:{recipe}" + (f":{level}" if level else ""))
-    return names
-
-
-def context_problems(configs: list[dict], compiled: bool) -> list[str]:
-    """Why a named configuration cannot run in this bench's mode (TE's DelayedScaling compiled), before BF16 ran."""
-    from ..backends import RunContext, backend_class
-    from ..planning.hardware import device_info
-    context, problems = RunContext(device=device_info(), compiled=compiled), []
-    for config in (c for c in configs if c["backend"] not in (None, "auto")):
-        try:
-            problem = backend_class(config["backend"]).context_problem(config["recipe"], context)
-        except ValueError as exc:  # an unknown backend, named with the accepted ones
-            problem = str(exc)
-        if problem:
-            problems.append(f"configuration {config['name']!r}: {problem}")
-    return problems
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,10 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--arch", nargs="+", choices=sorted(ARCHS), default=["llama"], help="transformers model classes")
     p.add_argument("--size", choices=sorted(PRESETS), default=None,
                    help="model size (default: proxy on an FP8 GPU, tiny elsewhere)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 30, 300 with "
+    p.add_argument("--steps", type=positive_int, default=None, help="optimizer steps per run (default 30, 300 with "
                                                            "--convergence)")
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch", type=positive_int, default=None)
+    p.add_argument("--seq-len", type=positive_int, default=None)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile every run (default: on for CUDA)")
     p.add_argument("--convergence", action="store_true",
@@ -341,9 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     for reason in sorted(set(skipped.values())):  # said, not silently dropped: a missing package, no FP8 GPU
         names = [name for name, why in skipped.items() if why == reason]
         print(f"lowprec bench: not run here ({', '.join(names)}): {reason}", file=sys.stderr)
-    if problems := context_problems(args.configs or [], compiled):  # the defaults passed the same check above
+    problems, of_mode = config_problems(args.configs or [], compiled)  # the defaults passed the same check above
+    if problems:
         mode = "compiled (--compile; --no-compile runs every configuration eager, BF16 too)" if compiled else "eager"
-        print("lowprec bench: nothing run: " + "; ".join(problems) + f". This bench runs {mode}.", file=sys.stderr)
+        print("lowprec bench: nothing run: " + "; ".join(problems) + (f". This bench runs {mode}." if of_mode else ""),
+              file=sys.stderr)
         return 2
     if not any(c["name"] == "bf16" for c in configs):
         configs.insert(0, parse_config("bf16"))  # every ratio is against BF16 measured the same way

@@ -18,20 +18,10 @@ import torch
 
 from .data import TOKENIZATIONS
 from .model import PRESETS, build_model, default_size
-from .run import worker_args
+from .run import positive_int, worker_args
 
 if TYPE_CHECKING:
     from ..planning.plan import PrecisionPlan
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def plan_fp8_run(backend: str, recipe: str | None, opt_level: str | None, compiled: bool,
@@ -65,10 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--opt-level", default=None)
     p.add_argument("--size", choices=sorted(PRESETS), default=None,
                    help="model size (default: tiny on CPU, proxy on an FP8 GPU)")
-    p.add_argument("--steps", type=_positive_int, default=None,
+    p.add_argument("--steps", type=positive_int, default=None,
                    help="optimizer steps per run (default 60 CPU, 40 GPU)")
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch", type=positive_int, default=None)
+    p.add_argument("--seq-len", type=positive_int, default=None)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--out", default=None, help="directory for each run's JSON and summary.json")
     p.add_argument("--no-progress", action="store_true")

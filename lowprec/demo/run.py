@@ -63,6 +63,17 @@ def activation_counts(storage, forwards: int) -> dict | None:
             "bytes_after_per_forward": counts.bytes_after / forwards}
 
 
+def positive_int(text: str) -> int:
+    """argparse type of a count that must be 1 or more (a batch of 0 once ran the preset's batch, unsaid)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (1 or more)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variant", choices=["bf16", "fp8"], required=True)
@@ -71,10 +82,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--opt-level", default=None, help="MS-AMP memory level O1/O2/O3")
     p.add_argument("--size", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--arch", choices=sorted(ARCHS), default="llama", help="transformers model family")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=None, help="per-process batch (default: the preset's)")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: the preset's)")
-    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--steps", type=positive_int, default=60)
+    p.add_argument("--batch", type=positive_int, default=None, help="per-process batch (default: the preset's)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sample (default: the preset's)")
+    p.add_argument("--grad-accum", type=positive_int, default=1)
     p.add_argument("--warmup", type=int, default=None,
                    help="steps left out of the timing (default 3, 8 compiled; with msamp its amax window's steps + 2)")
     p.add_argument("--eval-batches", type=int, default=8)
@@ -127,8 +138,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "--backend te --recipe delayed")
     if args.fp8_weights is not None and (args.variant, args.backend) != ("fp8", "te"):
         p.error("--fp8-weights keeps TransformerEngine's weights in FP8 only: it needs --variant fp8 --backend te")
-    if args.steps < 1:
-        p.error(f"--steps must be at least 1, got {args.steps}")
     if args.warmup is not None and args.warmup < 0:
         p.error(f"--warmup must be 0 or more (steps left out of the timing), got {args.warmup}")
     return args

@@ -330,3 +330,34 @@ def test_a_configuration_the_mode_refuses_is_named_before_any_run(compiled, tmp_
     assert main(["--configs", "bf16", "nosuch:delayed", flag, "--out", str(tmp_path)]) == 2
     assert "'nosuch:delayed': FP8RecipeKwargs.backend='nosuch' is not one of 'auto'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_configuration_its_recipe_refuses_is_named_before_any_run_without_the_modes_advice(tmp_path, capsys,
+                                                                                              monkeypatch):
+    # torchao:nonsense trained BF16 first, then showed as a failed row (2026-11-30 audit): each is now made into its
+    # FP8RecipeKwargs and adapter before anything runs
+    monkeypatch.setattr("lowprec.demo.bench.run_one", lambda *a, **k: pytest.fail("a run started"))
+    bad = ["torchao:nonsense", "torchao:tensorwise:O3", "torchao:rowwise,amax_compute_algo=max"]
+    assert main(["--configs", "bf16", *bad, "torchao:tensorwise", "--no-compile", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "FP8RecipeKwargs.recipe='nonsense' is not a recipe of backend 'torchao'; it offers 'tensorwise'" in err
+    assert "'torchao:tensorwise:O3': FP8RecipeKwargs.opt_level='O3'" in err
+    assert "'torchao:rowwise,amax_compute_algo=max': FP8RecipeKwargs.amax_compute_algo='max'" in err
+    assert "'torchao:tensorwise'" not in err.replace("'torchao:tensorwise:O3'", "")  # the good one is not named
+    assert "This bench runs" not in err  # the mode is not the problem: no advice to change it
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flag", ["--batch", "--seq-len", "--steps"])
+@pytest.mark.parametrize("value", ["0", "-5", "x"])
+def test_bench_and_demo_refuse_a_count_below_one_naming_the_flag(flag, value, capsys):
+    # `lowprec demo --batch 0` trained with the preset's batch of 8, unsaid; --seq-len -5 failed deep in a subprocess
+    from lowprec.demo.compare import parse_args as demo_args
+    from lowprec.demo.run import parse_args as run_args
+
+    for parse, extra in ((parse_args, []), (demo_args, []), (run_args, ["--variant", "bf16"])):
+        with pytest.raises(SystemExit) as exc:
+            parse([*extra, flag, value])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}" in err and ("1 or more" in err or "at least 1" in err), err

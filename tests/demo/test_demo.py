@@ -300,7 +300,7 @@ def test_msamps_warm_up_steps_are_left_out_of_the_timing(tmp_path):
         assert timed("--steps", "3") == 3
 
 
-@pytest.mark.parametrize(("argv", "message"), [(["--steps", "0"], "--steps must be at least 1, got 0"),
+@pytest.mark.parametrize(("argv", "message"), [(["--steps", "0"], "argument --steps: must be 1 or more, got 0"),
                                                (["--warmup", "-1"], "--warmup must be 0 or more")])
 def test_a_runs_bad_step_counts_are_refused_by_name(argv, message, capsys):
     from lowprec.demo.run import parse_args
