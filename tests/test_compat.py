@@ -104,6 +104,17 @@ def test_ao_custom_config_is_rejected(config):
     assert "'tensorwise', 'rowwise', 'rowwise_with_gw_hp'" in str(err.value)
 
 
+@pytest.mark.parametrize("config", ["tensorwise", 5])
+def test_ao_config_that_is_not_a_float8_linear_config_is_named(config):
+    # was TypeError: replace() should be called on dataclass instances
+    with pytest.raises(ValueError) as err:
+        to_recipe(AORecipeKwargs(config=config))
+    message = str(err.value)
+    assert f"AORecipeKwargs.config={config!r} must be a torchao.float8.Float8LinearConfig" in message
+    assert "Float8LinearConfig.from_recipe_name(name)" in message and "recipe=name" in message
+    assert "'tensorwise', 'rowwise', 'rowwise_with_gw_hp'" in message
+
+
 def test_ao_module_filter_func_carried_over():
     def keep(module, fqn):
         return "lm_head" not in fqn

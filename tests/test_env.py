@@ -388,6 +388,30 @@ def test_bad_env_value_names_the_variable(monkeypatch, var, value, field):
     assert f"environment variable {var}" in str(err.value)
 
 
+@pytest.mark.parametrize("var,value,accepted", [
+    ("ACCELERATE_FP8_MARGIN", "--1", ">= 0 and <= 8"),
+    ("ACCELERATE_FP8_MARGIN", "\u00b2", ">= 0 and <= 8"),
+    ("ACCELERATE_FP8_AMAX_HISTORY_LEN", "\u00b2", ">= 1 and <= 65536"),
+    ("ACCELERATE_FP8_AMAX_HISTORY_LENGTH", "--16", ">= 1 and <= 65536"),
+    ("ACCELERATE_FP8_SKIP_FIRST_BLOCKS", "--2", ">= 0"),
+    ("ACCELERATE_FP8_LOWPREC_SKIP_LAST_BLOCKS", "\u0663", ">= 0"),
+])
+def test_bad_integer_in_env_names_the_variable_and_the_accepted_values(monkeypatch, var, value, accepted):
+    # str.isdigit() let these through to int(), whose own message named neither
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as err:
+        FP8RecipeKwargs()
+    assert f"must be an integer {accepted}" in str(err.value)
+    assert f"environment variable {var}" in str(err.value)
+
+
+def test_env_option_no_auto_backend_honours_with_the_code_names_the_variable(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_FP8_LOWPREC_MARGIN", "4")
+    with pytest.raises(ValueError, match=r"backend='auto'\): no backend can honour.*environment variable "
+                                         "ACCELERATE_FP8_LOWPREC_MARGIN"):
+        FP8RecipeKwargs(recipe="tensorwise")
+
+
 @pytest.mark.parametrize(
     "env,var",
     [

@@ -62,6 +62,13 @@ BAD_VALUES = [
     ("skip_last_blocks", "-2", ["integer >= 0", "transformer blocks"]),
     ("skip_last_blocks", 1.5, ["integer >= 0"]),
     ("skip_last_blocks", "1.0", ["integer >= 0"]),
+    # int() reads these, or fails with its own message; str.isdigit() let them through to it
+    ("amax_history_len", "\u00b2", [">= 1", "<= 65536"]),
+    ("margin", "--1", [">= 0", "<= 8"]),
+    ("margin", "\u0663", [">= 0", "<= 8"]),  # Arabic-Indic 3
+    ("skip_first_blocks", "--2", ["integer >= 0", "transformer blocks"]),
+    ("skip_last_blocks", "\u00b9", ["integer >= 0"]),
+    ("amax_history_len", "1" * 5000, ["<= 65536"]),  # past int()'s digit limit
     ("name", "no_such_recipe", ["is not a named recipe; known:", "msamp_o2", "`lowprec recipes`"]),
     ("name", 3, ["must be a recipe name"]),
     ("name", "fp16_mixed", ["is not offered by lowprec", "not an FP8 recipe"]),
@@ -438,7 +445,7 @@ def test_new_fields_come_last_so_positional_construction_is_unchanged():
         "torchao", "rowwise", ("lm_head",), True, 0)
 
 
-@pytest.mark.parametrize("value,expected", [("3", 3), (" 8 ", 8), (0, 0), ("0", 0)])
+@pytest.mark.parametrize("value,expected", [("3", 3), (" 8 ", 8), (0, 0), ("0", 0), ("+2", 2), ("-0", 0)])
 def test_margin_from_string(value, expected):
     assert FP8RecipeKwargs(margin=value).margin == expected
 
@@ -527,3 +534,89 @@ def test_activation_dtype_off_in_the_environment_is_off(monkeypatch):
     monkeypatch.setenv("ACCELERATE_FP8_ACTIVATION_DTYPE", "fp16")
     with pytest.raises(ValueError, match="activation_dtype='fp16'.*ACCELERATE_FP8_ACTIVATION_DTYPE"):
         FP8RecipeKwargs()
+
+
+# ---- fields assigned after construction -------------------------------------------------------------
+@pytest.mark.parametrize("field,value,accepted", [
+    ("margin", 200, ["<= 8", "underflow"]),
+    ("fp8_format", "e5m2", ["'HYBRID'", "'E4M3'"]),
+    ("amax_history_len", "--5", [">= 1"]),
+    ("opt_level", "O9", ["'O1'", "'O2'", "'O3'"]),
+    ("module_filter_fn", "lm_head", ["fn(module, fqn)"]),
+    ("backend", "cuda", ["'auto'", "'msamp'"]),
+])
+def test_assignment_is_checked_like_construction(field, value, accepted):
+    r = FP8RecipeKwargs(backend="msamp")
+    before = getattr(r, field)
+    with pytest.raises(ValueError) as err:
+        setattr(r, field, value)
+    assert f"FP8RecipeKwargs.{field}" in str(err.value)
+    for fragment in accepted:
+        assert fragment in str(err.value)
+    assert getattr(r, field) == before  # a refused value is not kept
+
+
+def test_assignment_is_checked_against_the_other_fields():
+    r = FP8RecipeKwargs(backend="torchao", recipe="rowwise")
+    with pytest.raises(ValueError, match=r"FP8RecipeKwargs.margin=4 applies to delayed.*\.replace\(") as err:
+        r.margin = 4
+    assert "te:delayed" in str(err.value) and r.margin is None
+    with pytest.raises(ValueError, match="FP8RecipeKwargs.fp8_format='HYBRID' cannot be used"):
+        r.fp8_format = "hybrid"
+    assert r.fp8_format is None
+
+
+def test_assignment_parses_and_none_restores_the_default():
+    r = FP8RecipeKwargs(backend="msamp", exclude=["lm_head"])
+    r.margin, r.fp8_format, r.backend = "3", "e4m3", "MS-AMP"
+    assert (r.margin, r.fp8_format, r.backend) == (3, "E4M3", "msamp")
+    r.exclude, r.backend, r.skip_slow_shapes = None, None, None
+    assert (r.exclude, r.backend, r.skip_slow_shapes) == ((), "auto", True)
+    assert r.replace(margin=2).margin == 2 and r.margin == 3
+
+
+def test_assigning_another_name_is_refused_like_replace():
+    r = FP8RecipeKwargs.from_name("msamp_o2")
+    r.name = r.name  # unchanged: nothing to refuse
+    with pytest.raises(ValueError, match=r"FP8RecipeKwargs.name='tensorwise' cannot be assigned.*from_name"):
+        r.name = "tensorwise"
+    assert r.name == "msamp_o2"
+
+
+def test_copies_keep_checking_assignments():
+    import copy
+    import pickle
+
+    for r in (copy.deepcopy(FP8RecipeKwargs(backend="msamp")), pickle.loads(pickle.dumps(FP8RecipeKwargs()))):
+        with pytest.raises(ValueError, match="FP8RecipeKwargs.margin=9"):
+            r.margin = 9
+
+
+# ---- backend="auto": some backend it may choose must honour the options together ---------------------
+@pytest.mark.parametrize("kwargs,refused", [
+    (dict(recipe="tensorwise", margin=4), ["FP8RecipeKwargs.margin=4", "te: ", "torchao: "]),
+    (dict(weight_dtype="bf16", weight_grad_dtype="fp32"), ["weight_grad_dtype='fp32'", "weight_dtype='bf16'",
+                                                           "te, torchao: ", "msamp: "]),
+    (dict(fp8_weights=True, opt_level="O2"), ["fp8_weights=True and opt_level='O2'", "te: ", "torchao: ", "msamp: "]),
+    (dict(optimizer_in_backward=True, opt_level="O2"), ["optimizer_in_backward=True", "(from opt_level='O2')",
+                                                        "te, torchao, msamp: "]),
+])
+def test_auto_refuses_options_no_backend_honours_together(kwargs, refused):
+    # These passed construction and failed only at Accelerator(...), as "te: transformer_engine is not installed"
+    with pytest.raises(ValueError, match=r"FP8RecipeKwargs\(backend='auto'\): no backend can honour") as err:
+        FP8RecipeKwargs(**kwargs)
+    for fragment in refused:
+        assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs", [dict(margin=4), dict(fp8_weights=True), dict(recipe="delayed", margin=2),
+                                    dict(weight_dtype="bf16", weight_grad_dtype="fp8"), dict(opt_level="O3")])
+def test_auto_accepts_what_one_backend_honours(kwargs):
+    # margin asks for delayed scaling: te's, or msamp's (with its level) where te cannot run it (docs/performance.md)
+    assert FP8RecipeKwargs(**kwargs).backend == "auto"
+
+
+def test_auto_refusal_after_construction():
+    r = FP8RecipeKwargs(recipe="tensorwise")
+    with pytest.raises(ValueError, match=r"backend='auto'\): no backend can honour.*margin=4"):
+        r.margin = 4

@@ -114,6 +114,16 @@ def test_compute_scale_margin_adds_power_of_two_headroom(margin, dtype):
     assert compute_scale(10.0, dtype, margin=margin).item() * 2**margin == compute_scale(10.0, dtype).item()
 
 
+@pytest.mark.parametrize("dtype", SCALED)
+def test_compute_scale_never_underflows_to_zero_past_a_huge_margin(dtype):
+    # margin 200 gave a scale of 0, which dequantises as 1/0: NaN outputs. Floored at 2**-126 (the cap's mirror).
+    amax = torch.tensor([1e-3, 1.0, 3e38, 0.0])
+    scale = compute_scale(amax, dtype, margin=200, previous=0.5)
+    torch.testing.assert_close(scale, torch.tensor([2.0**-126] * 3 + [0.5]), rtol=0, atol=0)
+    assert torch.isfinite(dequantize(quantize(torch.ones(4), scale, dtype), scale)).all()
+    assert compute_scale(1.0, dtype, margin=-300).item() == 2.0**126
+
+
 @pytest.mark.parametrize("bad", NON_FINITE)
 def test_compute_scale_keeps_previous_where_amax_is_zero_or_non_finite(bad):
     # With a previous scale the bad amax never changes it (a tensor of zeros keeps the last good scale).

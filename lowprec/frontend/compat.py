@@ -74,14 +74,28 @@ def _from_te(handler: Any) -> FP8RecipeKwargs:
     )
 
 
+_AO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's named recipes lowprec runs
+
+
 def _from_ao(handler: Any) -> FP8RecipeKwargs:
+    """`AORecipeKwargs` as `FP8RecipeKwargs(backend="torchao", ...)`.
+
+    `config` must be a torchao `Float8LinearConfig` (None: Accelerate fills in its default): a recipe name such
+    as "tensorwise" is refused with the spelling to use, not read as that recipe, since Accelerate's own
+    Accelerator, which the handler also belongs to, cannot run it and the script would work only here.
+    """
     import torch
     from torchao.float8 import CastConfig, Float8LinearConfig
 
     config = handler.config
+    if not isinstance(config, Float8LinearConfig):
+        raise ValueError(
+            f"AORecipeKwargs.config={config!r} must be a torchao.float8.Float8LinearConfig (None: Accelerate's "
+            "default); for a named recipe use config=Float8LinearConfig.from_recipe_name(name), or "
+            f"FP8RecipeKwargs(backend='torchao', recipe=name), name one of {', '.join(map(repr, _AO_RECIPES))}")
     plain = dataclasses.replace(config, emulate=False, pad_inner_dim=False, enable_fsdp_float8_all_gather=False)
     recipe = fp8_format = None
-    for name in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+    for name in _AO_RECIPES:
         if plain == Float8LinearConfig.from_recipe_name(name):
             recipe = name
     e4m3_grads = Float8LinearConfig(cast_config_grad_output=CastConfig(target_dtype=torch.float8_e4m3fn))

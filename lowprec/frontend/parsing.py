@@ -4,6 +4,7 @@ every error names the field and what it accepts."""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,8 @@ AMAX_HISTORY_WHY = ("steps of amax history, kept per scaled tensor on the device
 # No upper bound here: the recipe does not know the model, planning checks the sum against its block count.
 BLOCKS_WHY = "a number of whole transformer blocks kept in high precision, 0 for none"
 
+_INTEGER = re.compile(r"[+-]?[0-9]+", re.ASCII)
+
 _DTYPE_ALIASES = {"float32": "fp32", "torch.float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
                   "torch.float16": "fp16", "bfloat16": "bf16", "torch.bfloat16": "bf16", "e4m3": "fp8",
                   "float8_e4m3fn": "fp8", "torch.float8_e4m3fn": "fp8"}
@@ -60,8 +63,12 @@ def _parse_bool(name: str, value: Any) -> bool:
 def _parse_int(name: str, value: Any, minimum: int, maximum: int | None, why: str) -> int:
     bounds = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
     message = f"FP8RecipeKwargs.{name}={value!r} must be an integer {bounds} ({why})"
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value)
+    # ASCII digits only: str.isdigit() also passes "²" and "٣", which int() then refuses (or reads) on its own terms
+    if isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
+        try:
+            value = int(value)
+        except ValueError:  # more digits than int() converts (sys.set_int_max_str_digits)
+            raise ValueError(message) from None
     if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
             or (maximum is not None and value > maximum)):
         raise ValueError(message)

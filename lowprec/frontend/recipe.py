@@ -16,11 +16,24 @@ from torch import nn
 from . import named_recipes
 from .env import read_fp8_env
 from .parsing import parse_field
-from .specs import TE_REMOVED_OPTIONS, backend_spec, registered_specs
+from .specs import TE_REMOVED_OPTIONS, auto_order, backend_spec, registered_specs
 
 log = logging.getLogger(__name__)
 
 ModuleFilter = Callable[[nn.Module, str], bool]
+
+
+# What a field left as None (by the caller, the environment and a named recipe) becomes at construction.
+_UNSET = {"backend": "auto", "exclude": (), "skip_first_last": False, "skip_slow_shapes": True,
+          "skip_first_blocks": 0, "skip_last_blocks": 0}
+
+
+def _check_filter(fn) -> None:
+    if fn is not None and not _callable_as_filter(fn):
+        raise ValueError(
+            f"FP8RecipeKwargs.module_filter_fn={fn!r} must be callable as "
+            "fn(module, fqn) -> bool (torchao's module_filter_fn: the module and its fully qualified name)"
+        )
 
 
 def _callable_as_filter(fn) -> bool:
@@ -44,13 +57,17 @@ class FP8RecipeKwargs(KwargsHandler):
     Every field left as None is read from `ACCELERATE_FP8_<FIELD>` (what `accelerate launch` exports
     from a config file's `fp8_config:` section), then falls back to the backend's default; the
     resolved values are shown by the precision plan (`lowprec plan`; `prepare()` prints its summary).
+    A field assigned later is parsed and checked with the others as at construction (a refused value leaves
+    the field as it was); None there means the default, not the environment.
 
     Args:
         backend: "auto" (best available here), "te", "msamp" or "torchao" ("ao" accepted).
         recipe: the backend's scaling recipe, e.g. torchao "tensorwise" / "rowwise" /
             "rowwise_with_gw_hp". None: the backend's default.
         fp8_format: "HYBRID" (E4M3 forward, E5M2 gradients) or "E4M3" (everywhere).
-        margin: delayed scaling only: scale = 2**-margin * fp8_max / amax.
+        margin: delayed scaling only: scale = 2**-margin * fp8_max / amax. With backend "auto" it asks for
+            delayed scaling: te's, or where te cannot run it (not installed, a compiled model) msamp's, which
+            comes with msamp's level O2 (FP16 weights, low-bit Adam states); the plan's backend line says so.
         amax_history_len: delayed scaling only: steps of amax history kept.
         amax_compute_algo: delayed scaling only: "max" over the history, or "most_recent".
         opt_level: MS-AMP memory level "O1", "O2", "O3", or None (FP32 states and gradients): a
@@ -168,23 +185,10 @@ class FP8RecipeKwargs(KwargsHandler):
             value = getattr(self, f.name)
             if value is not None:
                 setattr(self, f.name, self._parse(f.name, value))
-        if self.backend is None:
-            self.backend = "auto"
-        if self.exclude is None:
-            self.exclude = ()
-        if self.skip_first_last is None:
-            self.skip_first_last = False
-        if self.skip_slow_shapes is None:
-            self.skip_slow_shapes = True
-        if self.skip_first_blocks is None:
-            self.skip_first_blocks = 0
-        if self.skip_last_blocks is None:
-            self.skip_last_blocks = 0
-        if self.module_filter_fn is not None and not _callable_as_filter(self.module_filter_fn):
-            raise ValueError(
-                f"FP8RecipeKwargs.module_filter_fn={self.module_filter_fn!r} must be callable as "
-                "fn(module, fqn) -> bool (torchao's module_filter_fn: the module and its fully qualified name)"
-            )
+        for name, default in _UNSET.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        _check_filter(self.module_filter_fn)
         # Set aside, not forgotten: unapplied_launcher_defaults() lists, in the plan's notes, those that matter.
         self._launcher_defaults = {n: v for n, v in env.launcher_defaults.items() if getattr(self, n) is None}
         try:
@@ -199,6 +203,29 @@ class FP8RecipeKwargs(KwargsHandler):
             if where:
                 raise ValueError(f"{exc} ({'; '.join(where)})") from None
             raise
+        self._validated = True  # from here on, __setattr__ checks each field as construction did
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A field assigned after construction would otherwise reach the backend unchecked (a margin of 200 gave
+        # scales of 0 and NaN outputs), so it is parsed and checked with the others, and refused where it is written.
+        if name not in _FIELDS or not self.__dict__.get("_validated"):
+            object.__setattr__(self, name, value)
+            return
+        if name == "name" and value != self.name:
+            raise ValueError(
+                f"FP8RecipeKwargs.name={value!r} cannot be assigned: a named recipe fills the fields when the recipe "
+                f"is built; build it afresh: FP8RecipeKwargs.from_name({value!r}, **fields)")
+        value = _UNSET.get(name) if value is None else self._parse(name, value)
+        if name == "module_filter_fn":
+            _check_filter(value)
+        old = self.__dict__[name]
+        object.__setattr__(self, name, value)
+        try:
+            self._check_backend()
+        except ValueError as exc:
+            object.__setattr__(self, name, old)
+            raise ValueError(f"{exc} (assigning FP8RecipeKwargs.{name}; to change fields that only fit together, "
+                             "use .replace(...) with all of them)") from None
 
     def _apply_named_recipe(self, source: str | None) -> None:
         """Fill the fields still unset (by the caller and the environment) from the named recipe."""
@@ -256,8 +283,25 @@ class FP8RecipeKwargs(KwargsHandler):
                         f"FP8RecipeKwargs.recipe={self.recipe!r} is not a recipe of any backend; "
                         f"known: {', '.join(known)}"
                     )
+            self._check_auto()
             return
         backend_spec(self.backend).check_recipe(self)
+
+    def _check_auto(self) -> None:
+        """Refuse what no backend auto may choose can honour, from the specs alone (no package is imported);
+        which one can run here is settled at prepare(). A backend that offers no recipe named is not asked."""
+        names = dict.fromkeys(auto_order(False) + auto_order(True))
+        specs = [backend_spec(n) for n in names if self.recipe is None or backend_spec(n).offers_recipe(self.recipe)]
+        refusals: dict[str, list[str]] = {}  # reason -> the backends giving it
+        for spec in specs:
+            try:
+                spec.check_recipe(self)
+                return
+            except ValueError as exc:
+                refusals.setdefault(str(exc), []).append(spec.name)
+        if refusals:
+            raise ValueError("FP8RecipeKwargs(backend='auto'): no backend can honour these options together; "
+                             + "; ".join(f"{', '.join(names)}: {why}" for why, names in refusals.items()))
 
     def replace(self, **changes: Any) -> FP8RecipeKwargs:
         """A copy with `changes` applied and validated again."""
@@ -277,12 +321,10 @@ class FP8RecipeKwargs(KwargsHandler):
 
     def describe(self) -> str:
         """The fields set away from their defaults, e.g. "backend='torchao', recipe='rowwise'"."""
-        defaults = {"backend": "auto", "exclude": (), "skip_first_last": False, "skip_slow_shapes": True,
-                    "skip_first_blocks": 0, "skip_last_blocks": 0}
         return ", ".join(
             f"{f.name}={getattr(self, f.name)!r}"
             for f in dataclasses.fields(self)
-            if getattr(self, f.name) != defaults.get(f.name)
+            if getattr(self, f.name) != _UNSET.get(f.name)
         )
 
 
@@ -310,6 +352,7 @@ def unapplied_launcher_defaults(recipe: FP8RecipeKwargs, in_force: dict[str, Any
     return differing
 
 
+_FIELDS = frozenset(f.name for f in dataclasses.fields(FP8RecipeKwargs))
 _REMOVED = TE_REMOVED_OPTIONS
 _dataclass_init = FP8RecipeKwargs.__init__
 

@@ -283,8 +283,9 @@ _ALIASES: dict[str, str] = {}
 # device wins. Eager models: TE first, its fused kernels need no compiler (H100, lowprec's defaults: TE
 # 1.25/1.39/1.51x eager BF16 at d2048/d4096/d8192, torchao with its layers compiled BF16/1.20/1.37x).
 # Compiled models: torchao first (1.12/1.30/1.41x compiled BF16; TE 0.51-0.64/1.14/1.39x, a graph break
-# around each TE module): results/gpu/2026-11-23-h100-speed-head and 2026-11-24-h100-te-widths. msamp
-# last: it changes weight and optimizer-state precision (level O2), which auto does not do unasked.
+# around each TE module): results/gpu/2026-11-23-h100-speed-head and 2026-11-24-h100-te-widths. msamp last:
+# its level O2 changes weight and optimizer-state precision, so auto takes it only for what the others cannot
+# run here: delayed scaling and its options (margin, ...) without TE or under compile, level O3 (docs/performance.md).
 AUTO_ORDER = ("te", "torchao", "msamp")
 AUTO_ORDER_COMPILED = ("torchao", "te", "msamp")
 

@@ -16,7 +16,7 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FORMATS = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16, torch.float32)
 
 
-# Largest power-of-two exponent of a scale: 2**126 is a normal FP32 number with room to spare.
+# Largest power-of-two exponent of a scale, either sign: 2**126 and 2**-126 are normal FP32 numbers.
 _MAX_EXPONENT = 126
 
 
@@ -42,7 +42,8 @@ def compute_scale(
     and are MS-AMP's rule. Where `amax` is 0, inf or NaN the result is `previous` (1 if None): a
     NaN never becomes a scale, and a tensor of zeros keeps the last good scale. The exponent is
     capped at 126 so that a tiny amax (or a wide target such as FP32) still gives a finite scale;
-    the capped scale only leaves more headroom.
+    the capped scale only leaves more headroom. After `margin` it is also floored at -126, so the
+    scale is never 0 (FP8RecipeKwargs bounds margin at 8; this guards other callers).
 
     Args:
         amax: absolute maximum, a scalar or one per tensor.
@@ -67,7 +68,9 @@ def compute_scale(
     exponent = torch.floor(torch.log2(fp_max / safe)).clamp(-_MAX_EXPONENT, _MAX_EXPONENT + 1)
     exponent = exponent - (safe * torch.exp2(exponent) > fp_max).float()
     exponent = exponent + (safe * torch.exp2(exponent + 1) <= fp_max).float()
-    exponent = (exponent - margin).clamp(max=_MAX_EXPONENT)
+    # Floored as well as capped: past ~150 a margin would underflow the FP32 scale to 0, and 1 / 0 dequantises
+    # every value to inf or NaN; 2**-126 still flushes the cast to zeros, but they dequantise as zeros.
+    exponent = (exponent - margin).clamp(-_MAX_EXPONENT, _MAX_EXPONENT)
     return torch.where(valid, torch.exp2(exponent), previous)
 
 

@@ -81,12 +81,13 @@ def test_auto_emulate_false_on_h100_is_torchao():
     "kwargs,field,torchao_reason",
     [
         (dict(recipe="block"), "recipe", "not a recipe of backend 'torchao'"),
-        (dict(recipe="rowwise", fp8_format="HYBRID"), "fp8_format", "'HYBRID' cannot be used"),
-        (dict(recipe="rowwise", margin=1), "margin", "applies to delayed"),
+        # te alone honours these together (rowwise with HYBRID or a margin: refused at construction)
+        (dict(margin=1, fp8_weights=True), "margin", "applies to delayed"),
+        (dict(reduce_amax=True, fp8_weights=True), "reduce_amax", "applies to delayed"),
     ],
 )
 def test_auto_reports_why_each_backend_was_passed_over(kwargs, field, torchao_reason):
-    r = FP8RecipeKwargs(**kwargs)  # accepted by auto at construction: some backend offers the recipe / option
+    r = FP8RecipeKwargs(**kwargs)  # accepted by auto at construction: a backend (te) honours the options together
     with pytest.raises(BackendUnavailableError, match="backend='auto'.* found no backend") as err:
         resolve_backend(r, H100)
     assert f"torchao: FP8RecipeKwargs.{field}=" in str(err.value)
