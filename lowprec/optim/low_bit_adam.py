@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from ..kernels.adam import SCALED, AdamItem, bucket_key, count_present_steps, fused_low_bit_adam_step
 from ..kernels.rounding import ROUNDED_DTYPES, rounding_generator, rounding_seed, stochastic_round
-from ..kernels.scaling import compute_scale, format_max, tensor_amax
+from ..kernels.scaling import compute_scale, format_max, inf_to_nan, tensor_amax
 from ..utils.tensors import local_data
 from .fused_adam_form import per_parameter_steps, write_masters
 
@@ -57,7 +57,13 @@ def _encode(value: torch.Tensor, dtype: torch.dtype, previous_scale: torch.Tenso
     amax = tensor_amax(value)
     scale = compute_scale(amax, dtype, previous=previous_scale)
     limit = format_max(dtype)
-    return (value * scale).clamp_(-limit, limit).to(dtype), scale
+    scaled = value * scale
+    # A finite value past the format's max (scaled by the previous scale where the amax was not finite) saturates.
+    # An inf must not: stored as the max it came back as a finite moment where torch's Adam keeps an inf. It
+    # stays one where the format has one (FP16, E5M2) and becomes NaN in E4M3, whose cast would saturate it.
+    if dtype == torch.float8_e4m3fn:
+        return inf_to_nan(scaled).clamp_(-limit, limit).to(dtype), scale
+    return torch.where(scaled.isinf(), scaled, scaled.clamp(-limit, limit)).to(dtype), scale
 
 
 def _decode(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -95,6 +101,36 @@ def plain_adam_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     groups = [{k: v for k, v in group.items() if k not in _OWN_KEYS + ("fused",)}
               for group in state_dict["param_groups"]]
     return {**state_dict, "state": new_states, "param_groups": groups}
+
+
+def adam_checkpoint_problem(param_groups: list[dict], state_dict: dict[str, Any]) -> str | None:
+    """Why `state_dict` (in Adam's form: `per_parameter_steps`) cannot load into an Adam/AdamW over `param_groups`,
+    or None. Checked before anything changes: torch's load replaces the groups and states first, so an SGD
+    checkpoint refused after it left SGD's groups behind (the next step failed on 'step'), and a moment of another
+    parameter's shape loaded without a word and failed at the first step."""
+    states = state_dict.get("state", {})
+    for pid, entry in states.items():
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
+        if missing:
+            return f"the state of parameter {pid} has no {', '.join(missing)}: not an Adam/AdamW checkpoint"
+    saved_groups = state_dict.get("param_groups", [])
+    if any("betas" not in group for group in saved_groups):
+        return "the checkpoint's parameter groups have no betas: not an Adam/AdamW checkpoint"
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in param_groups]:
+        return None  # torch's load refuses other group sizes itself, before it changes anything
+    # matched as torch's load matches them: the groups' parameters in order
+    params = {pid: p for saved, group in zip(saved_groups, param_groups) for pid, p in zip(saved["params"],
+                                                                                         group["params"])}
+    for pid, entry in states.items():
+        p = params.get(pid)
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            value = entry.get(key)
+            # a DTensor parameter (FSDP2) takes its global shape or its shard's
+            if (p is not None and isinstance(value, torch.Tensor)
+                    and tuple(value.shape) not in (tuple(p.shape), tuple(local_data(p).shape))):
+                return (f"the {key} of parameter {pid} has shape {tuple(value.shape)} in the checkpoint, the "
+                        f"parameter {tuple(p.shape)}: another model's checkpoint")
+    return None
 
 
 class LowBitAdamW(torch.optim.Optimizer):
@@ -310,16 +346,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         # scale of 2**35 would become FP16 (inf). Take the saved tensors as they are instead.
         state_dict, masters = per_parameter_steps(state_dict)  # TE FusedAdam's (te's fp8_weights)
         own = [{key: group[key] for key in _OWN_KEYS if key in group} for group in self.param_groups]
-        # Checked before anything changes: torch's load replaces the groups and states first, and an SGD
-        # checkpoint refused after it left SGD's groups behind (the next step failed on 'step')
-        for pid, entry in state_dict.get("state", {}).items():
-            missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in entry]
-            if missing:
-                raise ValueError(f"{type(self).__name__}.load_state_dict: the state of parameter {pid} has no "
-                                 f"{', '.join(missing)}: not an Adam/AdamW checkpoint; nothing was loaded")
-        if any("betas" not in group for group in state_dict.get("param_groups", [])):
-            raise ValueError(f"{type(self).__name__}.load_state_dict: the checkpoint's parameter groups have no "
-                             "betas: not an Adam/AdamW checkpoint; nothing was loaded")
+        problem = adam_checkpoint_problem(self.param_groups, state_dict)
+        if problem is not None:
+            raise ValueError(f"{type(self).__name__}.load_state_dict: {problem}; nothing was loaded")
         super().load_state_dict(state_dict)
         for group, dtypes in zip(self.param_groups, own):
             group.update(dtypes)  # the run's storage, not the checkpoint's

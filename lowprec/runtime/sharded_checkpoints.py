@@ -23,6 +23,7 @@ import warnings
 from torch import nn
 
 from ..optim.fused_adam_form import STASH, keeps_group_steps, spread_from_rank0, stash_fused_adam_entries
+from .checkpoints import optimizer_load_problem
 
 EXTRA_STATE = "_extra_state"
 FSDP_MODEL_DIR = "pytorch_model_fsdp_{index}"  # Accelerate's FSDP_MODEL_NAME with the model's index
@@ -170,6 +171,7 @@ class CheckedCheckpoints:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
+        self._refuse_optimizer_files_that_do_not_load(input_dir, load_kwargs)
         self._complete_optimizer_states(loading=True)
         inners = [getattr(o, "optimizer", o) for o in getattr(self, "_optimizers", [])]
         for inner in inners:
@@ -192,6 +194,36 @@ class CheckedCheckpoints:
         self._agree_group_steps()
         self._after_load_state()
         return result
+
+    def _refuse_optimizer_files_that_do_not_load(self, input_dir: str | None, load_kwargs: dict | None) -> None:
+        """Accelerate loads the models before the optimizers: an optimizer file its optimizer refused (another
+        optimizer's, another model's) left the weights loaded while the refusal said nothing was. Each file that
+        Accelerate's own load reads into an optimizer (not under FSDP, DeepSpeed or Megatron-LM, which load theirs
+        their own way) is checked first (`optimizer_load_problem`), memory-mapped: no tensor's bytes are read."""
+        from accelerate.utils import DistributedType, load
+
+        if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+            return
+        folder = checkpoint_dir(self, input_dir)
+        if folder is None or not os.path.isdir(folder):
+            return  # Accelerate's load says what is missing
+        for i, optimizer in enumerate(getattr(self, "_optimizers", [])):
+            name = "optimizer.bin" if i == 0 else f"optimizer_{i}.bin"  # Accelerate's names
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path):
+                problem = f"there is no {name}"
+            else:
+                try:
+                    saved = load(path, map_location="cpu", **{**(load_kwargs or {}), "mmap": True})
+                except RuntimeError as exc:  # only torch.save's zip format maps: an older file is read whole
+                    if "mmap" not in str(exc):
+                        raise
+                    saved = load(path, map_location="cpu", **(load_kwargs or {}))
+                problem = optimizer_load_problem(optimizer, saved)
+            if problem is not None:
+                inner = getattr(optimizer, "optimizer", optimizer)
+                raise ValueError(f"lowprec: the checkpoint in {folder} does not load into optimizer {i} "
+                                 f"({type(inner).__name__}), and nothing was loaded: {name}: {problem}")
 
     def _spread_rank0_entries(self) -> None:
         """After FSDP2's full-state load on several processes, what rank 0 alone got of a FusedAdam checkpoint

@@ -646,3 +646,62 @@ def test_first_step_makes_each_state_in_its_storage_dtype_without_an_fp32_copy(m
     opt.step()
     torch.optim.AdamW([ref]).step()
     assert (p.detach() - ref.detach()).abs().max() / (ref.detach()).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("m_dtype,v_dtype", [(E4M3, FP16), (FP32, FP32)])
+def test_states_of_another_shape_are_refused_naming_the_parameter_and_both_shapes(m_dtype, v_dtype):
+    # loaded without a word (exp_avg (48, 32) for a (64, 32) parameter), then the first step failed on the sizes
+    def stepped(rows):
+        params = [nn.Parameter(torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))),
+                  nn.Parameter(torch.randn(rows, generator=torch.Generator().manual_seed(1)))]
+        optimizer = LowBitAdamW(params, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        return params, optimizer
+
+    _, other = stepped(48)
+    params, optimizer = stepped(64)
+    states = {p: {k: v.clone() for k, v in optimizer.state[p].items()} for p in params}
+    with pytest.raises(ValueError, match=r"the exp_avg of parameter 0 has shape \(48, 32\) in the checkpoint, the "
+                                         r"parameter \(64, 32\): another model's checkpoint; nothing was loaded"):
+        optimizer.load_state_dict(other.state_dict())
+    for p in params:
+        assert all(torch.equal(optimizer.state[p][k], v) for k, v in states[p].items())
+    optimizer.step()  # and it still steps
+
+
+@pytest.mark.parametrize("m_dtype,v_dtype", [(E4M3, FP16), (E5M2, E4M3), (FP16, E5M2), (BF16, FP32)],
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_moment_is_never_stored_finite(m_dtype, v_dtype, bad):
+    # E4M3 exp_avg 448 and FP16 exp_avg_sq 65504 where torch's AdamW kept inf: clamped, as a finite overflow is
+    from lowprec.optim.low_bit_adam import _decode
+
+    p, ref = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(3))
+    opt = LowBitAdamW([p], lr=1e-3, exp_avg_dtype=m_dtype, exp_avg_sq_dtype=v_dtype)
+    torch_opt = torch.optim.AdamW([ref], lr=1e-3)
+    p.grad, ref.grad = torch.tensor([bad, 1.0, -2.0]), torch.tensor([bad, 1.0, -2.0])
+    opt.step()
+    torch_opt.step()
+    for key, dtype in (("exp_avg", m_dtype), ("exp_avg_sq", v_dtype)):
+        got, want = _decode(opt.state[p][key], opt.state[p][f"{key}_scale"]), torch_opt.state[ref][key]
+        assert not torch.isfinite(want[0])
+        if want[0].isnan() or dtype == E4M3:  # E4M3 has no inf
+            assert got[0].isnan(), (key, got, want)
+        else:
+            assert got[0] == want[0], (key, got, want)  # the format's inf, its sign kept
+        # the finite ones finite, at the scale kept from before (1: a non-finite amax chooses none), whose E4M3
+        # steps near 0.001 are 2**-9
+        assert torch.allclose(got[1:], want[1:], rtol=0.07, atol=2**-9), (key, got, want)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, FP16])
+def test_a_finite_value_past_the_format_still_saturates_beside_an_inf(dtype):
+    from lowprec.optim.low_bit_adam import _decode, _encode
+
+    # the inf keeps the previous scale (1): the finite 1e6 is past every format's max and saturates to it
+    stored, scale = _encode(torch.tensor([float("inf"), 1e6, -1e6, 1.0]), dtype, torch.tensor(1.0))
+    got = _decode(stored, scale)
+    assert not torch.isfinite(got[0]) and (got[0] > 0 or got[0].isnan())
+    assert got[1:].tolist() == [FORMAT_MAX[dtype], -FORMAT_MAX[dtype], 1.0]
