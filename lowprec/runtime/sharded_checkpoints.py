@@ -24,6 +24,7 @@ from torch import nn
 
 from ..optim.fused_adam_form import STASH, keeps_group_steps, spread_from_rank0, stash_fused_adam_entries
 from .checkpoints import optimizer_load_problem
+from .model_file_check import model_file, model_file_problem
 
 EXTRA_STATE = "_extra_state"
 FSDP_MODEL_DIR = "pytorch_model_fsdp_{index}"  # Accelerate's FSDP_MODEL_NAME with the model's index
@@ -171,7 +172,7 @@ class CheckedCheckpoints:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **load_model_func_kwargs):
-        self._refuse_optimizer_files_that_do_not_load(input_dir, load_kwargs)
+        self._refuse_files_that_do_not_load(input_dir, load_kwargs, load_model_func_kwargs.get("strict", True))
         self._complete_optimizer_states(loading=True)
         inners = [getattr(o, "optimizer", o) for o in getattr(self, "_optimizers", [])]
         for inner in inners:
@@ -195,11 +196,13 @@ class CheckedCheckpoints:
         self._after_load_state()
         return result
 
-    def _refuse_optimizer_files_that_do_not_load(self, input_dir: str | None, load_kwargs: dict | None) -> None:
+    def _refuse_files_that_do_not_load(self, input_dir: str | None, load_kwargs: dict | None, strict: bool) -> None:
         """Accelerate loads the models before the optimizers: an optimizer file its optimizer refused (another
-        optimizer's, another model's) left the weights loaded while the refusal said nothing was. Each file that
-        Accelerate's own load reads into an optimizer (not under FSDP, DeepSpeed or Megatron-LM, which load theirs
-        their own way) is checked first (`optimizer_load_problem`), memory-mapped: no tensor's bytes are read."""
+        optimizer's, another model's) left the weights loaded while the refusal said nothing was, and a model file
+        with keys the model lacks half-loaded (safetensors' load_model checks the keys after copying). Each file
+        that Accelerate's own load reads (not under FSDP, DeepSpeed or Megatron-LM, which load theirs their own way)
+        is checked first, memory-mapped: no tensor's bytes are read. A model file's keys only where the load is
+        strict (`strict=False` passed to load_state loads what matches, as in torch)."""
         from accelerate.utils import DistributedType, load
 
         if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
@@ -207,6 +210,12 @@ class CheckedCheckpoints:
         folder = checkpoint_dir(self, input_dir)
         if folder is None or not os.path.isdir(folder):
             return  # Accelerate's load says what is missing
+        for i, model in enumerate(getattr(self, "_models", []) if strict else []):
+            path = model_file(folder, i)
+            problem = model_file_problem(model, path) if path is not None else None
+            if problem is not None:
+                raise ValueError(f"lowprec: the checkpoint in {folder} does not load into model {i}, and nothing was "
+                                 f"loaded: {problem}\n(load_state(..., strict=False) loads the entries that match)")
         for i, optimizer in enumerate(getattr(self, "_optimizers", [])):
             name = "optimizer.bin" if i == 0 else f"optimizer_{i}.bin"  # Accelerate's names
             path = os.path.join(folder, name)

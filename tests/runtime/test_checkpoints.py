@@ -152,3 +152,49 @@ def test_optimizer_states_of_another_shape_are_refused_naming_parameter_and_shap
         optimizer.load_state_dict(state)
     assert_unchanged(before, accelerator.unwrap_model(model), optimizer)
     optimizer.load_state_dict(copy.deepcopy(other.state_dict()))  # one that fits still loads
+
+
+def prepared_model_only(name: str, model: nn.Module):
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[FP8RecipeKwargs(skip_slow_shapes=False,
+                                                                                      **CONFIGS[name])])
+    return accelerator, accelerator.prepare(model)
+
+
+@pytest.mark.parametrize("name", MODEL_CONFIGS)
+@pytest.mark.parametrize("safe", [True, False])
+def test_load_state_of_a_model_file_with_other_keys_is_refused_before_anything_loads(tmp_path, fresh_accelerate_state,
+                                                                                      name, safe):
+    # safetensors' load_model (Accelerate's for model.safetensors) loads non-strict and checks the keys after
+    # copying: a checkpoint of a model with a layer fewer half-loaded, then raised
+    accelerator, _ = prepared_model_only(name, make_model(layers=2, seed=5))
+    accelerator.save_state(str(tmp_path / "short"), safe_serialization=safe)
+    accelerator, model = prepared_model_only(name, make_model(layers=3))
+    inner = accelerator.unwrap_model(model)
+    before = {k: v.clone() for k, v in inner.state_dict().items()}
+    with pytest.raises(ValueError, match=r"does not load into model 0, and nothing was loaded: .*\n  4.bias: in the "
+                                         r"model, missing from the file"):
+        accelerator.load_state(str(tmp_path / "short"))
+    after = inner.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    accelerator.load_state(str(tmp_path / "short"), strict=False)  # what matches, as torch's strict=False
+    assert torch.equal(inner.state_dict()["0.bias"], make_model(layers=2, seed=5)[0].bias)
+
+
+@pytest.mark.parametrize("name", MODEL_CONFIGS)
+def test_load_state_of_tied_weights_saved_once_loads(tmp_path, fresh_accelerate_state, name):
+    # safetensors saves tensors sharing storage once: the other name is not missing
+    def tied(seed):
+        model = make_model(layers=3, seed=seed)
+        model[4].weight = model[2].weight
+        return model
+
+    accelerator, _ = prepared_model_only(name, tied(5))
+    accelerator.save_state(str(tmp_path / "tied"))
+    accelerator, model = prepared_model_only(name, tied(0))
+    accelerator.load_state(str(tmp_path / "tied"))
+    inner = accelerator.unwrap_model(model)
+    assert torch.equal(inner[4].weight, tied(5)[2].weight) and inner[4].weight is inner[2].weight
