@@ -325,10 +325,13 @@ def main() -> None:
                              "(Accelerate runs FSDP on GPU process groups only)")
         mark("accelerator")
         torch.manual_seed(args.seed)
-        # Initialised where it trains: `built` took 16.2-18.0 s of each cell's 74-98 s at 1f25b82, the CPU's
-        # initialisation of the proxy's 0.98B weights most of it; every cell of a seed gets the same weights either way
+        # Initialised on the GPU: `built` took 16.2-18.0 s of each cell's 74-98 s at 1f25b82, the CPU's
+        # initialisation of the proxy's 0.98B weights most of it (every cell of a seed gets the same weights either
+        # way). Then handed to prepare() on the CPU, as before: where each engine places and shards the model, and
+        # what it keeps of the full weights (after_prepare_gib), stay as they were measured
         with torch.device(accelerator.device):
             model = build_model(preset)
+        model = model.cpu()
         mark("built")
         corpus = stdlib_corpus(max_bytes=8 * 2**20)
         data = Windows(corpus.train, preset.seq_len, args.steps * preset.batch * accelerator.num_processes,
