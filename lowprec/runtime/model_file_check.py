@@ -30,6 +30,19 @@ def model_file(folder: str, index: int) -> str | None:
     return None
 
 
+def load_mapped(path: str, **load_kwargs):
+    """A torch.save file as Accelerate's `load` reads it, memory-mapped: no tensor's bytes are read until used.
+    Only torch.save's zip format maps: an older file is read whole."""
+    from accelerate.utils import load
+
+    try:
+        return load(path, map_location="cpu", **{**load_kwargs, "mmap": True})
+    except RuntimeError as exc:
+        if "mmap" not in str(exc):
+            raise
+        return load(path, map_location="cpu", **load_kwargs)
+
+
 def saved_keys(path: str) -> set[str]:
     """The entry names of a model file: from safetensors' header, or a torch.save file memory-mapped."""
     if path.endswith(".safetensors"):
@@ -37,12 +50,7 @@ def saved_keys(path: str) -> set[str]:
 
         with safe_open(path, framework="pt") as fh:
             return set(fh.keys())
-    try:
-        return set(torch.load(path, map_location="cpu", mmap=True, weights_only=True))
-    except RuntimeError as exc:  # only torch.save's zip format maps: an older file is read whole
-        if "mmap" not in str(exc):
-            raise
-        return set(torch.load(path, map_location="cpu", weights_only=True))
+    return set(load_mapped(path))
 
 
 def _storage(tensor: torch.Tensor) -> tuple | None:

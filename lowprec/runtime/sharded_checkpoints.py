@@ -24,7 +24,7 @@ from torch import nn
 
 from ..optim.fused_adam_form import STASH, keeps_group_steps, spread_from_rank0, stash_fused_adam_entries
 from .checkpoints import optimizer_load_problem
-from .model_file_check import model_file, model_file_problem
+from .model_file_check import load_mapped, model_file, model_file_problem
 
 EXTRA_STATE = "_extra_state"
 FSDP_MODEL_DIR = "pytorch_model_fsdp_{index}"  # Accelerate's FSDP_MODEL_NAME with the model's index
@@ -203,7 +203,7 @@ class CheckedCheckpoints:
         that Accelerate's own load reads (not under FSDP, DeepSpeed or Megatron-LM, which load theirs their own way)
         is checked first, memory-mapped: no tensor's bytes are read. A model file's keys only where the load is
         strict (`strict=False` passed to load_state loads what matches, as in torch)."""
-        from accelerate.utils import DistributedType, load
+        from accelerate.utils import DistributedType
 
         if self.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
             return
@@ -222,13 +222,7 @@ class CheckedCheckpoints:
             if not os.path.isfile(path):
                 problem = f"there is no {name}"
             else:
-                try:
-                    saved = load(path, map_location="cpu", **{**(load_kwargs or {}), "mmap": True})
-                except RuntimeError as exc:  # only torch.save's zip format maps: an older file is read whole
-                    if "mmap" not in str(exc):
-                        raise
-                    saved = load(path, map_location="cpu", **(load_kwargs or {}))
-                problem = optimizer_load_problem(optimizer, saved)
+                problem = optimizer_load_problem(optimizer, load_mapped(path, **(load_kwargs or {})))
             if problem is not None:
                 inner = getattr(optimizer, "optimizer", optimizer)
                 raise ValueError(f"lowprec: the checkpoint in {folder} does not load into optimizer {i} "
