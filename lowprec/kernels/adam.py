@@ -32,6 +32,9 @@ from .rounding import ROUNDED_DTYPES, rounding_seed, rounding_seeds
 from .scaling import format_max
 
 SCALED = (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+# how the update kernel stores an infinite scaled moment (adam_triton.scaled_moment): as NaN (0), through the cast (1),
+# as the format's inf bits (2)
+INF_RULE = {torch.float8_e4m3fn: 0, torch.float16: 1, torch.float8_e5m2: 2}
 BLOCK = 1024  # elements per loop iteration of a program (2048 measured 1.3-1.5x slower)
 # elements per program: 8192 took msamp O2's step over the d4096 proxy's FP8 Linear weights from 8.4 to 6.6 ms
 # (2048: each program's three dependent table loads before its first byte of data; scripts/gpu/adam_o2_step.py,
@@ -206,7 +209,9 @@ def fused_low_bit_adam_step(items: list[AdamItem], group: dict, *, decoupled: bo
                       group["eps"], group["weight_decay"], P_SR=rounds,
                       P_MAX=format_max(first.param.dtype) if rounds else 0.0,
                       M_MAX=format_max(m_dtype) if m_scaled else 0.0, M_MAX_EXP=m_exp, M_MAX_MANT=m_mant,
+                      M_INF=INF_RULE.get(m_dtype, 1),
                       V_MAX=format_max(v_dtype) if v_scaled else 0.0, V_MAX_EXP=v_exp, V_MAX_MANT=v_mant,
+                      V_INF=INF_RULE.get(v_dtype, 1),
                       **types)
 
 

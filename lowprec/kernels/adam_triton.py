@@ -176,12 +176,29 @@ def reduce_pass(ptrs, starts, partials, scratch, M_SCALED: tl.constexpr, V_SCALE
         tl.store(row + 3, tl.load(tl.load(base + 6).to(tl.pointer_type(tl.float32))))
 
 @triton.jit
+def scaled_moment(x, TY: tl.constexpr, MAX: tl.constexpr, INF: tl.constexpr):
+    # x (a moment times its scale) in TY as LowBitAdamW's plain-torch step stores it (low_bit_adam._encode): a finite
+    # value past the max saturates, like torch.clamp, which keeps a NaN (PTX min/max would replace it by the bound);
+    # an inf is an overflow, not a large value, and stays non-finite: the format's inf in FP16 (INF == 1, through the
+    # cast) and E5M2 (2), NaN in E4M3 (0), which has none. An FP8 format's non-finite values are written as bits:
+    # the compiled cast (cvt.satfinite) saturates an inf, Triton's interpreter makes a NaN 384.
+    inf = (x == float("inf")) | (x == -float("inf"))
+    clamped = tl.clamp(x, -MAX, MAX, propagate_nan=tl.PropagateNan.ALL)
+    if INF == 1:
+        return tl.where(inf, x, clamped).to(TY)
+    bits = clamped.to(TY).to(tl.uint8, bitcast=True)
+    special = tl.full(x.shape, 0x7F, tl.uint8)  # NaN in both formats
+    if INF == 2:
+        special = tl.where(inf, tl.where(x < 0, 0xFC, 0x7C), special).to(tl.uint8)  # sign, all-ones exponent
+    return tl.where(inf | (x != x), special, bits).to(tl.uint8).to(TY, bitcast=True)
+
+@triton.jit
 def update_pass(ptrs, sizes, chunks, valid, scratch, hyper, seeds, lr, beta1, beta2, eps, weight_decay,
                 P_SR: tl.constexpr, P_MAX: tl.constexpr,
                 P_TY: tl.constexpr, G_TY: tl.constexpr, M_TY: tl.constexpr, V_TY: tl.constexpr,
                 G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
-                M_MAX: tl.constexpr, M_MAX_EXP: tl.constexpr, M_MAX_MANT: tl.constexpr,
-                V_MAX: tl.constexpr, V_MAX_EXP: tl.constexpr, V_MAX_MANT: tl.constexpr,
+                M_MAX: tl.constexpr, M_MAX_EXP: tl.constexpr, M_MAX_MANT: tl.constexpr, M_INF: tl.constexpr,
+                V_MAX: tl.constexpr, V_MAX_EXP: tl.constexpr, V_MAX_MANT: tl.constexpr, V_INF: tl.constexpr,
                 DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                 ALIGNED: tl.constexpr, WIDE: tl.constexpr, G_VALID: tl.constexpr):
     t, k, base, p_ptr, g_ptr, m_ptr, v_ptr, start, end, present = _load_item(
@@ -223,13 +240,14 @@ def update_pass(ptrs, sizes, chunks, valid, scratch, hyper, seeds, lr, beta1, be
             tl.store(p_ptr + offs, stochastic_round(p, key, offs, P_TY, P_MAX), mask=mask)
         else:
             tl.store(p_ptr + offs, p.to(P_TY), mask=mask)
-        # saturate like torch.clamp, which keeps a NaN (PTX min/max would replace it by the bound)
         if M_SCALED:
-            m = tl.clamp(m * m_new, -M_MAX, M_MAX, propagate_nan=tl.PropagateNan.ALL)
+            tl.store(m_ptr + offs, scaled_moment(m * m_new, M_TY, M_MAX, M_INF), mask=mask)
+        else:
+            tl.store(m_ptr + offs, m.to(M_TY), mask=mask)
         if V_SCALED:
-            v = tl.clamp(v * v_new, -V_MAX, V_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(m_ptr + offs, m.to(M_TY), mask=mask)
-        tl.store(v_ptr + offs, v.to(V_TY), mask=mask)
+            tl.store(v_ptr + offs, scaled_moment(v * v_new, V_TY, V_MAX, V_INF), mask=mask)
+        else:
+            tl.store(v_ptr + offs, v.to(V_TY), mask=mask)
 
 @triton.jit
 def scale_kernel(amax_ptr, previous_ptr, out_ptr, n, MAX_EXP: tl.constexpr, MAX_MANT: tl.constexpr,

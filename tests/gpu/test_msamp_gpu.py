@@ -228,6 +228,22 @@ def test_fused_adams_random_numbers_on_the_gpu_are_the_interpreters():
     assert gpu["in_range"] and min(gpu["distinct"]) > 0.99 * gpu["n"]
 
 
+def test_fused_adam_stores_an_infinite_moment_as_the_plain_step_does():
+    # tests/kernels/adam_nonfinite.py: an inf gradient's moments stay non-finite (NaN in E4M3, inf in FP16 and
+    # E5M2), where the compiled cast (cvt.satfinite) alone would store the format's max
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "kernels"))
+    from adam_nonfinite import check, problems
+
+    result = check("cuda")
+    assert not problems(result), problems(result)
+    assert result["e5m2_e4m3"]["fused"]["exp_avg"][:3] == ["inf", "-inf", "nan"]
+    assert result["e5m2_e4m3"]["fused"]["exp_avg_sq"][:3] == ["nan"] * 3
+    assert result["fp16_e5m2"]["fused"]["exp_avg_sq"][:3] == ["inf", "inf", "nan"]
+
+
 # ---- FP8Linear on tensor cores --------------------------------------------------------------------
 def _layer_pair(weight_dtype=torch.float16, seed=0):
     torch.manual_seed(seed)

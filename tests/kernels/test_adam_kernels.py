@@ -64,3 +64,16 @@ def test_the_rounding_random_numbers_are_uniform_and_independent_across_steps_an
     assert all(abs(v - 1 / 12) < 0.004 for v in r["variances"]), r["variances"]
     assert all(abs(c) < 5 / n**0.5 for c in r["lag1"]), r["lag1"]
     assert r["max_cross_correlation"] < 6 / n**0.5, r["max_cross_correlation"]
+
+
+def test_an_infinite_moment_is_stored_as_the_plain_step_stores_it():
+    # NaN in E4M3, the format's inf in FP16 and E5M2 (not its max, which the saturating cast gives)
+    from adam_nonfinite import problems
+    from conftest import run_interpreted
+
+    result = run_interpreted(os.path.join(HERE, "adam_nonfinite.py"))
+    assert not problems(result), problems(result)
+    assert result["e4m3_fp16"]["fused"]["exp_avg"][:3] == ["nan"] * 3
+    assert result["fp16_e5m2"]["fused"]["exp_avg"][:3] == ["inf", "-inf", "nan"]
+    assert result["fp16_e5m2"]["fused"]["exp_avg_sq"][:3] == ["inf", "inf", "nan"]
+    assert result["e5m2_e4m3"]["fused"]["exp_avg"][:3] == ["inf", "-inf", "nan"]
