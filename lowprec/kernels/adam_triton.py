@@ -184,13 +184,16 @@ def scaled_moment(x, TY: tl.constexpr, MAX: tl.constexpr, INF: tl.constexpr):
     # the compiled cast (cvt.satfinite) saturates an inf, Triton's interpreter makes a NaN 384.
     inf = (x == float("inf")) | (x == -float("inf"))
     clamped = tl.clamp(x, -MAX, MAX, propagate_nan=tl.PropagateNan.ALL)
+    # (no early return: the compiler would still build what follows it for FP16, and fail at the bitcast)
     if INF == 1:
-        return tl.where(inf, x, clamped).to(TY)
-    bits = clamped.to(TY).to(tl.uint8, bitcast=True)
-    special = tl.full(x.shape, 0x7F, tl.uint8)  # NaN in both formats
-    if INF == 2:
-        special = tl.where(inf, tl.where(x < 0, 0xFC, 0x7C), special).to(tl.uint8)  # sign, all-ones exponent
-    return tl.where(inf | (x != x), special, bits).to(tl.uint8).to(TY, bitcast=True)
+        out = tl.where(inf, x, clamped).to(TY)
+    else:
+        bits = clamped.to(TY).to(tl.uint8, bitcast=True)
+        special = tl.full(x.shape, 0x7F, tl.uint8)  # NaN in both formats
+        if INF == 2:
+            special = tl.where(inf, tl.where(x < 0, 0xFC, 0x7C), special).to(tl.uint8)  # sign, all-ones exponent
+        out = tl.where(inf | (x != x), special, bits).to(tl.uint8).to(TY, bitcast=True)
+    return out
 
 @triton.jit
 def update_pass(ptrs, sizes, chunks, valid, scratch, hyper, seeds, lr, beta1, beta2, eps, weight_decay,
