@@ -773,11 +773,17 @@ def test_engine_matrix_lists_each_parts_cells_and_refuses_an_unknown_part(tmp_pa
     assert proc.returncode == 0, proc.stderr
     fsdp2, compiled = proc.stdout.splitlines()
     # each part holds the BF16 cell of every engine and mode it measures: matrix_table compares within a part
-    assert fsdp2.split()[2:] == ["bf16::fsdp2", "te:current:fsdp2", "te:current:fsdp2:::fp8w",
+    assert fsdp2.split()[:3] == ["CASE_TIMEOUT=150", "multi.sh", f"{tmp_path}/fsdp2"]
+    assert fsdp2.split()[3:] == ["bf16::fsdp2", "te:current:fsdp2", "te:current:fsdp2:::fp8w",
                                  "torchao:tensorwise:fsdp2", "msamp@O3::fsdp2"]
     assert {"bf16::fsdp2:::model+fused", "bf16::ddp:::model"} <= set(compiled.split())
     proc = subprocess.run(["bash", script, str(tmp_path), "zero4"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown part 'zero4'" in proc.stderr
+    # 300 steps: a cell's launch needs more than 30 steps' 150 s; a CASE_TIMEOUT given is kept
+    for env, limit in (({"STEPS": "300"}, "220"), ({"STEPS": "300", "CASE_TIMEOUT": "90"}, "90")):
+        proc = subprocess.run(["bash", script, str(tmp_path), "ddp"], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "DRY": "1", **env})
+        assert proc.stdout.split()[0] == f"CASE_TIMEOUT={limit}", proc.stdout
 
 
 def test_engine_matrix_runs_parts_at_once_on_disjoint_gpu_groups(tmp_path):
@@ -789,10 +795,11 @@ def test_engine_matrix_runs_parts_at_once_on_disjoint_gpu_groups(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "== GPUs 0,1" and lines[3] == "== GPUs 2,3" and len(lines) == 5
-    pair = ["CUDA_VISIBLE_DEVICES=0,1", "MAIN_PORT=29510", "multi.sh"]
-    assert [line.split()[:3] for line in lines[1:3]] == [pair, pair]
-    assert [line.split()[3] for line in lines[1:3]] == [f"{tmp_path}/ddp", f"{tmp_path}/zero"]
-    assert lines[4].split()[:4] == ["CUDA_VISIBLE_DEVICES=2,3", "MAIN_PORT=29520", "multi.sh", f"{tmp_path}/fsdp2"]
+    pair = ["CUDA_VISIBLE_DEVICES=0,1", "MAIN_PORT=29510", "CASE_TIMEOUT=150", "multi.sh"]
+    assert [line.split()[:4] for line in lines[1:3]] == [pair, pair]
+    assert [line.split()[4] for line in lines[1:3]] == [f"{tmp_path}/ddp", f"{tmp_path}/zero"]
+    assert lines[4].split()[:5] == ["CUDA_VISIBLE_DEVICES=2,3", "MAIN_PORT=29520", "CASE_TIMEOUT=150", "multi.sh",
+                                    f"{tmp_path}/fsdp2"]
     for groups in ("0,1 x", "0;1"):
         proc = subprocess.run(["bash", script, str(tmp_path), "ddp"], capture_output=True, text=True, timeout=60,
                               env={**env, "DRY": "1", "GPU_GROUPS": groups})
@@ -843,7 +850,7 @@ def test_every_engine_matrix_cell_has_its_bf16_baseline_in_its_part(tmp_path):
                           capture_output=True, text=True, timeout=60, env={**os.environ, "DRY": "1"})
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == len(parts), proc.stderr
     for line in proc.stdout.splitlines():
-        cells = [c.split(":") + [""] * (6 - len(c.split(":"))) for c in line.split()[2:]]
+        cells = [c.split(":") + [""] * (6 - len(c.split(":"))) for c in line.split()[3:]]
         baselines = {(engine, "model" in flags) for backend, _, engine, *_, flags in cells if backend == "bf16"}
         for backend, _, engine, *_, flags in cells:
             assert (engine, "model" in flags) in baselines, (line, backend, engine, flags)

@@ -16,14 +16,15 @@
 #   compiled   (~250 s) the model compiled block by block, fused AdamW: bf16 and torchao under FSDP2; bf16 and
 #                       msamp O2 under DDP
 # Each part writes OUT/PART/ (the cells' JSONs, a failed cell's log, table.md) and, with PACK=1 (the default here),
-# OUT/PART.tgz instead: the device tool brings back 8 files a call. STEPS (30), SIZE (proxy) and CASE_TIMEOUT (150)
-# pass to multi.sh, and EVAL_BATCHES (unset: none) too: each cell's held-out loss after training, beside BF16's of its
-# engine in the table (STEPS=300 EVAL_BATCHES=8: the loss of every level under its engine; at 9c30527 fsdp2 took 480 s
-# and ddp 610 s so, 90-180 s a cell: a part a call at most, ddp's last cell in a call of its own), and SEEDS too (each
-# seed's cells in PART/sS/ against BF16 of that seed, and the mean: one seed's held-out losses spread -2.6% to +2.0%
-# around BF16's, results/gpu/2026-11-29-h200x2-matrix-9c30527). DRY=1 prints each part's multi.sh command instead of
-# running it. BUDGET_S bounds all the parts named (multi.sh's: a cell starts only where the time left holds it, each
-# part's table and packing still made, the cells not started in PART/not_started.txt): BUDGET_S=570 in a 600 s call.
+# OUT/PART.tgz instead: the device tool brings back 8 files a call. STEPS (30), SIZE (proxy) and CASE_TIMEOUT (150;
+# 220 past 30 steps) pass to multi.sh, and EVAL_BATCHES (unset: none) too: each cell's held-out loss after training,
+# beside BF16's of its engine in the table (STEPS=300 EVAL_BATCHES=8: the loss of every level under its engine; at
+# 9c30527 fsdp2 took 480 s and ddp 610 s so, 90-180 s a cell: a part a call at most, ddp's last cell in a call of
+# its own), and SEEDS too (each seed's cells in PART/sS/ against BF16 of that seed, and the mean: one seed's held-out
+# losses spread -2.6% to +2.0% around BF16's, results/gpu/2026-11-29-h200x2-matrix-9c30527). DRY=1 prints each part's
+# multi.sh command (with the CASE_TIMEOUT it gets) instead of running it. BUDGET_S bounds all the parts named
+# (multi.sh's: a cell starts only where the time left holds it, each part's table and packing still made, the cells
+# not started in PART/not_started.txt): BUDGET_S=570 in a 600 s call.
 # GPU_GROUPS="0,1 2,3" (on nvidia-h200-x4) runs the parts at once, one GPU pair each, the parts dealt to the pairs in
 # turn (each pair runs its own one after another, its own rendezvous port, its output in OUT/gpusN.log, printed at
 # the end); every cell's ratio is still against BF16 of its own part on the same pair, and BUDGET_S bounds each pair.
@@ -34,7 +35,7 @@ cd "$(dirname "$0")/../.."
 [ -z "${BUDGET_S:-}" ] || [[ $BUDGET_S =~ ^[1-9][0-9]*$ ]] || { echo "BUDGET_S must be a whole number of seconds > 0," \
   "got '$BUDGET_S'" >&2; exit 2; }
 run_part() {  # one part: its cells through multi.sh, its table, packed
-  local part=$1 cells budget status=0
+  local part=$1 cells budget case_timeout status=0
   case "$part" in
     ddp) cells="bf16::ddp te:current:ddp torchao:tensorwise:ddp msamp@O1::ddp msamp@O2::ddp" ;;
     ddp_levels) cells="bf16::ddp torchao@O1:tensorwise:ddp torchao@O2:tensorwise:ddp te@O2:current:ddp" ;;
@@ -46,16 +47,18 @@ run_part() {  # one part: its cells through multi.sh, its table, packed
                      msamp@O2::ddp:::model" ;;
     *) echo "unknown part '$part' (ddp ddp_levels fsdp2 zero zero3 compiled)" >&2; return 2 ;;
   esac
+  # 300 steps took a cell up to 152 s at bdbfff9 (msamp O1 under DDP, killed at its exit by a 150 s limit)
+  case_timeout=${CASE_TIMEOUT:-$(( ${STEPS:-30} > 30 ? 220 : 150 ))}
   # shellcheck disable=SC2086  # the cells are words
   if [ "${DRY:-0}" = 1 ]; then
-    echo "${MAIN_PORT:+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-} MAIN_PORT=$MAIN_PORT }multi.sh" \
-      "$out/$part" $cells; return 0
+    echo "${MAIN_PORT:+CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-} MAIN_PORT=$MAIN_PORT }"` \
+      `"CASE_TIMEOUT=$case_timeout multi.sh $out/$part" $cells; return 0
   fi
   budget=""
   if [ -n "${BUDGET_S:-}" ]; then  # what the parts before left of the whole call's budget (at least 1 s: multi.sh
     budget=$(( BUDGET_S - ($(date +%s) - start) )); [ "$budget" -ge 1 ] || budget=1  # then names every cell)
   fi
-  STEPS=${STEPS:-30} SIZE=${SIZE:-proxy} CASE_TIMEOUT=${CASE_TIMEOUT:-150} PACK=0 BUDGET_S=$budget \
+  STEPS=${STEPS:-30} SIZE=${SIZE:-proxy} CASE_TIMEOUT=$case_timeout PACK=0 BUDGET_S=$budget \
     bash scripts/gpu/multi.sh "$out/$part" $cells || status=1
   python3 scripts/gpu/matrix_table.py "$out/$part" > "$out/$part/table.md" || status=1
   echo "${COMMIT:-unknown}" > "$out/$part/commit.txt"
