@@ -297,6 +297,12 @@ def main() -> None:
 
         kwargs["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True)
     refusals = (ValueError, NotImplementedError, BackendUnavailableError)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and args.engine == "fsdp2" and not torch.cuda.is_available():
+        # before the Accelerator: msamp O3 on two CPU ranks was refused as under DDP, the engine Accelerate runs
+        # there, and the refusal written as the FSDP2 cell's result
+        raise SystemExit(f"gpu_engines.py: --engine {args.engine} but Accelerate runs DistributedType.MULTI_CPU on "
+                         "CPU ranks: the cell would carry the wrong engine's label (Accelerate runs FSDP on GPU "
+                         "process groups only)")
     try:
         if args.backend == "bf16":
             accelerator = Accelerator(mixed_precision="bf16", **kwargs)

@@ -165,9 +165,13 @@ def test_multi_sh_seeds_give_each_seed_its_folder_weights_and_windows(tmp_path):
     assert not (tmp_path / "m" / "not_started.txt").exists()
 
 
-@pytest.mark.parametrize("cpu, says", [("", "launched as 2 processes but Accelerate runs 1"),
-                                       ("true", "--engine fsdp2 but Accelerate runs DistributedType.MULTI_CPU")])
-def test_a_launch_accelerate_runs_otherwise_writes_no_cell(tmp_path, cpu, says):
+@pytest.mark.parametrize("cpu, backend, says", [
+    ("", ["bf16"], "launched as 2 processes but Accelerate runs 1"),
+    ("true", ["bf16"], "--engine fsdp2 but Accelerate runs DistributedType.MULTI_CPU"),
+    # a recipe Accelerate's engine there refuses (O3 under DDP) wrote its refusal as the FSDP2 cell's result
+    ("true", ["msamp", "--opt-level", "O3"], "--engine fsdp2 but Accelerate runs DistributedType.MULTI_CPU"),
+], ids=["no_cpu_flag", "fsdp2_on_cpu", "o3_fsdp2_on_cpu"])
+def test_a_launch_accelerate_runs_otherwise_writes_no_cell(tmp_path, cpu, backend, says):
     # two CPU ranks under torchrun without ACCELERATE_USE_CPU: Accelerate made each a world of one, both ranks wrote
     # the one JSON (one over the other: unreadable, and labelled DDP had it been read); now no cell, and why;
     import os
@@ -181,7 +185,7 @@ def test_a_launch_accelerate_runs_otherwise_writes_no_cell(tmp_path, cpu, says):
     if cpu:
         env["ACCELERATE_USE_CPU"] = cpu
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(free_port()), str(HERE / "gpu_engines.py"), "--backend", "bf16", "--engine",
+                           str(free_port()), str(HERE / "gpu_engines.py"), "--backend", *backend, "--engine",
                            "fsdp2" if cpu else "ddp", "--size", "tiny", "--steps", "2", "--out",
                            str(tmp_path / "cell.json")], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0 and says in proc.stderr, proc.stderr[-2000:]
