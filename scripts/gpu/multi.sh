@@ -39,6 +39,9 @@
 # 'ingraph' (with act8 and a compiled model) sets LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1: the compiled graphs encode what they
 # save inside them, as on one process, instead of the Python hooks, an engine's default (msamp O3 under FSDP2 with FP8
 # activations ran 0.86-1.13x BF16 through the hooks): msamp@O3::fsdp2:::model+act8+ingraph against ...:::model+act8.
+# 'prefetch' / 'prefetch2' (under FSDP2) chain each FSDP2 group to the next one / two for forward prefetch
+# (--forward-prefetch, lowprec/runtime/fsdp_prefetch.py: the all-gather issued before a group's compute, for a forward
+# bound by the host): msamp@O3::fsdp2:::prefetch, te:current:fsdp2:::fp8w+prefetch.
 # Several sixth-field flags join with '+' (te:current:fsdp2:::fp8w+act8, msamp@O3::fsdp2:::eager+act8); the cell's
 # file names them with '_' instead.
 # ROUNDS=N (default 1) runs the whole list N times in order, round r into OUTDIR/rR/ (ABAB on one machine: a ratio
@@ -87,13 +90,13 @@ fi
 for case in "$@"; do
   IFS=: read -r backend recipe engine comm steps layers <<< "$case"
   compile_layers=${COMPILE_FP8_LAYERS:-}
-  fp8w=""; overlap=0; act=""; states=""; whole=""; fused=""; noag=""; aocast=""; ingraph=""
+  fp8w=""; overlap=0; act=""; states=""; whole=""; fused=""; noag=""; aocast=""; ingraph=""; prefetch=""
   IFS=+ read -ra flags <<< "$layers"
   for flag in "${flags[@]}"; do
     case "$flag" in compiled) compile_layers=true ;; eager) compile_layers=false ;; fp8w) fp8w=1 ;; overlap) overlap=1 ;;
       act8) act=fp8 ;; bf16m) states=bf16 ;; fp8m) states=fp8 ;; model) whole=1 ;; fused) fused=1 ;;
-      noag) noag=1 ;; aocast) aocast=1 ;; ingraph) ingraph=1 ;;
-      *) echo "unknown sixth field '$flag' in '$layers' (compiled|eager|fp8w|overlap|act8|bf16m|fp8m|model|fused|noag|aocast|ingraph, joined with +)" >&2
+      noag) noag=1 ;; aocast) aocast=1 ;; ingraph) ingraph=1 ;; prefetch) prefetch=1 ;; prefetch2) prefetch=2 ;;
+      *) echo "unknown sixth field '$flag' in '$layers' (compiled|eager|fp8w|overlap|act8|bf16m|fp8m|model|fused|noag|aocast|ingraph|prefetch|prefetch2, joined with +)" >&2
          exit 2 ;;
     esac
   done
@@ -141,7 +144,7 @@ for case in "$@"; do
     --engine "$engine" ${comm:+--grad-comm-dtype "$comm"} --steps "${steps:-${STEPS:-30}}" --size "${SIZE:-small}" \
     ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${PEAK:+--peak "$out/$name.peak.txt"} ${PEAK_STEP:+--peak-step "$PEAK_STEP"} ${fp8w:+--fp8-weights} ${act:+--activation-dtype "$act"} \
     ${states:+--optimizer-states "$states"} ${whole:+--compile-model} ${fused:+--fused-adamw} \
-    ${noag:+--no-fp8-all-gather} ${aocast:+--torchao-gather-cast} \
+    ${noag:+--no-fp8-all-gather} ${aocast:+--torchao-gather-cast} ${prefetch:+--forward-prefetch "$prefetch"} \
     ${EVAL_BATCHES:+--eval-batches "$EVAL_BATCHES"} ${seed:+--seed "$seed"} --out "$out/$name.json" > "$out/$name.log" 2>&1
   rc=$?; took=$(( $(date +%s) - t0 )); echo "exit $rc in $took s"; [ "$took" -gt "$longest" ] && longest=$took
   if [ -s "$out/$name.json" ]; then  # a result dict that raised leaves an empty file: keep the log then

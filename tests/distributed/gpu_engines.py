@@ -232,6 +232,10 @@ def main() -> None:
                    help="torch.optim.AdamW(fused=True), as the one-process headline and torchtitan step (default: "
                         "torch's choice, foreach); an optimizer lowprec replaces (msamp's levels, optimizer_states) "
                         "steps its own way either way")
+    p.add_argument("--forward-prefetch", type=int, default=0,
+                   help="under FSDP2, chain each group to the next N for forward prefetch "
+                        "(lowprec.runtime.fsdp_prefetch.ForwardPrefetch: the next all-gather issued from the CPU "
+                        "before a group's compute; 0: FSDP2's implicit overlap)")
     p.add_argument("--eval-batches", type=int, default=0,
                    help="after training, the mean loss over this many batches a rank of the corpus's held-out split "
                         "(the same windows for every cell: `heldout_loss`, to set beside BF16's of the same engine)")
@@ -253,6 +257,9 @@ def main() -> None:
     args = p.parse_args()
     if args.seed < 0:
         p.error(f"--seed takes a whole number >= 0, got {args.seed}")
+    if args.forward_prefetch < 0 or (args.forward_prefetch and args.engine != "fsdp2"):
+        p.error(f"--forward-prefetch takes a whole number >= 0 and chains FSDP2's groups: it needs --engine fsdp2 "
+                f"(got {args.forward_prefetch} with --engine {args.engine})")
     if args.eval_batches < 0:
         p.error(f"--eval-batches takes a whole number >= 0 (0: no evaluation), got {args.eval_batches}")
     if args.peak_step is not None and (args.peak is None or not 0 <= args.peak_step < args.steps):
@@ -366,6 +373,11 @@ def main() -> None:
 
         for q in inner.parameters():
             vars(getattr(q, "_local_tensor", q)).pop(_MARK, None)
+    prefetch = None
+    if args.forward_prefetch:
+        from lowprec.runtime.fsdp_prefetch import ForwardPrefetch
+
+        prefetch = ForwardPrefetch(model, depth=args.forward_prefetch)
     compiled = plan is not None and accelerator._lowprec[-1][1].layer_compile()[0]
     # what prepare() leaves allocated: model state before any step (a converted weight kept alive beside its
     # FSDP2 shard once showed here as 4 bytes per element on every rank)
@@ -577,6 +589,8 @@ def main() -> None:
                 "grad_comm_how": plan.tensor("grad_comm").scaling if plan else None,
                 "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled,
                 "compiled_model": args.compile_model, "fp8_weights": args.fp8_weights,
+                # the FSDP2 groups chained for forward prefetch, in the first forward's order (None: not asked)
+                "forward_prefetch": {"depth": prefetch.depth, "order": prefetch.order} if prefetch else None,
                 "weight_row": plan.tensor("weight").dtype if plan else None,
                 "activation_dtype": args.activation_dtype,
                 "optimizer_states_row": plan.tensor("optimizer_states").dtype if plan else None,

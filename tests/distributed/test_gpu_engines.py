@@ -62,6 +62,9 @@ def test_the_harness_refuses_recipe_fields_for_the_bf16_baseline(tmp_path, flag)
      "need --backend torchao --engine fsdp2 (got --backend torchao --engine ddp)"),
     (["--backend", "torchao", "--engine", "fsdp2", "--no-fp8-all-gather", "--torchao-gather-cast"],
      "which --no-fp8-all-gather turns off: name one of them"),
+    (["--backend", "bf16", "--engine", "ddp", "--forward-prefetch", "1"],
+     "chains FSDP2's groups: it needs --engine fsdp2 (got 1 with --engine ddp)"),
+    (["--backend", "bf16", "--engine", "fsdp2", "--forward-prefetch", "-1"], "--forward-prefetch takes a whole number"),
 ])
 def test_the_harness_refuses_all_gather_flags_where_they_would_do_nothing(tmp_path, args, says):
     # a cell named ..._aocast or ..._noag that ran as the default would be an A/B of nothing

@@ -438,8 +438,9 @@ def test_checkpoint_round_trip_and_plain_export(tmp_path):
 
 
 # ---- O3 under Accelerate's FSDP2 on one GPU (a world of one), the model compiled or not -----------------------------
-@pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "model_compiled"])
-def test_o3_under_accelerates_fsdp2_trains_with_the_model_compiled_block_by_block(tmp_path, compile_model):
+@pytest.mark.parametrize("compile_model, prefetch", [(False, 0), (True, 0), (True, 1)],
+                         ids=["eager", "model_compiled", "model_compiled_prefetch"])
+def test_o3_under_accelerates_fsdp2_trains_with_the_model_compiled_block_by_block(tmp_path, compile_model, prefetch):
     # tests/distributed/gpu_engines.py (what scripts/gpu/multi.sh launches) under torchrun as a world of one: FSDP2's
     # own code path with its E4M3 all-gather. Compiled block by block through Accelerate, dynamo ended this run on torch
     # 2.11 tracing the FP8 layer on the gathered weight (results/gpu/2026-11-28-h200-world1-6365b0b): now the layers
@@ -450,8 +451,13 @@ def test_o3_under_accelerates_fsdp2_trains_with_the_model_compiled_block_by_bloc
     # no FP8 layer at all (results/gpu/2026-11-29-h200-verify-9be81f4)
     _, cell = world_of_one_cell(tmp_path, "--backend", "msamp", "--opt-level", "O3", "--engine", "fsdp2", "--size",
                                 "tiny", "--steps", "8", *(["--compile-model"] if compile_model else []),
-                                ACCELERATE_FP8_SKIP_SLOW_SHAPES="0")
+                                "--forward-prefetch", str(prefetch), ACCELERATE_FP8_SKIP_SLOW_SHAPES="0")
     assert "refused" not in cell, cell.get("refused")
+    if prefetch:  # lowprec.runtime.fsdp_prefetch's hooks on compiled blocks: the root, then a block and its FP8 group
+        order = cell["forward_prefetch"]["order"]
+        assert order[0].startswith("FSDP") and len(order) > 2, order  # the root: no name, its FSDP2 class
+    else:
+        assert cell["forward_prefetch"] is None
     assert cell["opt_level"] == "O3" and cell["compiled_model"] is compile_model
     summary = {k: cell.get(k) for k in ("fp8_modules", "planned_fp8_linears", "fp8_forward_calls", "o3")}
     assert cell["fp8_modules"] == cell["planned_fp8_linears"] > 0, summary
