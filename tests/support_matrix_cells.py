@@ -34,13 +34,14 @@ EVIDENCE = {
     "single": "tests/optim/test_weight_storage.py (the three backends x O1/O2 training a Llama), "
               "tests/backends/test_msamp*.py, tests/gpu/ and results/gpu/2026-11-23-h100-levels (H100)",
     "ddp": "tests/optim/test_grad_store_ddp.py (torchao O1/O2 and grad_comm_dtype), tests/backends/test_msamp_comm.py "
-           "(msamp O1/O2), two CPU processes; results/gpu/2026-11-29-h200x2-matrix-9c30527 (te, torchao, msamp O1 and "
+           "(msamp O1/O2), two CPU processes; results/gpu/2026-11-30-h200x2-matrix-bdbfff9 (te, torchao, msamp O1 and "
            "O2 on two H200s, 300 steps: speed, memory, model-state bytes per rank and held-out loss against BF16; "
-           "earlier: 2026-11-23-h200x2-matrix)",
+           "earlier: 2026-11-29-h200x2-matrix-9c30527, 2026-11-23-h200x2-matrix)",
     "fsdp2": "tests/optim/test_fsdp_comm.py, tests/backends/test_torchao.py and tests/backends/test_msamp_o3.py (msamp "
              "O3: FP8 all-gather, FP8 reduce-scatter, sharded masters and states; fully_shard on two CPU processes); "
              "results/gpu/2026-11-29-h200x2-matrix-9c30527 (te with and without FP8 weights, torchao, msamp O3 through "
-             "Accelerate on two H200s, 300 steps, held-out losses; earlier: 2026-11-23-h200x2-matrix)",
+             "Accelerate on two H200s, 300 steps, held-out losses; msamp O3 again in 2026-11-30-h200x2-matrix-bdbfff9; "
+             "earlier: 2026-11-23-h200x2-matrix)",
     "zero12": "tests/test_deepspeed.py (ZeRO-1 and -2 through Accelerate's plugin, two CPU processes: torchao, "
               "optimizer_states, grad_comm_dtype, msamp O3 against O2 on one process, checkpoints, and the refusals); "
               "results/gpu/2026-11-23-h200x2-matrix and -zero-o3 (te, torchao, msamp O3 at ZeRO-1 and -2 on two H200s)",
