@@ -84,7 +84,8 @@ class ForwardPrefetch:
         self.remove()
 
     def remove(self) -> None:
-        """Stop recording (the chain, once set, stays)."""
+        """Stop recording (the chain, once set, stays); the model's modules are no longer referenced from here."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._ran, self._state_of, self._names = [], {}, {}
