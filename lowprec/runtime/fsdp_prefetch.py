@@ -19,6 +19,14 @@ import torch
 from torch import nn
 
 
+def _group_id(module: nn.Module) -> int:
+    """Which FSDP2 group `module` belongs to: the modules of one `fully_shard([a, b, ...])` share its state (which
+    FSDP2 runs the group's hooks and prefetches through once, at its first module's forward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    return id(fully_shard.state(module))
+
+
 def fsdp_groups(model: nn.Module) -> list[nn.Module]:
     """One module per FSDP2 group of `model` (the first of a group made of several modules), in `modules()` order."""
     from torch.distributed.fsdp import FSDPModule
@@ -27,7 +35,7 @@ def fsdp_groups(model: nn.Module) -> list[nn.Module]:
     groups = []
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            state = id(module._get_fsdp_state())  # a group of several modules shares one state
+            state = _group_id(module)
             if state not in seen:
                 seen.add(state)
                 groups.append(module)
@@ -55,10 +63,10 @@ class ForwardPrefetch:
         self._state_of = {}  # id(module) -> its group's representative, for every module of every group
         from torch.distributed.fsdp import FSDPModule
 
-        by_state = {id(g._get_fsdp_state()): g for g in groups}
+        by_state = {_group_id(g): g for g in groups}
         for module in model.modules():
             if isinstance(module, FSDPModule):
-                self._state_of[id(module)] = by_state[id(module._get_fsdp_state())]
+                self._state_of[id(module)] = by_state[_group_id(module)]
         self._ran: list[nn.Module] = []
         self._handles = [m.register_forward_pre_hook(self._record) for m in model.modules()
                          if id(m) in self._state_of]
