@@ -27,21 +27,6 @@ def _group_id(module: nn.Module) -> int:
     return id(fully_shard.state(module))
 
 
-def fsdp_groups(model: nn.Module) -> list[nn.Module]:
-    """One module per FSDP2 group of `model` (the first of a group made of several modules), in `modules()` order."""
-    from torch.distributed.fsdp import FSDPModule
-
-    seen: set[int] = set()
-    groups = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            state = _group_id(module)
-            if state not in seen:
-                seen.add(state)
-                groups.append(module)
-    return groups
-
-
 class ForwardPrefetch:
     """Chains `model`'s FSDP2 groups for forward prefetch after its first training forward (see the module's doc).
 
@@ -54,22 +39,22 @@ class ForwardPrefetch:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"ForwardPrefetch(depth={depth!r}): depth must be an integer >= 1 (the groups "
                              "prefetched ahead of each)")
-        groups = fsdp_groups(model)
-        if not groups:
+        from torch.distributed.fsdp import FSDPModule
+
+        # id(module) -> its group's representative (the group's first module in `modules()` order), for every
+        # module of every group
+        representative: dict[int, nn.Module] = {}
+        self._state_of: dict[int, nn.Module] = {}
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                self._state_of[id(module)] = representative.setdefault(_group_id(module), module)
+        if not self._state_of:
             raise ValueError("ForwardPrefetch: the model holds no fully_shard-ed module (FSDP2)")
         self.depth = depth
         self.order: list[str] = []
         self._names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
-        self._state_of = {}  # id(module) -> its group's representative, for every module of every group
-        from torch.distributed.fsdp import FSDPModule
-
-        by_state = {_group_id(g): g for g in groups}
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                self._state_of[id(module)] = by_state[_group_id(module)]
         self._ran: list[nn.Module] = []
-        self._handles = [m.register_forward_pre_hook(self._record) for m in model.modules()
-                         if id(m) in self._state_of]
+        self._handles = [m.register_forward_pre_hook(self._record) for m in model.modules() if id(m) in self._state_of]
         self._handles.append(model.register_forward_hook(self._chain))
 
     @torch.compiler.disable  # a compiled block's hooks are traced with it: this one's list is Python state
