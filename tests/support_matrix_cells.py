@@ -40,8 +40,8 @@ EVIDENCE = {
     "fsdp2": "tests/optim/test_fsdp_comm.py, tests/backends/test_torchao.py and tests/backends/test_msamp_o3.py (msamp "
              "O3: FP8 all-gather, FP8 reduce-scatter, sharded masters and states; fully_shard on two CPU processes); "
              "results/gpu/2026-11-29-h200x2-matrix-9c30527 (te with and without FP8 weights, torchao, msamp O3 through "
-             "Accelerate on two H200s, 300 steps, held-out losses; msamp O3 again in 2026-11-30-h200x2-matrix-bdbfff9; "
-             "earlier: 2026-11-23-h200x2-matrix)",
+             "Accelerate on two H200s, 300 steps, held-out losses; msamp O3 again in 2026-11-30-h200x2-matrix-bdbfff9 "
+             "and -08938d9; earlier: 2026-11-23-h200x2-matrix)",
     "zero12": "tests/test_deepspeed.py (ZeRO-1 and -2 through Accelerate's plugin, two CPU processes: torchao, "
               "optimizer_states, grad_comm_dtype, msamp O3 against O2 on one process, checkpoints, and the refusals); "
               "results/gpu/2026-11-23-h200x2-matrix and -zero-o3 (te, torchao, msamp O3 at ZeRO-1 and -2 on two H200s)",
