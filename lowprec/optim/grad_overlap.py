@@ -201,18 +201,21 @@ class BlockwiseReduction:
         self.averaged = True
         self._reset()
 
-    def finish(self) -> bool:
+    def finish(self, pending: bool = True) -> bool:
         """Whether a hooked backward averaged the gradients since the last call (then the single pass has
         nothing left to do); False: none did, the single pass averages them. Forgets what forwards counted
-        since (a forward with no backward after it, on one rank or all)."""
+        since (a forward with no backward after it, on one rank or all). `pending`: whether gradients await
+        averaging; False where an earlier call took this round's answer already (the clipping's and the
+        optimizer step's calls after the backward's), which is then no sign of blocks run without gradients."""
         averaged, self.averaged = self.averaged, False
         counted = bool(self.calls)
         self._drop_stale_round()
-        if not averaged and not counted and not self._warned_no_block:
+        if pending and not averaged and not counted and not self._warned_no_block:
             self._warned_no_block = True
-            warnings.warn(f"lowprec: {ENV}=1 found no transformer block run with gradients before this step (blocks "
-                          "run under torch.no_grad, as reentrant activation checkpointing runs them): the FP8 "
-                          "weight gradients are averaged once after the backward instead", stacklevel=3)
+            warnings.warn(f"lowprec: averaging the FP8 weight gradients block by block during the backward ({ENV}) "
+                          "found no transformer block run with gradients before this step (blocks run under "
+                          "torch.no_grad, as reentrant activation checkpointing runs them): they are averaged once "
+                          "after the backward instead", stacklevel=3)
         if not self.queued:  # a round in a backward still under way is not for this call to end
             self._reset()
         return averaged

@@ -264,7 +264,7 @@ def test_blocks_run_without_gradients_are_said_once(one_process):
         h.square().sum().backward()
         assert one_process == []  # nothing started during the backward
         if step == 0:
-            with pytest.warns(UserWarning, match=rf"{ENV}=1 found no transformer block run with gradients"):
+            with pytest.warns(UserWarning, match=rf"\({ENV}\) found no transformer block run with gradients"):
                 assert reduction.finish() is False
         else:
             import warnings
@@ -272,3 +272,24 @@ def test_blocks_run_without_gradients_are_said_once(one_process):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 assert reduction.finish() is False
+
+
+def test_a_round_already_told_is_no_sign_of_blocks_without_gradients(one_process):
+    """The backward's call takes the round's answer; the clipping's and the step's calls after it (nothing pending)
+    say nothing: they warned of blocks run without gradients on every DDP run that clipped."""
+    import warnings
+
+    from lowprec.optim.grad_overlap import BlockwiseReduction
+
+    blocks, layers = _blocks()
+    reduction = BlockwiseReduction(layers, blocks)
+    x = torch.randn(4, 8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            _forward(blocks, x).backward()
+            assert reduction.finish() is True  # after the backward: the hooked round averaged them
+            assert reduction.finish(pending=False) is False  # clipping, then the step: nothing left to average
+            assert reduction.finish(pending=False) is False
+    with pytest.warns(UserWarning, match="found no transformer block"):  # pending with no block run: said
+        assert reduction.finish() is False

@@ -174,7 +174,7 @@ class WeightStorage:
         if self.reducer is None:
             return
         # a backward hooked block by block averaged the gradients as it ended: nothing left for the single pass
-        if self.blockwise is not None and self.blockwise.finish():
+        if self.blockwise is not None and self.blockwise.finish(pending=self.reducer.pending):
             self.reducer.pending = False
         self.reducer.reduce_if_pending()
 
