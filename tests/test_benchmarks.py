@@ -532,6 +532,13 @@ def test_matrix_table_says_where_each_cells_wall_time_went(tmp_path):
     timed["timeline_s"]["before_main"] = 12.5
     (tmp_path / "te_current_fsdp2.json").write_text(json.dumps(timed))
     assert "| te_current_fsdp2 | 12.5 |  | 4.0 | 5.5 | 3.0 (2.0) | 12.5 |  |" in table(str(tmp_path))
+    # with the end of main() and the wall clocks of the launch and of main()'s start (since 2026-11-30): the time
+    # outside main() split into the launcher's before the ranks started and the exit after end_training
+    timed.update(launch_wall_s=45, launch_started_s=1000.0, main_started_s=1014.0, launch_ended_s=1045.0)
+    timed["timeline_s"].update(accelerator=1.5, ended=26.0)
+    (tmp_path / "te_current_fsdp2.json").write_text(json.dumps(timed))
+    assert ("| te_current_fsdp2 | 12.5 | 1.5 | 2.5 | 5.5 | 3.0 (2.0) | 13.5 | 6.5 (launcher 1.5, exit 5.0) |"
+            in table(str(tmp_path)))
 
 
 def test_matrix_table_gives_each_seeds_held_out_loss_against_its_bf16_and_the_mean(tmp_path):
@@ -741,7 +748,8 @@ def test_multi_sh_adds_each_launchs_wall_time_to_its_cell(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "accelerate").write_text('#!/bin/sh\nwhile [ "$1" != --out ]; do shift; done\n'
-                                        'echo \'{"backend": "bf16", "engine": "ddp"}\' > "$2"\n')
+                                        'echo "{\\"backend\\": \\"bf16\\", \\"engine\\": \\"ddp\\", '
+                                        '\\"fast_exit\\": \\"$LOWPREC_HARNESS_FAST_EXIT\\"}" > "$2"\n')
     (bin_dir / "accelerate").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "LOWPREC_"))}
     env["PATH"] = os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), env.get("PATH", "")])
@@ -750,6 +758,11 @@ def test_multi_sh_adds_each_launchs_wall_time_to_its_cell(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     cell = json.loads((tmp_path / "m" / "bf16_ddp.json").read_text())
     assert cell["backend"] == "bf16" and isinstance(cell["launch_wall_s"], int) and cell["launch_wall_s"] >= 0
+    assert 0 <= cell["launch_ended_s"] - cell["launch_started_s"] < cell["launch_wall_s"] + 1.5
+    assert cell["fast_exit"] == "1"  # the ranks end with os._exit by default (FAST_EXIT)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "multi.sh"), str(tmp_path / "m"), "bf16::ddp"],
+                          capture_output=True, text=True, timeout=60, env={**env, "FAST_EXIT": "no"}, cwd=ROOT)
+    assert proc.returncode == 2 and "FAST_EXIT must be 0 or 1, got 'no'" in proc.stderr
 
 
 def test_matrix_table_sets_each_cells_model_state_beside_its_plan_and_names_an_empty_result(tmp_path):

@@ -70,13 +70,10 @@ def table(folder: str) -> str:
             t, steps = c["timeline_s"], c.get("step_times_s") or [0.0]
             launch = "" if t.get("before_main") is None else f"{t['before_main']:.1f}"
             setup = "" if "accelerator" not in t else f"{t['accelerator']:.1f}"
-            # multi.sh's wall time of the launch less what the ranks' timeline accounts for
-            wall = c.get("launch_wall_s")
-            outside = "" if wall is None or t.get("before_main") is None else \
-                f"{wall - t['before_main'] - t['evaluated']:.1f}"
+            end = t.get("ended", t["evaluated"])  # result written, end_training done (older results: evaluated)
             lines.append(f"| {name} | {launch} | {setup} | {t['built'] - t.get('accelerator', 0.0):.1f} "
                          f"| {t['prepared'] - t['built']:.1f} | {sum(steps):.1f} ({steps[0]:.1f}) "
-                         f"| {t['evaluated'] - t['prepared'] - sum(steps):.1f} | {outside} |")
+                         f"| {end - t['prepared'] - sum(steps):.1f} | {_outside(c, end)} |")
     profiled = {name: c["profiled_step"] for name, c in cells.items() if c.get("profiled_step")}
     if profiled:  # one profiled step per rank (gpu_profile.kernel_summary): busy << span means the GPU waited
         lines += ["", "| cell | rank | kernels | kernel ms | NCCL ms | busy ms | span ms |", "|---" * 7 + "|"]
@@ -115,6 +112,20 @@ def _heldout_delta(cell: dict, base: dict) -> float | None:
     if loss is None or base_loss is None or base.get("eval_batches") != cell.get("eval_batches"):
         return None
     return 100 * (loss - base_loss) / base_loss
+
+
+def _outside(cell: dict, end: float) -> str:
+    """multi.sh's wall time of the launch less what the ranks' timeline accounts for, and where the launch's and the
+    ranks' wall clocks are both there, its split: the launcher's start before a rank's process began, the exit after
+    main()."""
+    t, wall = cell["timeline_s"], cell.get("launch_wall_s")
+    if wall is None or t.get("before_main") is None:
+        return ""
+    start, stop, main = cell.get("launch_started_s"), cell.get("launch_ended_s"), cell.get("main_started_s")
+    if None in (start, stop, main) or "ended" not in t:
+        return f"{wall - t['before_main'] - end:.1f}"  # launch_wall_s: whole seconds
+    launcher, exit_ = main - t["before_main"] - start, stop - main - t["ended"]
+    return f"{launcher + exit_:.1f} (launcher {launcher:.1f}, exit {exit_:.1f})"
 
 
 def _key(name: str, cell: dict) -> tuple:

@@ -56,6 +56,10 @@
 # before PACK=1 and the tables (2026-11-29: the ddp part at 300 steps, 610 s, lost its table so).
 # PACK=1 packs OUTDIR into OUTDIR.tgz at the end (the device tool brings back at most 8 files a call: a matrix
 # with profiles writes two per cell; a file that does not come back is lost with the machine).
+# FAST_EXIT=1 (the default) ends each rank with os._exit once its result is written and the process group destroyed
+# (LOWPREC_HARNESS_FAST_EXIT): a cell spent 14-24 s outside the ranks' main() at 08938d9, launcher and exit together;
+# the JSON's launch_started_s / launch_ended_s beside the ranks' main_started_s split that (matrix_table.py). 0 keeps
+# the interpreter's own teardown.
 set -uo pipefail
 out=${1:?usage: multi.sh OUTDIR backend[@level]:recipe:engine...}; shift
 out=${out%/}  # PACK=1 writes OUTDIR.tgz beside the folder
@@ -63,6 +67,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 rounds=${ROUNDS:-1}
 [[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a whole number >= 1, got '$rounds'" >&2; exit 2; }
+[[ ${FAST_EXIT:-1} =~ ^[01]$ ]] || { echo "FAST_EXIT must be 0 or 1, got '$FAST_EXIT'" >&2; exit 2; }
 budget=${BUDGET_S:-}
 [ -z "$budget" ] || [[ $budget =~ ^[1-9][0-9]*$ ]] || { echo "BUDGET_S must be a whole number of seconds > 0, got" \
   "'$budget'" >&2; exit 2; }
@@ -131,7 +136,7 @@ for case in "$@"; do
     [ "$left" -lt "$limit" ] && limit=$left
   fi
   echo "== $case"
-  t0=$(date +%s)
+  t0=$(date +%s); t0f=$(date +%s.%N)
   if [ "${NPROC:-2}" = 1 ]; then
     launch=(torchrun --nproc_per_node 1 ${MAIN_PORT:+--master_port "$MAIN_PORT"})
     [[ $engine == zero* ]] && export ACCELERATE_USE_DEEPSPEED=true || unset ACCELERATE_USE_DEEPSPEED
@@ -139,18 +144,22 @@ for case in "$@"; do
     launch=(accelerate launch --multi_gpu --num_processes "${NPROC:-2}" --num_machines 1 --mixed_precision fp8 --dynamo_backend no
             ${MAIN_PORT:+--main_process_port "$MAIN_PORT"})
   fi
-  env LOWPREC_FP8_GRAD_OVERLAP=$overlap ${ingraph:+LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1} timeout "$limit" "${launch[@]}" \
+  env LOWPREC_FP8_GRAD_OVERLAP=$overlap LOWPREC_HARNESS_FAST_EXIT="${FAST_EXIT:-1}" \
+    ${ingraph:+LOWPREC_FP8_ACTIVATIONS_IN_GRAPH=1} timeout "$limit" "${launch[@]}" \
     tests/distributed/gpu_engines.py --backend "$backend" ${recipe:+--recipe "$recipe"} ${level:+--opt-level "$level"} \
     --engine "$engine" ${comm:+--grad-comm-dtype "$comm"} --steps "${steps:-${STEPS:-30}}" --size "${SIZE:-small}" \
     ${compile_layers:+--compile-fp8-layers "$compile_layers"} ${PROFILE:+--profile "$out/$name.prof.txt"} ${PEAK:+--peak "$out/$name.peak.txt"} ${PEAK_STEP:+--peak-step "$PEAK_STEP"} ${fp8w:+--fp8-weights} ${act:+--activation-dtype "$act"} \
     ${states:+--optimizer-states "$states"} ${whole:+--compile-model} ${fused:+--fused-adamw} \
     ${noag:+--no-fp8-all-gather} ${aocast:+--torchao-gather-cast} ${prefetch:+--forward-prefetch "$prefetch"} \
     ${EVAL_BATCHES:+--eval-batches "$EVAL_BATCHES"} ${seed:+--seed "$seed"} --out "$out/$name.json" > "$out/$name.log" 2>&1
-  rc=$?; took=$(( $(date +%s) - t0 )); echo "exit $rc in $took s"; [ "$took" -gt "$longest" ] && longest=$took
+  rc=$?; t1f=$(date +%s.%N); took=$(( $(date +%s) - t0 )); echo "exit $rc in $took s"
+  [ "$took" -gt "$longest" ] && longest=$took
   if [ -s "$out/$name.json" ]; then  # a result dict that raised leaves an empty file: keep the log then
     # the launch's wall time beside the ranks' own timeline: matrix_table.py gives what lies outside main()
+    # and its start and end on the wall clock, which split that into the launcher's start and the exit
     python3 -c 'import json, sys; p = sys.argv[1]; d = json.load(open(p)); d["launch_wall_s"] = int(sys.argv[2]);
-json.dump(d, open(p, "w"), indent=1)' "$out/$name.json" "$took" || echo "could not add launch_wall_s to $name.json"
+d["launch_started_s"], d["launch_ended_s"] = round(float(sys.argv[3]), 2), round(float(sys.argv[4]), 2);
+json.dump(d, open(p, "w"), indent=1)' "$out/$name.json" "$took" "$t0f" "$t1f" || echo "could not add launch_wall_s to $name.json"
     grep -E '"(refused|all_forwards_in_fp8|first_loss|last_loss|median_step_s|tokens_per_s|max_param_diff_across_ranks|delayed_scaling_differs_across_ranks)"' \
       "$out/$name.json"; rm -f "$out/$name.log"  # keep logs of failures only
   else

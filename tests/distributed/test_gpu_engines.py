@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -88,11 +89,13 @@ def test_a_cell_evaluates_on_the_held_out_split_after_training(tmp_path):
     assert fp8["all_forwards_in_fp8"] is True and steps_only == 3 * fp8["planned_fp8_linears"]
     # where the cell's wall time went, in order: the launch and imports, the build, prepare(), the steps, the eval
     timeline = fp8["timeline_s"]
-    assert list(timeline) == ["before_main", "accelerator", "built", "prepared", "trained", "evaluated"]
+    assert list(timeline) == ["before_main", "accelerator", "built", "prepared", "trained", "evaluated", "ended"]
     assert timeline["before_main"] > 0 and 0 < timeline["accelerator"] <= timeline["built"] <= timeline["prepared"]
     assert timeline["prepared"] <= timeline["trained"]
     assert timeline["trained"] - timeline["prepared"] >= sum(fp8["step_times_s"]) - 0.01
-    assert timeline["evaluated"] >= timeline["trained"]
+    assert timeline["evaluated"] >= timeline["trained"] and timeline["ended"] >= timeline["evaluated"]
+    # main()'s start on the wall clock, for matrix_table.py's split of the time outside it
+    assert 0 < time.time() - fp8["main_started_s"] < 600
     again = tmp_path / "again"
     again.mkdir()
     _, repeat = world_of_one_cell(again, "--backend", "torchao", "--recipe", "tensorwise", *args, timeout=600, **env)
@@ -120,6 +123,9 @@ def test_multi_sh_runs_a_cell_as_a_world_of_one_and_ingraph_reaches_it(tmp_path,
     with open(tmp_path / "m" / f"torchao_tensorwise_ddp_{flags.replace('+', '_')}.json") as fh:
         cell = json.load(fh)
     assert cell["activation_dtype"] == "fp8" and cell["all_forwards_in_fp8"] is True
+    # the rank ended by os._exit (FAST_EXIT's default) after rewriting its result with the end of main()
+    end = cell["main_started_s"] + cell["timeline_s"]["ended"]  # each stamp rounded to 10 ms
+    assert cell["launch_ended_s"] >= end - 0.05 and cell["launch_started_s"] <= cell["main_started_s"]
     said = " ".join(cell["saved_activations"] or [])
     assert ("inside the graph" in said) == flags.endswith("ingraph"), said
 
