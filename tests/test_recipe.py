@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
+import torch
 
 from lowprec import FP8RecipeKwargs
 
@@ -581,6 +583,29 @@ def test_assigning_another_name_is_refused_like_replace():
     with pytest.raises(ValueError, match=r"FP8RecipeKwargs.name='tensorwise' cannot be assigned.*from_name"):
         r.name = "tensorwise"
     assert r.name == "msamp_o2"
+
+
+@pytest.mark.parametrize("field,value,quoted", [
+    ("weight_dtype", torch.float8_e4m3fn, "weight_dtype=torch.float8_e4m3fn is not one of 'fp32', 'fp16', 'bf16'"),
+    ("weight_dtype", 1, "weight_dtype=1 is not one of"),
+    ("grad_comm_dtype", 8, "grad_comm_dtype=8 is not one of 'fp32', 'bf16', 'fp8'"),
+    ("weight_grad_dtype", "float8_e5m2", "weight_grad_dtype='float8_e5m2' is not one of"),
+])
+def test_a_bad_dtype_is_quoted_as_written(field, value, quoted):
+    # the message quoted the alias it mapped to ('fp8' for torch.float8_e4m3fn) or a str of it ('1' for 1)
+    with pytest.raises(ValueError, match=re.escape(f"FP8RecipeKwargs.{quoted}")):
+        FP8RecipeKwargs(**{field: value})
+
+
+def test_assigning_a_misspelt_field_is_refused():
+    # it became an attribute nothing reads, and the run kept the old window
+    r = FP8RecipeKwargs(backend="msamp")
+    with pytest.raises(AttributeError, match=r"no field 'amax_histroy_len'; did you mean 'amax_history_len'\?"):
+        r.amax_histroy_len = 5
+    with pytest.raises(AttributeError, match=r"no field 'speed' \(fields: .*margin"):
+        r.speed = "fast"
+    assert not hasattr(r, "amax_histroy_len") and r == FP8RecipeKwargs(backend="msamp")
+    r._scratch = 1  # private attributes stay free
 
 
 def test_copies_keep_checking_assignments():

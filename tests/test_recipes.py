@@ -175,6 +175,20 @@ def test_registering_checks_the_fields_now(returns, error, message):
         lowprec.recipes.get("broken")
 
 
+@pytest.mark.parametrize("call,error,message", [
+    (lambda r: r(3), TypeError, "3 is not a function; register a function that returns"),
+    (lambda r: r("mine"), TypeError, r"'mine' is not a function; .* \(a name goes in name=: "),
+    (lambda r: r(name="")(lambda: {"backend": "msamp"}), ValueError, "name '' must be letters, digits"),
+    (lambda r: r(name=1), TypeError, "name=1 must be a str"),
+    (lambda r: r(name="ok", summary=3), TypeError, "summary=3 must be a str"),
+])
+def test_registering_names_a_bad_argument(call, error, message):
+    # register(3) and register("mine") failed on a missing __name__; name='' registered the function's own name
+    with pytest.raises(error, match=message):
+        call(lowprec.recipes.register)
+    assert "ok" not in lowprec.recipes.names() and "lambda" not in " ".join(lowprec.recipes.names())
+
+
 def test_a_bad_value_fails_when_the_recipe_is_built_and_names_the_recipe(registered):
     lowprec.recipes.register(name="typo")(lambda: {"backend": "msamp", "opt_level": "O4"})
     registered.append("typo")

@@ -46,11 +46,19 @@ def register(func: RecipeFactory | None = None, *, name: str | None = None, summ
     FP8RecipeKwargs'), checked now; the values are checked when a recipe is built, where the environment and
     the caller's own fields are known."""
 
+    for option, value in (("name", name), ("summary", summary), ("source", source)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"lowprec.recipes.register: {option}={value!r} must be a str")
+
     def add(factory: RecipeFactory) -> RecipeFactory:
-        key = name_key(name or factory.__name__)
+        if not callable(factory):
+            raise TypeError(f"lowprec.recipes.register: {factory!r} is not a function; register a function that "
+                            "returns the FP8RecipeKwargs fields its recipe sets, e.g. {'backend': 'te', 'recipe': "
+                            "'current'} (a name goes in name=: @register(name='mine'))")
+        shown = factory.__name__ if name is None else name  # name='' is refused, not replaced by the function's
+        key = name_key(shown)
         if not key or not key.replace("_", "").isalnum():
-            raise ValueError(f"lowprec.recipes.register: name {name or factory.__name__!r} must be letters, digits, "
-                             "'_' or '-'")
+            raise ValueError(f"lowprec.recipes.register: name {shown!r} must be letters, digits, '_' or '-'")
         if (key in _NAMED or key in _NOT_OFFERED) and not replace:
             raise ValueError(f"lowprec.recipes.register: {key!r} is already a named recipe; pass replace=True to "
                              "replace it, or choose another name")

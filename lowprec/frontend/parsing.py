@@ -75,17 +75,26 @@ def _parse_int(name: str, value: Any, minimum: int, maximum: int | None, why: st
     return value
 
 
-def _parse_choice(name: str, value: Any, choices: Sequence[str], *, upper: bool) -> str:
+def _parse_choice(name: str, value: Any, choices: Sequence[str], *, upper: bool, written: Any = None) -> str:
+    """`value` as one of `choices`; the error quotes `written` where given (what the user wrote, before an alias
+    mapped it)."""
     text = str(value).strip()
     text = text.upper() if upper else text.lower()
     if text not in choices:
         hint = ""
         if name == "fp8_format" and text == "E5M2":
             hint = " (pure E5M2 training is not supported by any backend: E5M2 is used for gradients by 'HYBRID')"
+        shown = value if written is None else written
         raise ValueError(
-            f"FP8RecipeKwargs.{name}={value!r} is not one of {', '.join(repr(c) for c in choices)}{hint}"
+            f"FP8RecipeKwargs.{name}={shown!r} is not one of {', '.join(repr(c) for c in choices)}{hint}"
         )
     return text
+
+
+def _parse_dtype(name: str, value: Any, choices: Sequence[str]) -> str:
+    """A dtype field: its name or alias ('bfloat16', torch.float16, ...) as one of `choices`."""
+    text = str(value).strip().lower()
+    return _parse_choice(name, _DTYPE_ALIASES.get(text, text), choices, upper=False, written=value)
 
 
 def _parse_patterns(name: str, value: Any) -> tuple[str, ...]:
@@ -146,14 +155,11 @@ def parse_field(name: str, value: Any) -> Any:
     if name == "amax_compute_algo":
         return _parse_choice(name, value, AMAX_COMPUTE_ALGOS, upper=False)
     if name == "weight_dtype":
-        text = str(value).strip().lower()
-        return _parse_choice(name, _DTYPE_ALIASES.get(text, text), WEIGHT_DTYPES, upper=False)
+        return _parse_dtype(name, value, WEIGHT_DTYPES)
     if name == "grad_comm_dtype":
-        text = str(value).strip().lower()
-        return _parse_choice(name, _DTYPE_ALIASES.get(text, text), GRAD_COMM_DTYPES, upper=False)
+        return _parse_dtype(name, value, GRAD_COMM_DTYPES)
     if name == "weight_grad_dtype":
-        text = str(value).strip().lower()
-        return _parse_choice(name, _DTYPE_ALIASES.get(text, text), WEIGHT_GRAD_DTYPES, upper=False)
+        return _parse_dtype(name, value, WEIGHT_GRAD_DTYPES)
     if name == "optimizer_states":
         return _parse_states(value)
     if name == "activation_dtype":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import logging
 import sys
@@ -209,6 +210,12 @@ class FP8RecipeKwargs(KwargsHandler):
         # A field assigned after construction would otherwise reach the backend unchecked (a margin of 200 gave
         # scales of 0 and NaN outputs), so it is parsed and checked with the others, and refused where it is written.
         if name not in _FIELDS or not self.__dict__.get("_validated"):
+            if self.__dict__.get("_validated") and not name.startswith("_"):
+                # a misspelt field would otherwise become an attribute nothing reads, and the run keep the old value
+                close = difflib.get_close_matches(name, sorted(_FIELDS), n=1)
+                raise AttributeError(f"FP8RecipeKwargs has no field {name!r}"
+                                     + (f"; did you mean {close[0]!r}?" if close else "")
+                                     + f" (fields: {', '.join(sorted(_FIELDS))})")
             object.__setattr__(self, name, value)
             return
         if name == "name" and value != self.name:
