@@ -99,6 +99,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     model, description = build_model_for_plan(args.model, args.config, dict(args.set or []))
     device = device_info() if args.capability is None else assumed_device(args.capability)
+    if args.world_size < 1:
+        raise ValueError(f"--world-size {args.world_size}: the number of processes, 1 or more")
     if args.engine == "single" and args.world_size != 1:
         raise ValueError(f"--world-size {args.world_size} with --engine single: one process trains alone; name the "
                          "engine that runs several (ddp, fsdp2, deepspeed, fsdp1)")

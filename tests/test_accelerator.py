@@ -841,21 +841,43 @@ def test_amax_windows_of_another_length_are_converted(tmp_path, fresh_accelerate
     optimizer.step()
 
 
-@pytest.mark.parametrize("bad", ["inf scale", "zero scale", "nan scale", "weight shape"])
+def _bad_window(column: int, value: float) -> torch.Tensor:
+    window = torch.zeros(2, 16)
+    window[1, column] = value
+    return window
+
+
+@pytest.mark.parametrize("bad", ["inf scale", "zero scale", "nan scale", "weight shape", "nan amax", "inf amax",
+                                 "negative amax", "negative steps"])
 def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_copied(fresh_accelerate_state, bad):
     accelerator, model, _ = _fresh_prepared(dict(backend="msamp", opt_level="O2"), 0)
     inner = accelerator.unwrap_model(model)
     state = {k: v.clone() + (1 if v.is_floating_point() and k.endswith(("weight", "bias")) else 0)
              for k, v in inner.state_dict().items()}
     last = [k for k in state if k.endswith(".weight")][-1]
-    key = {"weight shape": last}.get(bad, next(k for k in state if k.endswith("fp8_meta_scale_input")))
+    suffix = ("fp8_meta_amax_history" if "amax" in bad else "fp8_meta_steps" if "steps" in bad
+              else "fp8_meta_scale_input")
+    key = {"weight shape": last}.get(bad, next(k for k in state if k.endswith(suffix)))
     state[key] = {"inf scale": torch.tensor(float("inf")), "zero scale": torch.tensor(0.0),
-                  "nan scale": torch.tensor(float("nan")), "weight shape": torch.zeros(3, 3)}[bad]
+                  "nan scale": torch.tensor(float("nan")), "weight shape": torch.zeros(3, 3),
+                  "nan amax": _bad_window(3, float("nan")), "inf amax": _bad_window(15, float("inf")),
+                  "negative amax": _bad_window(0, -1.0), "negative steps": torch.tensor(-5)}[bad]
     before = {k: v.clone() for k, v in inner.state_dict().items()}
     with pytest.raises(ValueError, match=r"does not fit the msamp model .* nothing was loaded:\n  " + re.escape(key)):
         inner.load_state_dict(state)
     after = inner.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_a_nan_amax_of_the_step_in_progress_loads(fresh_accelerate_state):
+    # saved between a backward that overflowed and its step: the step's update drops it, as it would have
+    accelerator, model, _ = _fresh_prepared(dict(backend="msamp", opt_level="O2"), 0)
+    inner = accelerator.unwrap_model(model)
+    state = inner.state_dict()
+    key = next(k for k in state if k.endswith("fp8_meta_amax_history"))
+    state[key] = _bad_window(0, float("nan"))
+    inner.load_state_dict(state)
+    assert torch.isnan(inner.state_dict()[key][1, 0])
 
 
 # ---- the old -> new Parameter table (issue 29: FP8 under FSDP2 held 4 bytes per converted weight element more

@@ -61,12 +61,16 @@ def test_a_config_that_cannot_be_read_is_one_line_not_a_traceback(tmp_path, args
 
 
 @pytest.mark.parametrize(("args", "said"), [
-    (["--engine", "ddp", "--world-size", "-4"], "RunContext.world_size=-4 must be an integer >= 1"),
-    (["--engine", "ddp", "--world-size", "0"], "RunContext.world_size=0 must be an integer >= 1"),
+    (["--engine", "ddp", "--world-size", "-4"], "--world-size -4: the number of processes, 1 or more"),
+    (["--engine", "ddp", "--world-size", "0"], "--world-size 0: the number of processes, 1 or more"),
+    (["--world-size", "0"], "--world-size 0: the number of processes, 1 or more"),  # not "--engine single"'s
     (["--world-size", "4"], "--world-size 4 with --engine single"),
     (["--engine", "fsdp2", "--world-size", "4", "--hosts", "5"], "--hosts 5: the machines the --world-size 4"),
     (["--engine", "fsdp2", "--world-size", "4", "--hosts", "0"], "from 1 to 4"),
-    (["--capability", "-1.0"], "capability='-1.0' is not of the form MAJOR.MINOR with MAJOR >= 1"),
+    (["--capability", "-1.0"], "capability='-1.0' is not of the form MAJOR.MINOR with MAJOR from 1 to 15"),
+    (["--capability", "99.0"], "capability='99.0' is not of the form MAJOR.MINOR with MAJOR from 1 to 15 and MINOR "
+                               "one digit"),
+    (["--capability", "9.99"], "capability='9.99' is not of the form"),
 ])
 def test_an_impossible_machine_is_refused(capsys, args, said):
     assert main(["plan", *args]) == 2

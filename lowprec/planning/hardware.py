@@ -45,17 +45,21 @@ def device_info(device: torch.device | str | None = None) -> DeviceInfo:
     return DeviceInfo(device.type, device.type.upper(), None)
 
 
+MAX_CAPABILITY_MAJOR = 15
+
+
 def assumed_device(capability: str | None) -> DeviceInfo:
     """A device described by a compute capability string such as '9.0' (for planning elsewhere)."""
     if capability is None or capability.lower() == "cpu":
         return DeviceInfo("cpu", "CPU", None)
     try:
         major, minor = (int(x) for x in capability.split("."))
-        if major < 1 or minor < 0:
+        # CUDA's minor is one digit (sm_90, sm_120); a major past 15 is no GPU yet made (Blackwell's are 10 and 12)
+        if not 1 <= major <= MAX_CAPABILITY_MAJOR or not 0 <= minor <= 9:
             raise ValueError
     except ValueError:
         raise ValueError(
-            f"capability={capability!r} is not of the form MAJOR.MINOR with MAJOR >= 1 (e.g. '9.0' for H100) or "
-            "'cpu'"
+            f"capability={capability!r} is not of the form MAJOR.MINOR with MAJOR from 1 to {MAX_CAPABILITY_MAJOR} "
+            "and MINOR one digit (e.g. '9.0' for H100, '8.9' for L4, '10.0' for B200) or 'cpu'"
         ) from None
     return DeviceInfo("cuda", "assumed GPU", (major, minor))

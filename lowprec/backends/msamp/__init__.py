@@ -241,13 +241,19 @@ class MSAMPBackend(Backend):
     def convert_own_entries(self, own: dict, incoming: dict) -> tuple[dict, list[str]]:
         """An amax window saved with another `amax_history_len` keeps its most recent columns (zeros beyond
         them, as a fresh window has); a scale that is not a finite positive number is refused: the GEMMs would
-        multiply by it once the warm-up is over."""
+        multiply by it once the warm-up is over. So is a window holding a negative amax, or a non-finite one past
+        the step in progress (each step's update drops those: a scale would stay frozen for the window's length),
+        and a negative step count."""
         converted, refused = {}, []
         for key, value in incoming.items():
             mine = own.get(key)
             if not isinstance(value, torch.Tensor) or not isinstance(mine, torch.Tensor):
                 continue
             name = key.rsplit(".", 1)[-1]
+            problem = _meta_problem(name, value)
+            if problem is not None:
+                refused.append(f"{key}: {problem}")
+                continue
             if name == META_PREFIX + "amax_history" and value.dim() == 2 and value.shape != mine.shape \
                     and value.shape[0] == mine.shape[0]:
                 window = torch.zeros_like(mine)
@@ -313,3 +319,14 @@ class MSAMPBackend(Backend):
         if not self.emulated and not self.context.compiled and not self.layer_compile()[0]:
             notes.append(O3_FSDP2_EAGER_NOTE if self.sharded else EAGER_LAYERS_NOTE)
         return notes
+
+
+def _meta_problem(name: str, value: torch.Tensor) -> str | None:
+    """Why a saved amax window or step count of an FP8Linear cannot be right, or None."""
+    if name == META_PREFIX + "amax_history" and value.dim() == 2 and value.is_floating_point():
+        done = value[:, 1:]  # column 0 is the step in progress: a NaN there is dropped by its update
+        if (value < 0).any() or not torch.isfinite(done).all():
+            return "an amax window holds amaxes >= 0, finite past the step in progress (column 0)"
+    if name == META_PREFIX + "steps" and value.numel() == 1 and int(value) < 0:
+        return f"the step count {int(value)} is negative"
+    return None
