@@ -255,7 +255,7 @@ class BackendSpec:
                 "one of them (optimizer_states sets the moments FusedAdam keeps with fp8_weights)"
             )
         if recipe.fp8_weights and recipe.optimizer_states is not None:
-            from ..optim.levels import FUSED_ADAM_STATE_DTYPES, SHORT_NAMES, state_pair
+            from ..optim.levels import FUSED_ADAM_STATE_DTYPES, SHORT_NAMES, fused_adam_moments_problem, state_pair
 
             unsupported = [SHORT_NAMES[d] for d in state_pair(recipe.optimizer_states)
                            if d not in FUSED_ADAM_STATE_DTYPES]
@@ -266,6 +266,8 @@ class BackendSpec:
                     f"uint8 FP8), not {' / '.join(map(repr, sorted(set(unsupported))))}; use 'fp32', 'bf16', 'fp16', "
                     "'fp8' (e4m3+fp16) or a pair of those"
                 )
+            if (problem := fused_adam_moments_problem(recipe.recipe, recipe.optimizer_states)) is not None:
+                raise ValueError(problem)  # recipe='delayed' named; unset, the adapter checks the one it picks
         if recipe.fp8_weights and (weight is not None or grad is not None):
             chosen = " and ".join(self.written(recipe, k) for k, v in (("weight_dtype", weight),
                                                                          ("weight_grad_dtype", grad)) if v is not None)

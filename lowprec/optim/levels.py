@@ -77,6 +77,20 @@ def state_pair(choice) -> tuple[torch.dtype, torch.dtype]:
     return state_dtype("exp_avg_dtype", m), state_dtype("exp_avg_sq_dtype", v)
 
 
+def fused_adam_moments_problem(recipe_name: str | None, states: str | None) -> str | None:
+    """Why TE's FusedAdam cannot keep `states` under TE's `recipe_name` with fp8_weights, or None. Both moments in
+    BF16 go to its kernels as stored, and the kernel that steps delayed-scaling FP8 weights (`multi_tensor_adam_fp8`)
+    takes FP32 moments only; any other choice is unscaled to FP32 for it."""
+    if recipe_name != "delayed" or states is None:
+        return None
+    if {FUSED_ADAM_STATE_DTYPES.get(d) for d in state_pair(states)} == {torch.bfloat16}:
+        return (f"FP8RecipeKwargs(backend='te', recipe='delayed', fp8_weights=True, optimizer_states={states!r}): "
+                "TE's FusedAdam hands BF16 moments to its kernel as stored, and its kernel for delayed-scaling FP8 "
+                "weights takes FP32 moments only; use recipe='current', or optimizer_states 'fp16', 'fp8' or a pair "
+                "that is not both 'bf16'")
+    return None
+
+
 def state_description(choice) -> str:
     """'FP8 E4M3+FP16' for O2 / 'fp8': the optimizer-state column of the precision table."""
     m, v = state_pair(choice)

@@ -926,6 +926,18 @@ def test_bf16_moments_with_delayed_fp8_weights_are_refused_naming_what_works(sta
         te_backend("delayed", fp8_weights=True, optimizer_states=states)
 
 
+def test_bf16_moments_with_delayed_fp8_weights_are_refused_where_the_recipe_is_made_or_picked():
+    # named: refused by FP8RecipeKwargs itself (it was accepted there and refused only at prepare() or `lowprec plan`)
+    with pytest.raises(ValueError, match="recipe='delayed', fp8_weights=True, optimizer_states='bf16'"):
+        FP8RecipeKwargs(backend="te", recipe="delayed", fp8_weights=True, optimizer_states="bf16")
+    # unset: the adapter picks 'delayed' for an eager model and refuses it there; a compiled one gets 'current'
+    recipe = FP8RecipeKwargs(backend="te", fp8_weights=True, optimizer_states="bf16")
+    with pytest.raises(ValueError, match="recipe='delayed', fp8_weights=True, optimizer_states='bf16'"):
+        create_backend(recipe, RunContext(device=DEVICE_FOR["delayed"]), require_package=False)
+    compiled = create_backend(recipe, RunContext(device=DEVICE_FOR["current"], compiled=True), require_package=False)
+    assert compiled.recipe_name == "current"
+
+
 class _Shard:
     """A parameter as FSDP2 leaves it, for `empty_shard_problem`: its global shape and a one-dimensional mesh."""
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ...frontend.specs import backend_spec
+from ...optim.levels import fused_adam_moments_problem
 from ...utils.imports import require
 from ...utils.modules import own_class
 from ..base import Backend, BackendUnavailableError, RunContext
@@ -27,7 +28,6 @@ from .optimizer import (
     complete_fused_adam_state,
     from_adam_form,
     fused_adam_state_dtypes,
-    moments_problem,
 )
 from .storage import TEWeightStorage
 
@@ -71,7 +71,7 @@ class TEBackend(Backend):
             problem = fp8_weights_problem(self.recipe_name, context.engine, self.recipe.reduce_amax)
             if problem is not None:
                 raise BackendUnavailableError(problem)
-            problem = moments_problem(self.recipe_name, self.optimizer_states)
+            problem = fused_adam_moments_problem(self.recipe_name, self.optimizer_states)
             if problem is not None:
                 raise ValueError(problem)
         # TE's own check reads the local GPU: only ask when planning for it and TE is there to ask

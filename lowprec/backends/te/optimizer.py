@@ -51,19 +51,6 @@ def check_fused_adam_source(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def moments_problem(recipe_name: str, states: str | None) -> str | None:
-    """Why FusedAdam cannot keep `states` under TE's `recipe_name` with fp8_weights, or None. Both moments in BF16
-    go to its kernels as stored, and the kernel that steps delayed-scaling FP8 weights (`multi_tensor_adam_fp8`)
-    takes FP32 moments only; any other choice is unscaled to FP32 for it."""
-    if recipe_name == "delayed" and states is not None and set(fused_adam_state_dtypes(states).values()) == {
-            torch.bfloat16}:
-        return (f"FP8RecipeKwargs(backend='te', recipe='delayed', fp8_weights=True, optimizer_states={states!r}): "
-                "TE's FusedAdam hands BF16 moments to its kernel as stored, and its kernel for delayed-scaling FP8 "
-                "weights takes FP32 moments only; use recipe='current', or optimizer_states 'fp16', 'fp8' or a pair "
-                "that is not both 'bf16'")
-    return None
-
-
 def complete_fused_adam_state(optimizer: torch.optim.Optimizer, loading: bool = False) -> None:
     """Give each trainable parameter of TE's FusedAdam without state the state its first step would make (its
     `initialize_state`, as `step` calls it), and each group its step count.
