@@ -848,7 +848,7 @@ def _bad_window(column: int, value: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("bad", ["inf scale", "zero scale", "nan scale", "weight shape", "nan amax", "inf amax",
-                                 "negative amax", "negative steps"])
+                                 "negative amax", "negative steps", "nan steps"])
 def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_copied(fresh_accelerate_state, bad):
     accelerator, model, _ = _fresh_prepared(dict(backend="msamp", opt_level="O2"), 0)
     inner = accelerator.unwrap_model(model)
@@ -861,7 +861,8 @@ def test_a_checkpoint_that_does_not_fit_is_refused_before_anything_is_copied(fre
     state[key] = {"inf scale": torch.tensor(float("inf")), "zero scale": torch.tensor(0.0),
                   "nan scale": torch.tensor(float("nan")), "weight shape": torch.zeros(3, 3),
                   "nan amax": _bad_window(3, float("nan")), "inf amax": _bad_window(15, float("inf")),
-                  "negative amax": _bad_window(0, -1.0), "negative steps": torch.tensor(-5)}[bad]
+                  "negative amax": _bad_window(0, -1.0), "negative steps": torch.tensor(-5),
+                  "nan steps": torch.tensor(float("nan"))}[bad]
     before = {k: v.clone() for k, v in inner.state_dict().items()}
     with pytest.raises(ValueError, match=r"does not fit the msamp model .* nothing was loaded:\n  " + re.escape(key)):
         inner.load_state_dict(state)

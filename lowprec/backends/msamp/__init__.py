@@ -19,6 +19,7 @@ The three jobs of the adapter, and the parts it brings for them (`storage_part`,
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
@@ -327,6 +328,8 @@ def _meta_problem(name: str, value: torch.Tensor) -> str | None:
         done = value[:, 1:]  # column 0 is the step in progress: a NaN there is dropped by its update
         if (value < 0).any() or not torch.isfinite(done).all():
             return "an amax window holds amaxes >= 0, finite past the step in progress (column 0)"
-    if name == META_PREFIX + "steps" and value.numel() == 1 and int(value) < 0:
-        return f"the step count {int(value)} is negative"
+    if name == META_PREFIX + "steps" and value.numel() == 1:
+        steps = float(value)
+        if not math.isfinite(steps) or steps < 0 or steps != int(steps):
+            return f"the step count {value.item()} is not a whole number >= 0"
     return None
