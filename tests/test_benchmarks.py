@@ -793,6 +793,11 @@ def test_engine_matrix_lists_each_parts_cells_and_refuses_an_unknown_part(tmp_pa
     assert {"bf16::fsdp2:::model+fused", "bf16::ddp:::model"} <= set(compiled.split())
     proc = subprocess.run(["bash", script, str(tmp_path), "zero4"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unknown part 'zero4'" in proc.stderr
+    # zero's seven cells pass one call at 300 steps: its ZeRO-1 and ZeRO-2 halves are parts of their own
+    proc = subprocess.run(["bash", script, str(tmp_path), "zero", "zero1", "zero2"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "DRY": "1"})
+    zero, zero1, zero2 = (line.split()[3:] for line in proc.stdout.splitlines())
+    assert zero1 + zero2 == zero and {c.split(":")[0] for c in zero1} == {"bf16", "torchao", "msamp@O3"}
     # 300 steps: a cell's launch needs more than 30 steps' 150 s; a CASE_TIMEOUT given is kept
     for env, limit in (({"STEPS": "300"}, "220"), ({"STEPS": "300", "CASE_TIMEOUT": "90"}, "90")):
         proc = subprocess.run(["bash", script, str(tmp_path), "ddp"], capture_output=True, text=True, timeout=60,
@@ -859,7 +864,7 @@ def test_gpu_scripts_name_a_budget_they_cannot_take(tmp_path, script, budget):
 
 
 def test_every_engine_matrix_cell_has_its_bf16_baseline_in_its_part(tmp_path):
-    parts = ["ddp", "ddp_levels", "fsdp2", "zero", "zero3", "compiled"]
+    parts = ["ddp", "ddp_levels", "fsdp2", "zero", "zero1", "zero2", "zero3", "compiled"]
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu", "engine_matrix.sh"), str(tmp_path), *parts],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "DRY": "1"})
     assert proc.returncode == 0 and len(proc.stdout.splitlines()) == len(parts), proc.stderr

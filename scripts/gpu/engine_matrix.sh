@@ -12,6 +12,8 @@
 #   ddp_levels (~300 s) bf16, torchao O1, torchao O2, te O2
 #   fsdp2      (~300 s) bf16, te current, te current with fp8_weights, torchao tensorwise, msamp O3
 #   zero       (~420 s) ZeRO-1 and ZeRO-2: bf16, torchao tensorwise, msamp O3; ZeRO-2: te current
+#   zero1, zero2        zero's ZeRO-1 and ZeRO-2 cells, each with its BF16: a part a call at 300 steps, where zero's
+#                       seven cells (90-150 s each) pass one call's 600 s
 #   zero3      (~170 s) bf16, te current, torchao tensorwise
 #   compiled   (~250 s) the model compiled block by block, fused AdamW: bf16 and torchao under FSDP2; bf16 and
 #                       msamp O2 under DDP
@@ -29,8 +31,8 @@
 # turn (each pair runs its own one after another, its own rendezvous port, its output in OUT/gpusN.log, printed at
 # the end); every cell's ratio is still against BF16 of its own part on the same pair, and BUDGET_S bounds each pair.
 set -uo pipefail
-out=${1:?usage: engine_matrix.sh OUT PART [PART ...] (ddp ddp_levels fsdp2 zero zero3 compiled)}; shift
-[ $# -gt 0 ] || { echo "name at least one part: ddp ddp_levels fsdp2 zero zero3 compiled" >&2; exit 2; }
+out=${1:?usage: engine_matrix.sh OUT PART [PART ...] (ddp ddp_levels fsdp2 zero zero1 zero2 zero3 compiled)}; shift
+[ $# -gt 0 ] || { echo "name at least one part: ddp ddp_levels fsdp2 zero zero1 zero2 zero3 compiled" >&2; exit 2; }
 cd "$(dirname "$0")/../.."
 [ -z "${BUDGET_S:-}" ] || [[ $BUDGET_S =~ ^[1-9][0-9]*$ ]] || { echo "BUDGET_S must be a whole number of seconds > 0," \
   "got '$BUDGET_S'" >&2; exit 2; }
@@ -42,10 +44,12 @@ run_part() {  # one part: its cells through multi.sh, its table, packed
     fsdp2) cells="bf16::fsdp2 te:current:fsdp2 te:current:fsdp2:::fp8w torchao:tensorwise:fsdp2 msamp@O3::fsdp2" ;;
     zero) cells="bf16::zero1 torchao:tensorwise:zero1 msamp@O3::zero1 bf16::zero2 torchao:tensorwise:zero2
                  te:current:zero2 msamp@O3::zero2" ;;
+    zero1) cells="bf16::zero1 torchao:tensorwise:zero1 msamp@O3::zero1" ;;
+    zero2) cells="bf16::zero2 torchao:tensorwise:zero2 te:current:zero2 msamp@O3::zero2" ;;
     zero3) cells="bf16::zero3 te:current:zero3 torchao:tensorwise:zero3" ;;
     compiled) cells="bf16::fsdp2:::model+fused torchao:tensorwise:fsdp2:::model+fused bf16::ddp:::model
                      msamp@O2::ddp:::model" ;;
-    *) echo "unknown part '$part' (ddp ddp_levels fsdp2 zero zero3 compiled)" >&2; return 2 ;;
+    *) echo "unknown part '$part' (ddp ddp_levels fsdp2 zero zero1 zero2 zero3 compiled)" >&2; return 2 ;;
   esac
   # 300 steps took a cell up to 152 s at bdbfff9 (msamp O1 under DDP, killed at its exit by a 150 s limit)
   case_timeout=${CASE_TIMEOUT:-$(( ${STEPS:-30} > 30 ? 220 : 150 ))}
@@ -68,8 +72,8 @@ run_part() {  # one part: its cells through multi.sh, its table, packed
 }
 start=$(date +%s)
 for part in "$@"; do  # every name first: a typo costs no device time
-  case "$part" in ddp|ddp_levels|fsdp2|zero|zero3|compiled) ;;
-    *) echo "unknown part '$part' (ddp ddp_levels fsdp2 zero zero3 compiled)" >&2; exit 2 ;; esac
+  case "$part" in ddp|ddp_levels|fsdp2|zero|zero1|zero2|zero3|compiled) ;;
+    *) echo "unknown part '$part' (ddp ddp_levels fsdp2 zero zero1 zero2 zero3 compiled)" >&2; exit 2 ;; esac
 done
 read -ra groups <<< "${GPU_GROUPS:-}"
 for g in "${groups[@]}"; do
