@@ -148,10 +148,11 @@ def test_fp8_handler_with_other_mixed_precision_is_an_error(mixed_precision):
         Accelerator(mixed_precision=mixed_precision, kwargs_handlers=[recipe()])
 
 
-@pytest.mark.parametrize("mixed_precision", [8, True, torch.float8_e4m3fn])
+@pytest.mark.parametrize("mixed_precision", [8, True, torch.float8_e4m3fn, "", " "])
 def test_a_mixed_precision_that_is_no_str_is_named(mixed_precision):
-    # an int failed on its missing .lower() (AttributeError)
-    with pytest.raises(TypeError, match=r"mixed_precision=.*: give one of 'no', 'fp16', 'bf16', 'fp8' \(a str\)"):
+    # an int failed on its missing .lower() (AttributeError); '' passed as unset where Accelerate refuses it
+    error = ValueError if isinstance(mixed_precision, str) else TypeError
+    with pytest.raises(error, match=r"mixed_precision=.*: give one of 'no', 'fp16', 'bf16', 'fp8' \(a str\)"):
         Accelerator(mixed_precision=mixed_precision, kwargs_handlers=[recipe()])
 
 

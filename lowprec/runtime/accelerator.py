@@ -71,9 +71,11 @@ class Accelerator(CheckedCheckpoints, GradientClipping, ReleasedOnFree, _Acceler
         if len(fp8_handlers) > 1:
             names = ", ".join(type(h).__name__ for h in fp8_handlers)
             raise ValueError(f"kwargs_handlers holds {len(fp8_handlers)} FP8 recipe handlers ({names}); pass one")
-        if mixed_precision is not None and not isinstance(mixed_precision, str):
-            raise TypeError(f"Accelerator(mixed_precision={mixed_precision!r}): give one of 'no', 'fp16', 'bf16', "
-                            "'fp8' (a str), or None for the launcher's setting")
+        if mixed_precision is not None and (not isinstance(mixed_precision, str) or not mixed_precision.strip()):
+            # '' too, which Accelerate refuses: with an FP8 handler it read as unset
+            raise (ValueError if isinstance(mixed_precision, str) else TypeError)(
+                f"Accelerator(mixed_precision={mixed_precision!r}): give one of 'no', 'fp16', 'bf16', 'fp8' (a str), "
+                "or None for the launcher's setting")
         requested = mixed_precision if mixed_precision is not None else os.environ.get("ACCELERATE_MIXED_PRECISION")
         requested = requested.lower() if requested else None
         recipe = None
