@@ -541,6 +541,18 @@ def test_matrix_table_says_where_each_cells_wall_time_went(tmp_path):
             in table(str(tmp_path)))
 
 
+def test_matrix_table_gives_each_phases_device_and_host_time(tmp_path):
+    # a forward whose host time reaches its device time is bound by the host: both clocks side by side
+    table = _matrix_table()
+    phases = {"host": {"forward": 36.5, "backward": 40.9}, "device": {"forward": 37.1, "backward": 57.3}}
+    (tmp_path / "msamp_O3_fsdp2.json").write_text(json.dumps({**_cell("msamp", "fsdp2", 0.1), "phase_ms": phases}))
+    (tmp_path / "bf16_fsdp2.json").write_text(json.dumps({**_cell("bf16", "fsdp2", 0.12),
+                                                          "phase_ms": {"host": {"forward": 17.3, "backward": 22.3}}}))
+    text = table(str(tmp_path))
+    assert "| msamp_O3_fsdp2 | device | 37.1 | 57.3 |\n| msamp_O3_fsdp2 | host | 36.5 | 40.9 |" in text
+    assert "| bf16_fsdp2 | host | 17.3 | 22.3 |" in text and "| bf16_fsdp2 | device |" not in text  # a CPU run
+
+
 def test_matrix_table_gives_each_seeds_held_out_loss_against_its_bf16_and_the_mean(tmp_path):
     # multi.sh's SEEDS writes s0/ and s1/: each seed's FP8 cell against BF16 of the same seed, then the mean
     table = _matrix_table()
