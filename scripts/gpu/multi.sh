@@ -136,7 +136,7 @@ for case in "$@"; do
     [ "$left" -lt "$limit" ] && limit=$left
   fi
   echo "== $case"
-  t0=$(date +%s); t0f=$(date +%s.%N)
+  t0=$(date +%s.%N)
   if [ "${NPROC:-2}" = 1 ]; then
     launch=(torchrun --nproc_per_node 1 ${MAIN_PORT:+--master_port "$MAIN_PORT"})
     [[ $engine == zero* ]] && export ACCELERATE_USE_DEEPSPEED=true || unset ACCELERATE_USE_DEEPSPEED
@@ -152,14 +152,14 @@ for case in "$@"; do
     ${states:+--optimizer-states "$states"} ${whole:+--compile-model} ${fused:+--fused-adamw} \
     ${noag:+--no-fp8-all-gather} ${aocast:+--torchao-gather-cast} ${prefetch:+--forward-prefetch "$prefetch"} \
     ${EVAL_BATCHES:+--eval-batches "$EVAL_BATCHES"} ${seed:+--seed "$seed"} --out "$out/$name.json" > "$out/$name.log" 2>&1
-  rc=$?; t1f=$(date +%s.%N); took=$(( $(date +%s) - t0 )); echo "exit $rc in $took s"
+  rc=$?; t1=$(date +%s.%N); took=$(( ${t1%.*} - ${t0%.*} )); echo "exit $rc in $took s"
   [ "$took" -gt "$longest" ] && longest=$took
   if [ -s "$out/$name.json" ]; then  # a result dict that raised leaves an empty file: keep the log then
     # the launch's wall time beside the ranks' own timeline: matrix_table.py gives what lies outside main()
     # and its start and end on the wall clock, which split that into the launcher's start and the exit
     python3 -c 'import json, sys; p = sys.argv[1]; d = json.load(open(p)); d["launch_wall_s"] = int(sys.argv[2]);
 d["launch_started_s"], d["launch_ended_s"] = round(float(sys.argv[3]), 2), round(float(sys.argv[4]), 2);
-json.dump(d, open(p, "w"), indent=1)' "$out/$name.json" "$took" "$t0f" "$t1f" || echo "could not add launch_wall_s to $name.json"
+json.dump(d, open(p, "w"), indent=1)' "$out/$name.json" "$took" "$t0" "$t1" || echo "could not add launch_wall_s to $name.json"
     grep -E '"(refused|all_forwards_in_fp8|first_loss|last_loss|median_step_s|tokens_per_s|max_param_diff_across_ranks|delayed_scaling_differs_across_ranks)"' \
       "$out/$name.json"; rm -f "$out/$name.log"  # keep logs of failures only
   else

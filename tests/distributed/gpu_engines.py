@@ -552,62 +552,61 @@ def main() -> None:
     if accelerator.is_main_process:
         tokens = preset.batch * preset.seq_len * accelerator.num_processes
         inner_optimizer = getattr(optimizer, "optimizer", optimizer)
+        result = {
+            "backend": backend, "recipe": plan.recipe if plan else None,
+            "opt_level": plan.opt_level if plan else None, "engine": args.engine, "size": args.size,
+            "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
+            "model_type": type(model).__name__,
+            "wrapped_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+            # DeepSpeed's ZeRO optimizer is no torch Optimizer and has no defaults (zero cells wrote empty JSON)
+            "optimizer_fused": bool(getattr(inner_optimizer, "defaults", {}).get("fused")),
+            "options": {k: str(v) for k, v in (plan.options if plan else {}).items()},
+            "fp8_modules": len(fp8_modules),
+            "planned_fp8_linears": sum(d.kind == "linear" for d in plan.converted) if plan else 0,
+            "fp8_forward_calls": int(trained_counts[:, 0].sum()),
+            # every FP8 Linear ran, and each of its forwards in FP8
+            "all_forwards_in_fp8": bool(len(fp8_modules)) and bool((trained_counts[:, 0] > 0).all())
+            and bool((trained_counts[:, 1] == trained_counts[:, 0]).all()),
+            "heldout_loss": heldout_loss, "eval_batches": args.eval_batches, "seed": args.seed,
+            "training": DESCRIPTION,
+            "first_loss": losses[0], "last_loss": sum(losses[-5:]) / 5, "median_step_s": per_step,
+            "tokens_per_s": tokens / per_step if per_step else None,
+            # the steps after msamp's warm-up and the recompile at its end (gpu_profile.STEADY_FROM); None in a
+            # run too short to have 5 of them: use STEPS >= 26
+            "steady_median_step_s": steady, "steady_from_step": STEADY_FROM,
+            "instrumented_steps": sorted(instrumented),
+            "peak_memory_gib_per_rank": peaks.tolist(),
+            # from step STEADY_FROM on: without a compile's own allocations at the warm-up's end (None if the run
+            # is shorter)
+            "steady_peak_memory_gib_per_rank": steady_peaks.tolist() if warm_peak is not None else None,
+            "after_prepare_gib_rank0": after_prepare,
+            "model_state_bytes_per_param": state_bytes,
+            "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
+            "losses": losses, "learning_rates": rates,
+            "step_times_s": times,
+            # seconds: before_main from the process's start, the rest from main()'s (accelerator, built, prepared,
+            # trained, evaluated): with step_times_s, where a cell's wall time goes
+            "timeline_s": timeline, "phase_ms": median_phases([p for i, p in phases if i >= 5]),
+            "steady_phase_ms": median_phases([p for i, p in phases if i >= STEADY_FROM]),
+            "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
+            "grad_comm_how": plan.tensor("grad_comm").scaling if plan else None,
+            "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled,
+            "compiled_model": args.compile_model, "fp8_weights": args.fp8_weights,
+            # the FSDP2 groups chained for forward prefetch, in the first forward's order (None: not asked)
+            "forward_prefetch": {"depth": prefetch.depth, "order": prefetch.order} if prefetch else None,
+            "weight_row": plan.tensor("weight").dtype if plan else None,
+            "activation_dtype": args.activation_dtype,
+            "optimizer_states_row": plan.tensor("optimizer_states").dtype if plan else None,
+            "saved_activations": plan.activations.lines() if plan and plan.activations else None,
+            "host_syncs_in_a_step": syncs, **kernels, **evidence,
+        }
         with open(args.out, "w") as fh:
-            json.dump({
-                "backend": backend, "recipe": plan.recipe if plan else None,
-                "opt_level": plan.opt_level if plan else None, "engine": args.engine, "size": args.size,
-                "world_size": accelerator.num_processes, "distributed_type": str(accelerator.distributed_type),
-                "model_type": type(model).__name__,
-                "wrapped_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
-                # DeepSpeed's ZeRO optimizer is no torch Optimizer and has no defaults (zero cells wrote empty JSON)
-                "optimizer_fused": bool(getattr(inner_optimizer, "defaults", {}).get("fused")),
-                "options": {k: str(v) for k, v in (plan.options if plan else {}).items()},
-                "fp8_modules": len(fp8_modules),
-                "planned_fp8_linears": sum(d.kind == "linear" for d in plan.converted) if plan else 0,
-                "fp8_forward_calls": int(trained_counts[:, 0].sum()),
-                # every FP8 Linear ran, and each of its forwards in FP8
-                "all_forwards_in_fp8": bool(len(fp8_modules)) and bool((trained_counts[:, 0] > 0).all())
-                and bool((trained_counts[:, 1] == trained_counts[:, 0]).all()),
-                "heldout_loss": heldout_loss, "eval_batches": args.eval_batches, "seed": args.seed,
-                "training": DESCRIPTION,
-                "first_loss": losses[0], "last_loss": sum(losses[-5:]) / 5, "median_step_s": per_step,
-                "tokens_per_s": tokens / per_step if per_step else None,
-                # the steps after msamp's warm-up and the recompile at its end (gpu_profile.STEADY_FROM); None in a
-                # run too short to have 5 of them: use STEPS >= 26
-                "steady_median_step_s": steady, "steady_from_step": STEADY_FROM,
-                "instrumented_steps": sorted(instrumented),
-                "peak_memory_gib_per_rank": peaks.tolist(),
-                # from step STEADY_FROM on: without a compile's own allocations at the warm-up's end (None if the run
-                # is shorter)
-                "steady_peak_memory_gib_per_rank": steady_peaks.tolist() if warm_peak is not None else None,
-                "after_prepare_gib_rank0": after_prepare,
-                "model_state_bytes_per_param": state_bytes,
-                "planned_bytes_per_param": plan.model_state_bytes_per_param if plan else None,
-                "losses": losses, "learning_rates": rates,
-                "step_times_s": times,
-                # seconds: before_main from the process's start, the rest from main()'s (accelerator, built, prepared,
-                # trained, evaluated): with step_times_s, where a cell's wall time goes
-                "timeline_s": timeline, "phase_ms": median_phases([p for i, p in phases if i >= 5]),
-                "steady_phase_ms": median_phases([p for i, p in phases if i >= STEADY_FROM]),
-                "grad_comm": plan.tensor("grad_comm").dtype if plan else None,
-                "grad_comm_how": plan.tensor("grad_comm").scaling if plan else None,
-                "notes": plan.notes if plan else [], "compiled_fp8_layers": compiled,
-                "compiled_model": args.compile_model, "fp8_weights": args.fp8_weights,
-                # the FSDP2 groups chained for forward prefetch, in the first forward's order (None: not asked)
-                "forward_prefetch": {"depth": prefetch.depth, "order": prefetch.order} if prefetch else None,
-                "weight_row": plan.tensor("weight").dtype if plan else None,
-                "activation_dtype": args.activation_dtype,
-                "optimizer_states_row": plan.tensor("optimizer_states").dtype if plan else None,
-                "saved_activations": plan.activations.lines() if plan and plan.activations else None,
-                "host_syncs_in_a_step": syncs, **kernels, **evidence,
-            }, fh, indent=1)
+            json.dump(result, fh, indent=1)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     mark("ended")
-    if accelerator.is_main_process:  # the timeline with its end, written once the process group is gone
-        with open(args.out) as fh:
-            result = json.load(fh)
-        result["timeline_s"], result["main_started_s"] = timeline, round(main_started, 2)
+    if accelerator.is_main_process:  # again, with the timeline's end (result holds it): the process group is gone
+        result["main_started_s"] = round(main_started, 2)
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
 
